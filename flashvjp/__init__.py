@@ -1,0 +1,21 @@
+"""flashvjp: exact, memory-efficient, differentiable attention for JAX."""
+from flashvjp._api import explain
+from flashvjp._api import flash_attention
+from flashvjp._api import memory_efficient_attention
+from flashvjp._api import pallas_flash_attention
+from flashvjp._dispatch import Decision
+from flashvjp._dropout import dropout_mask
+from flashvjp._score_mod import ScoreMod
+from flashvjp._score_mod import alibi
+from flashvjp._score_mod import alibi_slopes
+from flashvjp._score_mod import relative_position_bias
+from flashvjp._score_mod import softcap
+from flashvjp._config import BlockSizes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockSizes", "Decision", "ScoreMod", "alibi", "alibi_slopes", "dropout_mask", "explain",
+    "flash_attention", "memory_efficient_attention", "pallas_flash_attention",
+    "relative_position_bias", "softcap",
+]

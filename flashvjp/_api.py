@@ -1,0 +1,283 @@
+"""flash_attention and friends: validate, normalise, dispatch.
+
+Room: public API. Everything a user can get wrong is checked here, before any
+kernel is traced, and reported with the argument's name, what was expected and
+what was given. Kernels never import this module.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashvjp import _dispatch
+from flashvjp import _dropout
+from flashvjp import _score_mod
+from flashvjp import _vjp
+from flashvjp import reference
+from flashvjp._config import AttentionConfig, BlockSizes, default_block_sizes
+
+_FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+
+
+def _is_array(x):
+  return isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "__jax_array__")
+
+
+def _check_qkv(query, key, value):
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if not _is_array(x):
+      raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}")
+    if x.ndim != 4:
+      raise ValueError(f"{name} must have rank 4 [batch, heads, seq, head_dim], got shape {x.shape}")
+    if not any(x.dtype == d for d in _FLOATS):
+      raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
+  if not (query.dtype == key.dtype == value.dtype):
+    raise TypeError("query, key and value must have the same dtype, got "
+                    f"query {query.dtype}, key {key.dtype}, value {value.dtype}")
+  B, H, _, D = query.shape
+  if key.shape[0] != B or value.shape[0] != B:
+    raise ValueError(f"batch mismatch: query has batch {B}, key {key.shape[0]}, value {value.shape[0]}")
+  if key.shape[3] != D:
+    raise ValueError(f"head_dim mismatch: query has head_dim {D}, key has {key.shape[3]}")
+  if key.shape[1] != value.shape[1]:
+    raise ValueError(f"num_kv_heads mismatch: key has {key.shape[1]} heads, value has {value.shape[1]}")
+  if key.shape[2] != value.shape[2]:
+    raise ValueError(f"seq mismatch: key has seq_kv {key.shape[2]}, value has {value.shape[2]}")
+  if key.shape[1] == 0 or H % key.shape[1] != 0:
+    raise ValueError(f"num_heads of query ({H}) must be a multiple of num_kv_heads of key ({key.shape[1]})")
+  if min(query.shape) == 0 or min(key.shape) == 0 or min(value.shape) == 0:
+    raise ValueError(f"query, key and value must be non-empty, got shapes {query.shape}, {key.shape}, {value.shape}")
+
+
+def _pair_rank4(name, x, target, want_bool):
+  """Normalise a bias/mask to rank 4 with each dim 1 or full."""
+  if not _is_array(x):
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+  if want_bool and x.dtype != jnp.bool_:
+    raise TypeError(f"{name} must be a bool array (True = may attend), got dtype {x.dtype}")
+  if not want_bool and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{name} must be a float array, got dtype {x.dtype}")
+  if x.ndim > 4:
+    raise ValueError(f"{name} must broadcast to [batch, num_heads, seq_q, seq_kv] = {target}, got shape {x.shape}")
+  shape = (1,) * (4 - x.ndim) + tuple(x.shape)
+  for got, want in zip(shape, target):
+    if got not in (1, want):
+      raise ValueError(f"{name} of shape {x.shape} does not broadcast to [batch, num_heads, seq_q, seq_kv] = {target}")
+  return jnp.reshape(x, shape)
+
+
+def _check_segments(segment_ids, B, Sq, Skv):
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError(f"segment_ids as a pair must be (q_ids, kv_ids), got {len(segment_ids)} items")
+    q_ids, kv_ids = segment_ids
+  else:
+    if Sq != Skv:
+      raise ValueError("segment_ids must be a pair (q_ids [batch, seq_q], kv_ids [batch, seq_kv])"
+                       f" when seq_q ({Sq}) != seq_kv ({Skv})")
+    q_ids = kv_ids = segment_ids
+  for name, ids, S in (("segment_ids (q)", q_ids, Sq), ("segment_ids (kv)", kv_ids, Skv)):
+    if not _is_array(ids):
+      raise TypeError(f"{name} must be an int array, got {type(ids).__name__}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
+    if tuple(ids.shape) != (B, S):
+      raise ValueError(f"{name} must have shape [batch, seq] = {(B, S)}, got {ids.shape}")
+  return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+
+
+def _check_window(window):
+  if window is None:
+    return None
+  if not isinstance(window, (tuple, list)) or len(window) != 2:
+    raise ValueError(f"window must be a pair (left, right) of ints or None, got {window!r}")
+  out = []
+  for side, w in zip(("left", "right"), window):
+    if w is None:
+      out.append(None)
+      continue
+    if not isinstance(w, numbers.Integral) or isinstance(w, bool):
+      raise TypeError(f"window {side} must be an int or None, got {w!r}")
+    if w < 0:
+      raise ValueError(f"window {side} must be >= 0, got {w}")
+    out.append(int(w))
+  return tuple(out)
+
+
+def _check_block(name, b):
+  if b is None:
+    return None
+  if not isinstance(b, numbers.Integral) or isinstance(b, bool):
+    raise TypeError(f"{name} must be a positive int, got {b!r}")
+  if b <= 0:
+    raise ValueError(f"{name} must be a positive int, got {b}")
+  return int(b)
+
+
+def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, score_mod, scale,
+             dropout_rate, dropout_rng, deterministic, implementation, block_q, block_kv,
+             interpret):
+  """Validate everything; return (decision, cfg, arrays) without tracing any kernel."""
+  _check_qkv(query, key, value)
+  B, H, Sq, D = query.shape
+  Skv = key.shape[2]
+  target = (B, H, Sq, Skv)
+  if implementation is not None and implementation not in _dispatch.IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be None or one of {_dispatch.IMPLEMENTATIONS}, got {implementation!r}")
+  if not isinstance(causal, (bool, np.bool_)):
+    raise TypeError(f"causal must be a bool, got {causal!r}")
+  window = _check_window(window)
+  block_q = _check_block("block_q", block_q)
+  block_kv = _check_block("block_kv", block_kv)
+  if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, numbers.Real):
+    raise TypeError(f"dropout_rate must be a float in [0, 1), got {dropout_rate!r}")
+  if not 0.0 <= float(dropout_rate) < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+  dropout_active = float(dropout_rate) > 0.0 and not deterministic
+  if dropout_active and dropout_rng is None:
+    raise ValueError("dropout_rng is required when dropout is active"
+                     f" (dropout_rate={dropout_rate}, deterministic=False), got None")
+  if scale is None:
+    scale = 1.0 / math.sqrt(D)
+  elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+    raise TypeError(f"scale must be a float, got {scale!r}")
+  bias = None if bias is None else _pair_rank4("bias", bias, target, want_bool=False)
+  mask = None if mask is None else _pair_rank4("mask", mask, target, want_bool=True)
+  q_seg = kv_seg = None
+  if segment_ids is not None:
+    q_seg, kv_seg = _check_segments(segment_ids, B, Sq, Skv)
+  acc = jnp.promote_types(query.dtype, jnp.float32)
+  sm_fn, consts, n_diff = None, (), 0
+  if score_mod is not None:
+    if not callable(score_mod):
+      raise TypeError(f"score_mod must be callable (scores, b, h, q_idx, kv_idx) -> scores, got {type(score_mod).__name__}")
+    _check_score_mod_shape(score_mod, target, acc)
+    sm_fn, consts, n_diff = _score_mod.convert(score_mod, acc)
+
+  decision = _dispatch.decide(
+      implementation, interpret=interpret, query_shape=query.shape, key_shape=key.shape,
+      value_shape=value.shape, dtype=query.dtype, has_score_mod=score_mod is not None,
+      has_dropout=dropout_active)
+  defaults = default_block_sizes(decision.implementation, _dispatch.platform())
+  blocks = BlockSizes(block_q or defaults.block_q, block_kv or defaults.block_kv)
+  cfg = AttentionConfig(
+      scale=float(scale), causal=bool(causal), window=window, seq_q=Sq, seq_kv=Skv,
+      dropout_rate=float(dropout_rate) if dropout_active else 0.0, blocks=blocks,
+      score_mod=sm_fn, num_diff_consts=n_diff, interpret=decision.interpret,
+      implementation=decision.implementation)
+  seed = _dropout.seed_from_key(dropout_rng) if dropout_active else None
+  arrays = (jnp.asarray(query), jnp.asarray(key), jnp.asarray(value), bias, mask, q_seg, kv_seg,
+            seed, consts)
+  return decision, cfg, arrays
+
+
+def _check_score_mod_shape(score_mod, target, acc):
+  B, H, Sq, Skv = target
+  s = jax.ShapeDtypeStruct(target, acc)
+  i32 = jnp.int32
+  idx = (jax.ShapeDtypeStruct((B, 1, 1, 1), i32), jax.ShapeDtypeStruct((1, H, 1, 1), i32),
+         jax.ShapeDtypeStruct((1, 1, Sq, 1), i32), jax.ShapeDtypeStruct((1, 1, 1, Skv), i32))
+  out = jax.eval_shape(score_mod, s, *idx)
+  if getattr(out, "shape", None) != target:
+    raise ValueError(f"score_mod must return scores of the same shape {target}, got "
+                     f"{getattr(out, 'shape', type(out).__name__)}")
+
+
+def flash_attention(
+    query, key, value, *, bias=None, mask=None, causal: bool = False,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None, segment_ids=None,
+    score_mod=None, scale: Optional[float] = None, dropout_rate: float = 0.0,
+    dropout_rng=None, deterministic: bool = True, return_lse: bool = False,
+    implementation: Optional[str] = None, block_q: Optional[int] = None,
+    block_kv: Optional[int] = None, interpret: Optional[bool] = None):
+  """Exact, memory-efficient, differentiable attention.
+
+  Semantics, in order: ``s = scale * q @ k^T``; ``s += bias``;
+  ``s = score_mod(s, b, h, q_idx, kv_idx)``; positions not allowed by mask, causal,
+  window or segment_ids are removed; ``p = softmax(s)`` over kv; dropout on ``p``;
+  ``out = p @ v``. A query row with no allowed position gives 0 output, -inf lse and
+  zero gradients.
+
+  Args:
+    query: [batch, num_heads, seq_q, head_dim].
+    key: [batch, num_kv_heads, seq_kv, head_dim]; num_heads % num_kv_heads == 0 (GQA/MQA).
+    value: [batch, num_kv_heads, seq_kv, head_dim_v].
+    bias: float, broadcastable to [batch, num_heads, seq_q, seq_kv]; differentiable.
+    mask: bool, broadcastable to [batch, num_heads, seq_q, seq_kv]; True = may attend.
+    causal: kv_pos <= q_pos (top-left aligned).
+    window: (left, right): q_pos - left <= kv_pos <= q_pos + right; None side = unbounded.
+    segment_ids: int [batch, seq] (seq_q == seq_kv) or (q_ids [batch, seq_q], kv_ids [batch, seq_kv]).
+    score_mod: (scores, b, h, q_idx, kv_idx) -> scores, elementwise; arrays it closes over
+      get gradients.
+    scale: default 1 / sqrt(head_dim).
+    dropout_rate: dropout probability on p; active only when deterministic=False.
+    dropout_rng: PRNG key; required when dropout is active.
+    deterministic: True disables dropout.
+    return_lse: also return lse float32 [batch, num_heads, seq_q] (differentiable).
+    implementation: None (choose), "pallas", "blockwise" or "naive". See `explain`.
+    block_q, block_kv: block sizes (None: tuned defaults); any positive size works.
+    interpret: Pallas interpret mode; None means exactly when the platform is CPU.
+
+  Returns:
+    out [batch, num_heads, seq_q, head_dim_v] in query's dtype, or (out, lse).
+  """
+  decision, cfg, arrays = _prepare(
+      query, key, value, bias=bias, mask=mask, causal=causal, window=window,
+      segment_ids=segment_ids, score_mod=score_mod, scale=scale, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng, deterministic=deterministic, implementation=implementation,
+      block_q=block_q, block_kv=block_kv, interpret=interpret)
+  _dispatch.log(decision)
+  q, k, v, bias, mask, q_seg, kv_seg, seed, consts = arrays
+  if cfg.implementation == "naive":
+    out, lse = reference.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
+  else:
+    n = cfg.num_diff_consts
+    out, lse = _vjp.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
+                              tuple(consts[:n]), tuple(consts[n:]))
+  return (out, lse) if return_lse else out
+
+
+def explain(query, key, value, **kwargs) -> _dispatch.Decision:
+  """Which implementation `flash_attention(query, key, value, **kwargs)` would run, and why.
+
+  Takes the same arguments (arrays or jax.ShapeDtypeStruct for query/key/value are
+  fine for shapes-only questions); runs no kernel.
+  """
+  kwargs.pop("return_lse", None)
+  params = dict(bias=None, mask=None, causal=False, window=None, segment_ids=None,
+                score_mod=None, scale=None, dropout_rate=0.0, dropout_rng=None,
+                deterministic=True, implementation=None, block_q=None, block_kv=None,
+                interpret=None)
+  unknown = set(kwargs) - set(params)
+  if unknown:
+    raise TypeError(f"explain() got unexpected arguments {sorted(unknown)}")
+  params.update(kwargs)
+  decision, _, _ = _prepare(query, key, value, **params)
+  return decision
+
+
+def pallas_flash_attention(query, key, value, *, mask=None, score_mod=None, dropout_rng=None,
+                           dropout_rate=0.0, deterministic=True, block_q=128, block_kv=128,
+                           force_fallback=False):
+  """Seed-compatible name: the Pallas kernels (blockwise with force_fallback=True).
+
+  Layout [batch, heads, seq, head_dim], any seq lengths, differentiable.
+  """
+  return flash_attention(
+      query, key, value, mask=mask, score_mod=score_mod, dropout_rng=dropout_rng,
+      dropout_rate=dropout_rate, deterministic=deterministic, block_q=block_q,
+      block_kv=block_kv, implementation="blockwise" if force_fallback else "pallas")
+
+
+def memory_efficient_attention(query, key, value, *, mask=None, score_mod=None, dropout_rng=None,
+                               dropout_rate=0.0, deterministic=True, block_size=512):
+  """Seed-compatible name: the blockwise pure-JAX path with square blocks of `block_size`."""
+  return flash_attention(
+      query, key, value, mask=mask, score_mod=score_mod, dropout_rng=dropout_rng,
+      dropout_rate=dropout_rate, deterministic=deterministic, block_q=block_size,
+      block_kv=block_size, implementation="blockwise")

@@ -1,0 +1,84 @@
+"""Block sizes and the static configuration shared by every implementation.
+
+Room: configuration. Imports nothing from the API; kernels read it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Block sizes of the forward and the two backward passes.
+
+  Any positive size works: sequence lengths are padded internally and the
+  padding is masked. ``None`` for a backward size means "same as forward".
+  """
+
+  block_q: int = 128
+  block_kv: int = 128
+  block_q_dkv: Optional[int] = None
+  block_kv_dkv: Optional[int] = None
+  block_q_dq: Optional[int] = None
+  block_kv_dq: Optional[int] = None
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if v is None and f.name not in ("block_q", "block_kv"):
+        continue
+      if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"{f.name} must be a positive int, got {v!r}")
+
+  @property
+  def dkv(self) -> Tuple[int, int]:
+    return (self.block_q_dkv or self.block_q, self.block_kv_dkv or self.block_kv)
+
+  @property
+  def dq(self) -> Tuple[int, int]:
+    return (self.block_q_dq or self.block_q, self.block_kv_dq or self.block_kv)
+
+
+# Tuned defaults. Blockwise on CPU: big blocks amortise loop overhead; 512x512
+# float32 score tiles (1 MiB per head) keep fwd+bwd temp memory linear and small.
+BLOCKWISE_DEFAULT = BlockSizes(block_q=512, block_kv=512)
+PALLAS_GPU_DEFAULT = BlockSizes(block_q=128, block_kv=64)
+PALLAS_INTERPRET_DEFAULT = BlockSizes(block_q=64, block_kv=64)
+
+
+def default_block_sizes(implementation: str, platform: str) -> BlockSizes:
+  if implementation == "pallas":
+    return PALLAS_GPU_DEFAULT if platform == "gpu" else PALLAS_INTERPRET_DEFAULT
+  return BLOCKWISE_DEFAULT
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Everything static about one attention call (hashable: a custom_vjp nondiff arg).
+
+  Array inputs travel separately, normalised by the API:
+    q [B, H, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv];
+    bias: None or rank 4, each dim 1 or full ([B, H, Sq, Skv]);
+    mask: None or bool rank 4, each dim 1 or full;
+    q_segment_ids [B, Sq] int32 / kv_segment_ids [B, Skv] int32, or None;
+    dropout_seed: uint32 [2] or None;
+    score_mod_consts: tuple of arrays closed over by score_mod (inexact first).
+  """
+
+  scale: float
+  causal: bool
+  window: Optional[Tuple[Optional[int], Optional[int]]]
+  seq_q: int
+  seq_kv: int
+  dropout_rate: float
+  blocks: BlockSizes
+  # score_mod, closure converted and traced on scalars: (s, b, h, q_idx, kv_idx, *consts) -> s.
+  score_mod: Optional[Callable] = None
+  num_diff_consts: int = 0  # the first num_diff_consts score_mod consts are differentiable
+  interpret: bool = False
+  implementation: str = "blockwise"
+
+  @property
+  def dropout_active(self) -> bool:
+    return self.dropout_rate > 0.0

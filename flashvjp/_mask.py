@@ -1,0 +1,166 @@
+"""The one mask model: causal, window, segment ids, dense mask, padding.
+
+Room: mask model. Every implementation (naive, blockwise, pallas, ring) asks
+this module which (q, kv) positions may attend, and which blocks can be skipped.
+
+Alignment (top-left, as jax.nn and PyTorch)::
+
+    causal, seq_q=4, seq_kv=6        window=(1, 1)
+        kv 0 1 2 3 4 5                 kv 0 1 2 3 4 5
+    q 0    x . . . . .             q 0    x x . . . .
+    q 1    x x . . . .             q 1    x x x . . .
+    q 2    x x x . . .             q 2    . x x x . .
+    q 3    x x x x . .             q 3    . . x x x .
+
+A position is allowed when every given condition allows it:
+  causal:      kv_pos <= q_pos
+  window:      q_pos - left <= kv_pos <= q_pos + right (a None side is unbounded)
+  segment_ids: q_segment_ids[b, q_pos] == kv_segment_ids[b, kv_pos]
+  mask:        mask[b, h, q_pos, kv_pos] (broadcast)
+  padding:     q_pos < seq_q and kv_pos < seq_kv (internal padding never attends)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+  """The static part of the mask model."""
+
+  causal: bool = False
+  window: Optional[Tuple[Optional[int], Optional[int]]] = None
+  seq_q: int = 0
+  seq_kv: int = 0
+
+  @property
+  def left(self) -> Optional[int]:
+    return None if self.window is None else self.window[0]
+
+  @property
+  def right(self) -> Optional[int]:
+    if self.causal:
+      r = 0 if self.window is None or self.window[1] is None else min(0, self.window[1])
+      return r
+    return None if self.window is None else self.window[1]
+
+  # ---- element predicate -------------------------------------------------
+  def allowed(self, q_idx, kv_idx, *, q_seg=None, kv_seg=None, dense=None):
+    """Bool array: may q_idx attend kv_idx? Arguments broadcast against each other.
+
+    q_idx, kv_idx: global int positions. q_seg / kv_seg: segment ids at those
+    positions (already broadcast-shaped). dense: the dense mask block.
+    """
+    ok = (q_idx < self.seq_q) & (kv_idx < self.seq_kv)
+    if self.right is not None:
+      ok = ok & (kv_idx <= q_idx + self.right)
+    if self.left is not None:
+      ok = ok & (kv_idx >= q_idx - self.left)
+    if q_seg is not None:
+      ok = ok & (q_seg == kv_seg)
+    if dense is not None:
+      ok = ok & dense
+    return ok
+
+  # ---- static block bounds ---------------------------------------------
+  def kv_range(self, q_start, q_end):
+    """[lo, hi) of kv positions any query in [q_start, q_end) may attend (ints or traced)."""
+    lo = 0
+    hi = self.seq_kv
+    if self.right is not None:
+      hi = jnp.minimum(hi, jnp.maximum(q_end - 1 + self.right + 1, 0))
+    if self.left is not None:
+      lo = jnp.maximum(0, q_start - self.left)
+    return lo, hi
+
+  def q_range(self, kv_start, kv_end):
+    """[lo, hi) of q positions that may attend some kv in [kv_start, kv_end)."""
+    lo = 0
+    hi = self.seq_q
+    if self.right is not None:  # kv <= q + right  ->  q >= kv - right
+      lo = jnp.maximum(0, kv_start - self.right)
+    if self.left is not None:  # kv >= q - left  ->  q <= kv + left
+      hi = jnp.minimum(hi, jnp.maximum(kv_end - 1 + self.left + 1, 0))
+    return lo, hi
+
+  def kv_block_range(self, q_block, block_q, block_kv, num_kv_blocks):
+    """[lo, hi) of kv block indices that q block `q_block` must visit."""
+    lo, hi = self.kv_range(q_block * block_q, (q_block + 1) * block_q)
+    lo_b = jnp.asarray(lo, jnp.int32) // block_kv
+    hi_b = (jnp.asarray(hi, jnp.int32) + block_kv - 1) // block_kv
+    hi_b = jnp.clip(hi_b, 0, num_kv_blocks)
+    return jnp.minimum(lo_b, hi_b), hi_b
+
+  def q_block_range(self, kv_block, block_q, block_kv, num_q_blocks):
+    """[lo, hi) of q block indices that visit kv block `kv_block`."""
+    lo, hi = self.q_range(kv_block * block_kv, (kv_block + 1) * block_kv)
+    lo_b = jnp.asarray(lo, jnp.int32) // block_q
+    hi_b = (jnp.asarray(hi, jnp.int32) + block_q - 1) // block_q
+    hi_b = jnp.clip(hi_b, 0, num_q_blocks)
+    return jnp.minimum(lo_b, hi_b), hi_b
+
+  def visited_fraction(self, block_q, block_kv) -> float:
+    """Fraction of (q block, kv block) pairs inside the static bounds (for FLOP counts)."""
+    nq = -(-self.seq_q // block_q)
+    nk = -(-self.seq_kv // block_kv)
+    total = 0
+    for i in range(nq):
+      lo, hi = self.kv_block_range(i, block_q, block_kv, nk)
+      total += max(int(hi) - int(lo), 0)
+    return total / max(nq * nk, 1)
+
+  def dense(self, q_seg=None, kv_seg=None, mask=None):
+    """The full allowed array, broadcast to rank 4 (reference and tests only)."""
+    q_idx = jnp.arange(self.seq_q, dtype=jnp.int32)[:, None]
+    kv_idx = jnp.arange(self.seq_kv, dtype=jnp.int32)[None, :]
+    qs = None if q_seg is None else q_seg[:, None, :, None]
+    ks = None if kv_seg is None else kv_seg[:, None, None, :]
+    return self.allowed(q_idx, kv_idx, q_seg=qs, kv_seg=ks, dense=mask)
+
+
+def block_any_table(q_seg, kv_seg, mask, block_q, block_kv, num_q_blocks, num_kv_blocks):
+  """Per block pair: may any position in it attend? Padded inputs; None where undecidable.
+
+  Returns a bool array [B', H', nq, nk] (B', H' are 1 or full) that is False only
+  where the segment ids or the dense mask leave the whole block empty, or None
+  when neither is given. Segment ids decide by range overlap (conservative).
+  """
+  table = None
+  if q_seg is not None:
+    B = q_seg.shape[0]
+    qb = q_seg.reshape(B, num_q_blocks, block_q)
+    kb = kv_seg.reshape(B, num_kv_blocks, block_kv)
+    qmin, qmax = qb.min(-1), qb.max(-1)
+    kmin, kmax = kb.min(-1), kb.max(-1)
+    seg = (qmin[:, :, None] <= kmax[:, None, :]) & (kmin[:, None, :] <= qmax[:, :, None])
+    table = seg[:, None]  # [B, 1, nq, nk]
+  if mask is not None:
+    Bm, Hm, Sq, Sk = mask.shape
+    nq = num_q_blocks if Sq != 1 else 1
+    nk = num_kv_blocks if Sk != 1 else 1
+    bq = block_q if Sq != 1 else 1
+    bk = block_kv if Sk != 1 else 1
+    m = mask.reshape(Bm, Hm, nq, bq, nk, bk).any(axis=(3, 5))
+    m = jnp.broadcast_to(m, (Bm, Hm, num_q_blocks, num_kv_blocks))
+    table = m if table is None else (table & m)
+  return table
+
+
+def pad_axis(x, axis, size, mode="constant", keep_broadcast=True):
+  """Pad `x` along `axis` up to `size`; a broadcast (size-1) axis stays as it is."""
+  if x is None or x.shape[axis] == size or (keep_broadcast and x.shape[axis] == 1):
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  if mode == "edge":
+    return jnp.pad(x, widths, mode="edge")
+  return jnp.pad(x, widths)
+
+
+def num_blocks(n: int, block: int) -> int:
+  return -(-n // block)
+

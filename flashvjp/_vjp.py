@@ -1,0 +1,51 @@
+"""The one jax.custom_vjp, wired once for every backend.
+
+Room: differentiation. Residuals are the inputs plus (out, lse); the backward is
+the backend's hand-written one. Only the "naive" reference bypasses this and is
+differentiated by autodiff.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from flashvjp._config import AttentionConfig
+
+
+def _backend(name: str):
+  if name == "blockwise":
+    from flashvjp import blockwise
+    return blockwise
+  if name == "pallas":
+    from flashvjp import pallas
+    return pallas
+  raise ValueError(f"no custom_vjp backend named {name!r}")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attention(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed,
+              diff_consts, fixed_consts):
+  """(out [B, H, Sq, Dv], lse [B, H, Sq]) with a hand-written backward."""
+  return _backend(cfg.implementation).forward(
+      cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, tuple(diff_consts) + tuple(fixed_consts))
+
+
+def _fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts):
+  out, lse = attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts)
+  res = (q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, out, lse)
+  return (out, lse), res
+
+
+def _bwd(cfg, res, cts):
+  q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, out, lse = res
+  dout, dlse = cts
+  dq, dk, dv, dbias, dconsts = _backend(cfg.implementation).backward(
+      cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
+      tuple(diff_consts) + tuple(fixed_consts), out, lse, dout, dlse)
+  none = lambda xs: None if xs is None else jax.tree_util.tree_map(lambda _: None, xs)
+  return (dq, dk, dv, dbias, none(mask), none(q_seg), none(kv_seg), none(seed),
+          tuple(dconsts), tuple(None for _ in fixed_consts))
+
+
+attention.defvjp(_fwd, _bwd)

@@ -1,0 +1,4 @@
+"""Pure-JAX blockwise attention: O(seq) memory forward and hand-written backward."""
+from flashvjp.blockwise._impl import backward, forward
+
+__all__ = ["forward", "backward"]

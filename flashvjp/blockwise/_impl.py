@@ -1,0 +1,284 @@
+"""Blockwise attention in pure JAX (FlashAttention-2's algorithm, expressed with lax loops).
+
+Room: blockwise backend. Reads the mask model, score_mod, dropout and config;
+never the API. Forward: online softmax over the kv blocks each q block may see.
+Backward (hand-written, one pass): for each kv block, loop over the q blocks that
+see it, recompute probabilities from the saved logsumexp, accumulate dK/dV for the
+block and add dQ into a carried O(seq) accumulator. GQA works on
+[batch, kv_heads, group, ...] views, so K/V are never repeated per query head.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flashvjp import _dropout
+from flashvjp import _mask
+from flashvjp import _score_mod
+from flashvjp._config import AttentionConfig
+
+
+class _Layout:
+  """Shapes, padding and tile access shared by the forward and the backward."""
+
+  def __init__(self, cfg: AttentionConfig, q, k, v, block_q, block_kv):
+    self.cfg = cfg
+    self.B, self.H, self.Sq, self.D = q.shape
+    self.Hkv, self.Skv, self.Dv = k.shape[1], k.shape[2], v.shape[3]
+    self.G = self.H // self.Hkv
+    self.bq = min(block_q, self.Sq)
+    self.bk = min(block_kv, self.Skv)
+    self.nq = _mask.num_blocks(self.Sq, self.bq)
+    self.nk = _mask.num_blocks(self.Skv, self.bk)
+    self.Sqp, self.Skvp = self.nq * self.bq, self.nk * self.bk
+    self.acc = jnp.promote_types(q.dtype, jnp.float32)
+    self.spec = _mask.MaskSpec(cfg.causal, cfg.window, cfg.seq_q, cfg.seq_kv)
+
+  # ---- input preparation ---------------------------------------------------
+  def q5(self, x):
+    """[B, H, Sq, ...] -> padded [B, Hkv, G, Sqp, ...]."""
+    x = _mask.pad_axis(x, 2, self.Sqp, keep_broadcast=False)
+    return x.reshape((self.B, self.Hkv, self.G) + x.shape[2:])
+
+  def kv(self, x):
+    return _mask.pad_axis(x, 2, self.Skvp, keep_broadcast=False)
+
+  def pad_pair(self, x):
+    """A rank-4 bias/mask (dims 1 or full), padded along its full seq dims."""
+    if x is None:
+      return None
+    return _mask.pad_axis(_mask.pad_axis(x, 2, self.Sqp), 3, self.Skvp)
+
+  def pair5(self, x):
+    """Padded rank-4 bias/mask -> rank 5 [B', Hkv', G', Sq', Skv'] (1 where broadcast)."""
+    if x is None:
+      return None
+    if x.shape[1] == 1:
+      return x[:, :, None]
+    return x.reshape(x.shape[0], self.Hkv, self.G, x.shape[2], x.shape[3])
+
+  def segs(self, q_seg, kv_seg):
+    if q_seg is None:
+      return None, None
+    return (_mask.pad_axis(q_seg, 1, self.Sqp, "edge", keep_broadcast=False),
+            _mask.pad_axis(kv_seg, 1, self.Skvp, "edge", keep_broadcast=False))
+
+  def block_table(self, q_seg, kv_seg, mask):
+    """bool [nq, nk]: False where a block pair is empty for every batch and head."""
+    table = _mask.block_any_table(q_seg, kv_seg, mask, self.bq, self.bk, self.nq, self.nk)
+    return None if table is None else table.any(axis=(0, 1))
+
+  # ---- tile access -----------------------------------------------------------
+  def pair_tile(self, x5, i, j):
+    if x5 is None:
+      return None
+    if x5.shape[3] != 1:
+      x5 = lax.dynamic_slice_in_dim(x5, i * self.bq, self.bq, axis=3)
+    if x5.shape[4] != 1:
+      x5 = lax.dynamic_slice_in_dim(x5, j * self.bk, self.bk, axis=4)
+    return x5
+
+  def indices(self, i, j):
+    """Global (b, h, q, kv) index tiles, broadcastable to [B, Hkv, G, bq, bk]."""
+    b = jnp.arange(self.B, dtype=jnp.int32).reshape(self.B, 1, 1, 1, 1)
+    h = jnp.arange(self.H, dtype=jnp.int32).reshape(1, self.Hkv, self.G, 1, 1)
+    qi = (i * self.bq + jnp.arange(self.bq, dtype=jnp.int32)).reshape(1, 1, 1, self.bq, 1)
+    ki = (j * self.bk + jnp.arange(self.bk, dtype=jnp.int32)).reshape(1, 1, 1, 1, self.bk)
+    return b, h, qi, ki
+
+  def needs_mask(self, has_seg, has_mask):
+    return (self.spec.causal or self.spec.window is not None or has_seg or has_mask
+            or self.Sqp != self.Sq or self.Skvp != self.Skv)
+
+  def allowed(self, i, j, q_seg, kv_seg, mask5):
+    _, _, qi, ki = self.indices(i, j)
+    qs = ks = None
+    if q_seg is not None:
+      qs = lax.dynamic_slice_in_dim(q_seg, i * self.bq, self.bq, 1)[:, None, None, :, None]
+      ks = lax.dynamic_slice_in_dim(kv_seg, j * self.bk, self.bk, 1)[:, None, None, None, :]
+    return self.spec.allowed(qi, ki, q_seg=qs, kv_seg=ks, dense=self.pair_tile(mask5, i, j))
+
+  def scores(self, q_blk, k_blk, bias5, i, j):
+    """scale * q k^T (+ bias) as [B, Hkv, G, bq, bk] in the accumulation dtype."""
+    s = jnp.einsum("bhqd,bhkd->bhqk", q_blk, k_blk, preferred_element_type=self.acc)
+    s = s.reshape(self.B, self.Hkv, self.G, self.bq, self.bk) * jnp.asarray(self.cfg.scale, self.acc)
+    if bias5 is not None:
+      s = s + self.pair_tile(bias5, i, j).astype(self.acc)
+    return s
+
+  def keep_scale(self, seed, i, j):
+    """Dropout multiplier tile: 1/(1-rate) where kept, 0 where dropped."""
+    b, h, qi, ki = self.indices(i, j)
+    keep = _dropout.keep(seed[0], seed[1], b, h, qi, ki, self.cfg.dropout_rate)
+    return jnp.where(keep, jnp.asarray(1.0 / (1.0 - self.cfg.dropout_rate), self.acc), 0.0)
+
+  def q_tile(self, x5, i):
+    """[B, Hkv, G, Sqp, X] -> [B, Hkv, G*bq, X] tile of q block i in the accumulation dtype."""
+    t = lax.dynamic_slice_in_dim(x5, i * self.bq, self.bq, axis=3)
+    return t.reshape(self.B, self.Hkv, self.G * self.bq, x5.shape[-1]).astype(self.acc)
+
+  def kv_tile(self, x, j):
+    return lax.dynamic_slice_in_dim(x, j * self.bk, self.bk, axis=2).astype(self.acc)
+
+
+def _maybe_skip(table, i, j, compute, carry):
+  """Run `compute(carry)` unless the block table says block (i, j) is empty."""
+  if table is None:
+    return compute(carry)
+  return lax.cond(table[i, j], compute, lambda c: c, carry)
+
+
+def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts):
+  """Returns (out [B, H, Sq, Dv] q.dtype, lse [B, H, Sq] float32 (or wider))."""
+  L = _Layout(cfg, q, k, v, cfg.blocks.block_q, cfg.blocks.block_kv)
+  q5 = L.q5(q)
+  kp, vp = L.kv(k), L.kv(v)
+  mask_p = L.pad_pair(mask)
+  bias5, mask5 = L.pair5(L.pad_pair(bias)), L.pair5(mask_p)
+  q_seg, kv_seg = L.segs(q_seg, kv_seg)
+  table = L.block_table(q_seg, kv_seg, mask_p)
+  masked = L.needs_mask(q_seg is not None, mask is not None)
+  acc = L.acc
+  shape_r = (L.B, L.Hkv, L.G, L.bq)
+
+  def q_block(i):
+    q_blk = L.q_tile(q5, i)
+    lo, hi = L.spec.kv_block_range(i, L.bq, L.bk, L.nk)
+
+    def body(j, carry):
+      def compute(carry):
+        m, l, o = carry
+        s = L.scores(q_blk, L.kv_tile(kp, j), bias5, i, j)
+        if cfg.score_mod is not None:
+          s = _score_mod.apply(cfg.score_mod, consts, s, *L.indices(i, j))
+        if masked:
+          s = jnp.where(L.allowed(i, j, q_seg, kv_seg, mask5), s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
+        l = alpha * l + p.sum(axis=-1)
+        if cfg.dropout_active:
+          p = p * L.keep_scale(seed, i, j)
+        pv = jnp.einsum("bhqk,bhkd->bhqd", p.reshape(L.B, L.Hkv, L.G * L.bq, L.bk),
+                        L.kv_tile(vp, j), preferred_element_type=acc)
+        o = alpha[..., None] * o + pv.reshape(shape_r + (L.Dv,))
+        return m_new, l, o
+      return _maybe_skip(table, i, j, compute, carry)
+
+    init = (jnp.full(shape_r, -jnp.inf, acc), jnp.zeros(shape_r, acc),
+            jnp.zeros(shape_r + (L.Dv,), acc))
+    m, l, o = lax.fori_loop(lo, hi, body, init)
+    empty = l == 0.0
+    o = o / jnp.where(empty, 1.0, l)[..., None]
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+    return o.astype(q.dtype), lse
+
+  o_blocks, lse_blocks = lax.map(q_block, jnp.arange(L.nq, dtype=jnp.int32))
+  # [nq, B, Hkv, G, bq, Dv] -> [B, H, Sq, Dv]
+  out = jnp.moveaxis(o_blocks, 0, 3).reshape(L.B, L.H, L.Sqp, L.Dv)[:, :, : L.Sq]
+  lse = jnp.moveaxis(lse_blocks, 0, 3).reshape(L.B, L.H, L.Sqp)[:, :, : L.Sq]
+  return out, lse
+
+
+def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
+             out, lse, dout, dlse):
+  """Hand-written backward. Returns (dq, dk, dv, dbias or None, dconsts (differentiable ones))."""
+  bq, bk = cfg.blocks.dkv
+  L = _Layout(cfg, q, k, v, bq, bk)
+  acc = L.acc
+  q5, do5 = L.q5(q), L.q5(dout)
+  kp, vp = L.kv(k), L.kv(v)
+  bias_p, mask_p = L.pad_pair(bias), L.pad_pair(mask)
+  bias5, mask5 = L.pair5(bias_p), L.pair5(mask_p)
+  q_seg, kv_seg = L.segs(q_seg, kv_seg)
+  table = L.block_table(q_seg, kv_seg, mask_p)
+  masked = L.needs_mask(q_seg is not None, mask is not None)
+  n_diff = cfg.num_diff_consts
+  diff_consts, fixed_consts = tuple(consts[:n_diff]), tuple(consts[n_diff:])
+
+  # delta = rowsum(dO * O) - dlse; rows that are empty (lse = -inf) or padding get
+  # lse = +inf so that exp(s - lse) = 0 there: zero, finite gradients.
+  delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)
+  if dlse is not None:
+    delta = delta - dlse.astype(acc)
+  lse_b = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(acc))
+  lse5 = L.q5(jnp.pad(lse_b, ((0, 0), (0, 0), (0, L.Sqp - L.Sq)), constant_values=jnp.inf))
+  delta5 = L.q5(delta)
+  r5 = (L.B, L.Hkv, L.G, L.bq)
+
+  def row_tile(x5, i):
+    return lax.dynamic_slice_in_dim(x5, i * L.bq, L.bq, axis=3)
+
+  def kv_block(carry, j):
+    dq, dbias, dconsts = carry
+    k_blk, v_blk = L.kv_tile(kp, j), L.kv_tile(vp, j)
+    lo, hi = L.spec.q_block_range(j, L.bq, L.bk, L.nq)
+
+    def body(i, inner):
+      def compute(inner):
+        dk_j, dv_j, dq, dbias, dconsts = inner
+        q_blk, do_blk = L.q_tile(q5, i), L.q_tile(do5, i)
+        s = L.scores(q_blk, k_blk, bias5, i, j)
+        if cfg.score_mod is not None:
+          idx = L.indices(i, j)
+          s, sm_vjp = jax.vjp(
+              lambda s_, c_: _score_mod.apply(cfg.score_mod, c_ + fixed_consts, s_, *idx),
+              s, diff_consts)
+        if masked:
+          s = jnp.where(L.allowed(i, j, q_seg, kv_seg, mask5), s, -jnp.inf)
+        p = jnp.exp(s - row_tile(lse5, i)[..., None])
+        dp = jnp.einsum("bhqd,bhkd->bhqk", do_blk, v_blk, preferred_element_type=acc)
+        dp = dp.reshape(p.shape)
+        pd = p
+        if cfg.dropout_active:
+          ks = L.keep_scale(seed, i, j)
+          pd, dp = p * ks, dp * ks
+        dv_j = dv_j + jnp.einsum("bhqk,bhqd->bhkd", pd.reshape(L.B, L.Hkv, L.G * L.bq, L.bk),
+                                 do_blk, preferred_element_type=acc)
+        ds = p * (dp - row_tile(delta5, i)[..., None])
+        if cfg.score_mod is not None:
+          ds, dc = sm_vjp(ds)
+          dconsts = tuple(a + b.astype(a.dtype) for a, b in zip(dconsts, dc))
+        if dbias is not None:
+          dbias = _add_bias_tile(L, dbias, ds, i, j)
+        ds4 = ds.reshape(L.B, L.Hkv, L.G * L.bq, L.bk) * jnp.asarray(cfg.scale, acc)
+        dk_j = dk_j + jnp.einsum("bhqk,bhqd->bhkd", ds4, q_blk, preferred_element_type=acc)
+        dq_blk = jnp.einsum("bhqk,bhkd->bhqd", ds4, k_blk, preferred_element_type=acc)
+        dq_blk = dq_blk.reshape(r5 + (L.D,))
+        dq = lax.dynamic_update_slice_in_dim(dq, row_tile(dq, i) + dq_blk, i * L.bq, axis=3)
+        return dk_j, dv_j, dq, dbias, dconsts
+      return _maybe_skip(table, i, j, compute, inner)
+
+    init = (jnp.zeros((L.B, L.Hkv, L.bk, L.D), acc), jnp.zeros((L.B, L.Hkv, L.bk, L.Dv), acc),
+            dq, dbias, dconsts)
+    dk_j, dv_j, dq, dbias, dconsts = lax.fori_loop(lo, hi, body, init)
+    return (dq, dbias, dconsts), (dk_j, dv_j)
+
+  dq0 = jnp.zeros((L.B, L.Hkv, L.G, L.Sqp, L.D), acc)
+  dbias0 = None if bias is None else jnp.zeros(bias5.shape, acc)
+  dconsts0 = tuple(jnp.zeros(jnp.shape(c), jnp.promote_types(jnp.result_type(c), acc))
+                   for c in diff_consts)
+  (dq, dbias, dconsts), (dk_blocks, dv_blocks) = lax.scan(
+      kv_block, (dq0, dbias0, dconsts0), jnp.arange(L.nk, dtype=jnp.int32))
+  dq = dq.reshape(L.B, L.H, L.Sqp, L.D)[:, :, : L.Sq].astype(q.dtype)
+  dk = jnp.moveaxis(dk_blocks, 0, 2).reshape(L.B, L.Hkv, L.Skvp, L.D)[:, :, : L.Skv]
+  dv = jnp.moveaxis(dv_blocks, 0, 2).reshape(L.B, L.Hkv, L.Skvp, L.Dv)[:, :, : L.Skv]
+  if dbias is not None:
+    dbias = dbias.reshape(bias_p.shape)[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
+  dconsts = tuple(d.astype(jnp.result_type(c)) for d, c in zip(dconsts, diff_consts))
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype), dbias, dconsts
+
+
+def _add_bias_tile(L: _Layout, dbias5, ds, i, j):
+  """Add ds [B, Hkv, G, bq, bk], reduced to the bias' broadcast dims, into dbias5."""
+  axes = tuple(a for a in range(5) if dbias5.shape[a] == 1 and ds.shape[a] != 1)
+  red = ds.sum(axis=axes, keepdims=True) if axes else ds
+  starts = [0, 0, 0, 0, 0]
+  if dbias5.shape[3] != 1:
+    starts[3] = i * L.bq
+  if dbias5.shape[4] != 1:
+    starts[4] = j * L.bk
+  cur = lax.dynamic_slice(dbias5, starts, red.shape)
+  return lax.dynamic_update_slice(dbias5, cur + red.astype(dbias5.dtype), starts)

@@ -1,0 +1,1 @@
+"""Pallas forward and backward kernels (in progress)."""
