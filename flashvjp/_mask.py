@@ -115,8 +115,8 @@ class MaskSpec:
 
   def dense(self, q_seg=None, kv_seg=None, mask=None):
     """The full allowed array, broadcast to rank 4 (reference and tests only)."""
-    q_idx = jnp.arange(self.seq_q, dtype=jnp.int32)[:, None]
-    kv_idx = jnp.arange(self.seq_kv, dtype=jnp.int32)[None, :]
+    q_idx = jnp.arange(self.seq_q, dtype=jnp.int32)[None, None, :, None]
+    kv_idx = jnp.arange(self.seq_kv, dtype=jnp.int32)[None, None, None, :]
     qs = None if q_seg is None else q_seg[:, None, :, None]
     ks = None if kv_seg is None else kv_seg[:, None, None, :]
     return self.allowed(q_idx, kv_idx, q_seg=qs, kv_seg=ks, dense=mask)

@@ -1,0 +1,65 @@
+"""Shared test helpers: tolerances (stated once), input factories, comparison against naive.
+
+Tolerances are relative to the largest magnitude of the float64 reference tensor
+(attention gradients have many entries near zero, where elementwise relative error
+means nothing). NaN never passes.
+"""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flashvjp
+
+# The one tolerance table: max |got - ref| <= TOL * max |ref| (and elementwise rtol TOL).
+TOL = {
+    jnp.dtype(jnp.float64): 1e-10,
+    jnp.dtype(jnp.float32): 1e-5,
+    jnp.dtype(jnp.float16): 2e-3,
+    jnp.dtype(jnp.bfloat16): 1e-2,
+}
+
+
+def assert_close(got, ref, dtype, what=""):
+  """Every leaf of `got` matches the float64 `ref` within TOL[dtype] of its scale; no NaN."""
+  tol = TOL[jnp.dtype(dtype)]
+  got_l, ref_l = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)
+  assert len(got_l) == len(ref_l), what
+  for n, (g, r) in enumerate(zip(got_l, ref_l)):
+    g = np.asarray(jnp.asarray(g, jnp.float64))
+    r = np.asarray(jnp.asarray(r, jnp.float64))
+    assert g.shape == r.shape, f"{what} leaf {n}: shape {g.shape} != {r.shape}"
+    assert not np.isnan(g).any(), f"{what} leaf {n}: NaN in result"
+    finite = np.isfinite(r)
+    np.testing.assert_array_equal(np.isfinite(g), finite, err_msg=f"{what} leaf {n}: inf pattern")
+    np.testing.assert_array_equal(g[~finite], r[~finite], err_msg=f"{what} leaf {n}: inf values")
+    scale = float(np.abs(r[finite]).max()) if finite.any() else 0.0
+    chex.assert_trees_all_close(g[finite], r[finite], rtol=tol, atol=tol * max(scale, 1e-30),
+                                custom_message=f"{what} leaf {n} (scale {scale:.3g})")
+
+
+def max_rel_err(got, ref) -> float:
+  """max |got - ref| / max |ref| over finite entries (for tables and notes)."""
+  g = np.asarray(jnp.asarray(got, jnp.float64))
+  r = np.asarray(jnp.asarray(ref, jnp.float64))
+  f = np.isfinite(r)
+  if not f.any():
+    return 0.0
+  return float(np.abs(g[f] - r[f]).max() / max(np.abs(r[f]).max(), 1e-30))
+
+
+def random_qkv(seed, B, H, Hkv, Sq, Skv, D, Dv=None, dtype=jnp.float32):
+  """float64 draws rounded to `dtype` (so the reference sees exactly the same values)."""
+  Dv = D if Dv is None else Dv
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(kq, (B, H, Sq, D), jnp.float64).astype(dtype)
+  k = jax.random.normal(kk, (B, Hkv, Skv, D), jnp.float64).astype(dtype)
+  v = jax.random.normal(kv, (B, Hkv, Skv, Dv), jnp.float64).astype(dtype)
+  return q, k, v
+
+
+def as64(x):
+  return jax.tree_util.tree_map(
+      lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, x)

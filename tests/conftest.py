@@ -1,0 +1,15 @@
+"""Test configuration: float64 references, strict promotion, one tolerance table.
+
+Set before jax initialises: the CPU fusion flag makes compiled memory analysis
+report the buffers of fused dots (otherwise naive attention reads as 0 bytes).
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "")
+if "xla_cpu_experimental_ynn_fusion_type" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_cpu_experimental_ynn_fusion_type=individual_dot"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+jax.config.update("jax_numpy_rank_promotion", "raise")
