@@ -275,10 +275,11 @@ def _add_bias_tile(L: _Layout, dbias5, ds, i, j):
   """Add ds [B, Hkv, G, bq, bk], reduced to the bias' broadcast dims, into dbias5."""
   axes = tuple(a for a in range(5) if dbias5.shape[a] == 1 and ds.shape[a] != 1)
   red = ds.sum(axis=axes, keepdims=True) if axes else ds
-  starts = [0, 0, 0, 0, 0]
+  zero = jnp.zeros((), jnp.int32)
+  starts = [zero] * 5
   if dbias5.shape[3] != 1:
-    starts[3] = i * L.bq
+    starts[3] = jnp.asarray(i * L.bq, jnp.int32)
   if dbias5.shape[4] != 1:
-    starts[4] = j * L.bk
+    starts[4] = jnp.asarray(j * L.bk, jnp.int32)
   cur = lax.dynamic_slice(dbias5, starts, red.shape)
   return lax.dynamic_update_slice(dbias5, cur + red.astype(dbias5.dtype), starts)

@@ -1,0 +1,175 @@
+"""The shared test base: every implementation against autodiff of naive attention in float64.
+
+Subclass `AttentionTests` per implementation (tests/test_blockwise.py,
+tests/test_pallas.py) and set IMPLEMENTATION / EXTRA_KWARGS. Each feature and
+combination is one case; forward, lse and gradients of (q, k, v, bias, score_mod
+arrays) are compared with tests/_util.TOL for the input dtype.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashvjp
+from tests import _util
+
+# Shapes that exercise padding (seq not a multiple of the blocks), several blocks,
+# GQA (4 query heads on 2 kv heads) and head_dim_v != head_dim.
+B, H, HKV, SQ, SKV, D, DV = 2, 4, 2, 37, 45, 16, 8
+BLOCK_Q, BLOCK_KV = 16, 16
+
+
+def _segments(seq, cuts, batch=B):
+  ids = np.zeros((batch, seq), np.int32)
+  for b in range(batch):
+    for c in cuts[b % len(cuts)]:
+      ids[b, c:] += 1
+  return jnp.asarray(ids)
+
+
+def _empty_row_mask():
+  m = np.random.default_rng(0).random((B, 1, SQ, SKV)) > 0.5
+  m[:, :, 3] = False  # row 3 attends nothing
+  m[1, :, 10:14] = False
+  return jnp.asarray(m)
+
+
+# name -> (shape overrides, kwargs factory taking dtype). Arrays returned under the
+# key "diff" are differentiated too (bias, score_mod tables).
+def _cases():
+  rel_table = lambda dt: 0.1 * jax.random.normal(jax.random.key(7), (H, 2 * 6 + 1), jnp.float64).astype(dt)
+  slopes = lambda dt: flashvjp.alibi_slopes(H).astype(dt)
+  c = {
+      "plain": ({}, lambda dt: {}),
+      "causal": ({}, lambda dt: dict(causal=True)),
+      "causal_square": (dict(Skv=SQ), lambda dt: dict(causal=True)),
+      "window": ({}, lambda dt: dict(window=(5, 3))),
+      "window_left_only": ({}, lambda dt: dict(window=(4, None))),
+      "causal_window": ({}, lambda dt: dict(causal=True, window=(6, None))),
+      "segments": (dict(Skv=SQ), lambda dt: dict(segment_ids=_segments(SQ, [[5, 20], [12]]))),
+      "segment_pair": ({}, lambda dt: dict(segment_ids=(_segments(SQ, [[10, 30]]), _segments(SKV, [[8, 40]])))),
+      "mask_dense": ({}, lambda dt: dict(mask=_empty_row_mask())),
+      "mask_2d": ({}, lambda dt: dict(mask=jnp.asarray(np.random.default_rng(1).random((SQ, SKV)) > 0.3))),
+      "mask_per_head_kv": ({}, lambda dt: dict(mask=jnp.asarray(np.random.default_rng(2).random((1, H, 1, SKV)) > 0.3))),
+      "bias_full": ({}, lambda dt: dict(diff=dict(bias=jax.random.normal(jax.random.key(3), (B, H, SQ, SKV), jnp.float64).astype(dt)))),
+      "bias_head_kv": ({}, lambda dt: dict(diff=dict(bias=jax.random.normal(jax.random.key(4), (1, H, 1, SKV), jnp.float64).astype(dt)))),
+      "bias_2d": ({}, lambda dt: dict(diff=dict(bias=jax.random.normal(jax.random.key(5), (SQ, SKV), jnp.float64).astype(dt)))),
+      "softcap": ({}, lambda dt: dict(score_mod=flashvjp.softcap(2.0))),
+      "alibi": ({}, lambda dt: dict(causal=True, diff=dict(score_mod=(flashvjp.alibi, slopes(dt))))),
+      "relative_bias": ({}, lambda dt: dict(diff=dict(score_mod=(functools.partial(flashvjp.relative_position_bias, max_distance=6), rel_table(dt))))),
+      "mqa": (dict(Hkv=1), lambda dt: dict(causal=True)),
+      "mha_same_dv": (dict(Hkv=H, Dv=D), lambda dt: {}),
+      "dropout": ({}, lambda dt: dict(dropout_rate=0.3, dropout_rng=jax.random.key(11), deterministic=False)),
+      "scale": ({}, lambda dt: dict(scale=0.37, causal=True)),
+      "combo": (dict(Skv=SQ), lambda dt: dict(
+          causal=True, segment_ids=_segments(SQ, [[9], [20]]), mask=_empty_row_mask()[:, :, :, :SQ],
+          dropout_rate=0.2, dropout_rng=jax.random.key(5), deterministic=False,
+          diff=dict(bias=jax.random.normal(jax.random.key(6), (1, H, SQ, SQ), jnp.float64).astype(dt),
+                    score_mod=(flashvjp.alibi, slopes(dt))))),
+  }
+  return c
+
+
+CASES = _cases()
+
+
+def run_case(impl, name, dtype, *, return_lse=True, block_q=BLOCK_Q, block_kv=BLOCK_KV, extra=None,
+             seed=0):
+  """(value, grads) of a weighted loss of (out, lse) for implementation `impl`."""
+  shape, make = CASES[name]
+  dims = dict(B=B, H=H, Hkv=HKV, Sq=SQ, Skv=SKV, D=D, Dv=DV)
+  dims.update(shape)
+  q, k, v = _util.random_qkv(seed, dims["B"], dims["H"], dims["Hkv"], dims["Sq"], dims["Skv"],
+                             dims["D"], dims["Dv"], dtype)
+  kw = make(dtype)
+  diff = kw.pop("diff", {})
+  if impl == "naive":
+    q, k, v = _util.as64((q, k, v))
+    diff = {n: ((x[0], x[1].astype(jnp.float64)) if isinstance(x, tuple) else x.astype(jnp.float64))
+            for n, x in diff.items()}
+  kw.update(extra or {})
+  if impl != "naive":
+    kw.update(block_q=block_q, block_kv=block_kv)
+  kr = jax.random.split(jax.random.key(seed + 100), 2)
+  w_out = jax.random.normal(kr[0], (dims["B"], dims["H"], dims["Sq"], dims["Dv"]), jnp.float64)
+  w_lse = jax.random.normal(kr[1], (dims["B"], dims["H"], dims["Sq"]), jnp.float64)
+
+  def loss(q, k, v, d):
+    args = dict(kw)
+    if "bias" in d:
+      args["bias"] = d["bias"]
+    if "score_mod" in d:
+      args["score_mod"] = diff["score_mod"][0](d["score_mod"])
+    res = flashvjp.flash_attention(q, k, v, implementation=impl, return_lse=return_lse, **args)
+    out, lse = res if return_lse else (res, None)
+    total = jnp.sum(out.astype(jnp.float64) * w_out)
+    if lse is not None:
+      lse64 = lse.astype(jnp.float64)
+      total = total + jnp.sum(jnp.where(jnp.isfinite(lse64), lse64, 0.0) * w_lse)
+    return total, res
+
+  d = {n: (x[1] if isinstance(x, tuple) else x) for n, x in diff.items()}
+  (val, res), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, d)
+  return res, grads
+
+
+class AttentionTests:
+  """Shared checks; subclasses set IMPLEMENTATION and may set EXTRA_KWARGS / DTYPE_CASES."""
+
+  IMPLEMENTATION = "blockwise"
+  EXTRA_KWARGS: dict = {}
+  # Cases run in low precision (each dtype on a few features keeps the suite fast).
+  LOW_PRECISION_CASES = ("causal", "mask_dense", "bias_head_kv", "alibi")
+
+  def check(self, name, dtype, **kw):
+    got = run_case(self.IMPLEMENTATION, name, dtype, extra=self.EXTRA_KWARGS, **kw)
+    ref = run_case("naive", name, dtype, **kw)
+    _util.assert_close(got, ref, dtype, what=f"{self.IMPLEMENTATION}/{name}/{jnp.dtype(dtype).name}")
+
+  @pytest.mark.parametrize("name", sorted(CASES))
+  def test_feature_float32(self, name):
+    self.check(name, jnp.float32)
+
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  @pytest.mark.parametrize("name", LOW_PRECISION_CASES)
+  def test_feature_low_precision(self, name, dtype):
+    self.check(name, dtype)
+
+  def test_without_lse(self):
+    self.check("causal", jnp.float32, return_lse=False)
+
+  @pytest.mark.parametrize("blocks", [(1, 7), (64, 5), (13, 128)])
+  def test_any_block_size(self, blocks):
+    self.check("causal_window", jnp.float32, block_q=blocks[0], block_kv=blocks[1])
+
+  def test_empty_rows_zero_output_and_gradients(self):
+    q, k, v = _util.random_qkv(1, 1, 2, 1, 8, 8, 4)
+    mask = jnp.ones((1, 1, 8, 8), bool).at[:, :, 2].set(False)
+
+    def f(q, k, v):
+      out, lse = flashvjp.flash_attention(q, k, v, mask=mask, return_lse=True,
+                                          implementation=self.IMPLEMENTATION, block_q=4, block_kv=4,
+                                          **self.EXTRA_KWARGS)
+      return jnp.sum(out**2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
+
+    (_, (out, lse)), g = jax.value_and_grad(f, (0, 1, 2), has_aux=True)(q, k, v)
+    np.testing.assert_array_equal(np.asarray(out[:, :, 2]), 0.0)
+    assert np.all(np.asarray(lse[:, :, 2]) == -np.inf)
+    assert np.isfinite(np.asarray(lse[:, :, [0, 1, 3]])).all()
+    for x in g:
+      assert np.isfinite(np.asarray(x)).all()
+    np.testing.assert_array_equal(np.asarray(g[0][:, :, 2]), 0.0)
+
+  def test_numerical_gradients_float64(self):
+    """Finite differences on a tiny float64 problem (no oracle involved)."""
+    q, k, v = _util.random_qkv(2, 1, 2, 1, 5, 6, 3, 2, jnp.float64)
+    bias = 0.3 * jax.random.normal(jax.random.key(0), (1, 2, 5, 6), jnp.float64)
+    mask = jnp.asarray(np.random.default_rng(3).random((5, 6)) > 0.2)
+    f = lambda q, k, v, bias: flashvjp.flash_attention(
+        q, k, v, bias=bias, mask=mask, causal=True, window=(3, None), implementation=self.IMPLEMENTATION,
+        block_q=2, block_kv=4, **self.EXTRA_KWARGS)
+    jax.test_util.check_grads(f, (q, k, v, bias), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
