@@ -1,0 +1,647 @@
+"""Benchmark measurements: compiled memory, timing as ratios, FLOP counts, matmul rate.
+
+Room: benchmarking. Reads the public API (`flashvjp.flash_attention`, `explain`) and
+jax.nn; no kernel imports this module. Used by `benchmarks/bench_cpu.py` and by
+`python -m flashvjp bench` (`add_bench_parser` / `run_bench`).
+
+Conventions, stated once:
+
+* Memory is what XLA reserves for one compiled call,
+  ``jax.jit(f).lower(*args).compile().memory_analysis()``: ``temp`` (scratch, the
+  number that shows O(seq) vs O(seq^2)), ``argument`` and ``output`` sizes. It is read
+  from the compiled executable, so it is available even where running would not fit.
+  On CPU the XLA flag ``--xla_cpu_experimental_ynn_fusion_type=individual_dot`` must be
+  in ``XLA_FLAGS`` before the backend starts, otherwise fused dots hide their buffers;
+  `ensure_cpu_memory_flag` adds it (importing this module calls it).
+* Time is the median of several calls of the compiled function with
+  ``block_until_ready``, after one warm-up call. Implementations of one shape are timed
+  round-robin, and reported as a ratio to ``jax.nn.dot_product_attention(
+  implementation="xla")`` timed in the same round-robin, because the machines are shared.
+* Attention FLOPs (the FlashAttention benchmark convention): forward
+  ``4 * B * H * Sq * Skv * D`` (two matmuls), halved when causal (the ideal count, not
+  what a block-sparse kernel executes on the diagonal); backward ``2.5x`` forward (five
+  matmuls, including the recomputation of ``q @ k^T``), so forward+backward is ``3.5x``.
+  The same count is used for every implementation, so FLOP/s compares times.
+* Matmul rate: median FLOP/s of ``jnp.dot`` on square matrices in the benchmark dtype,
+  measured in the same process; attention FLOP/s is reported as a fraction of it.
+"""
+from __future__ import annotations
+
+import os
+
+XLA_CPU_MEMORY_FLAG = "--xla_cpu_experimental_ynn_fusion_type=individual_dot"
+
+
+def ensure_cpu_memory_flag() -> bool:
+  """Add the CPU flag that makes memory analysis see fused dots; True if it was added.
+
+  XLA reads XLA_FLAGS when the backend starts, so this works until the first jax
+  computation runs (importing jax is fine). Scripts call it before importing jax.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_cpu_experimental_ynn_fusion_type" in flags:
+    return False
+  os.environ["XLA_FLAGS"] = (flags + " " + XLA_CPU_MEMORY_FLAG).strip()
+  return True
+
+
+_FLAG_ADDED_AT_IMPORT = ensure_cpu_memory_flag()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import platform as _platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from typing import Callable, Dict, List, Optional, Sequence  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import flashvjp  # noqa: E402
+
+
+def _check_flag_took_effect():
+  from jax._src import xla_bridge  # private: the only way to ask whether the backend started
+  started = getattr(xla_bridge, "backends_are_initialized", lambda: False)()
+  if _FLAG_ADDED_AT_IMPORT and started:
+    warnings.warn(
+        "flashvjp._bench set XLA_FLAGS after the jax backend had started: on CPU, compiled"
+        f" memory of fused dots may read too low. Set XLA_FLAGS='{XLA_CPU_MEMORY_FLAG}'"
+        " before the first jax computation.", RuntimeWarning, stacklevel=3)
+
+
+_check_flag_took_effect()
+
+IMPLEMENTATIONS = ("naive", "blockwise", "pallas", "jax.nn")
+BASELINE = "jax.nn"  # jax.nn.dot_product_attention(implementation="xla")
+MODES = ("fwd", "fwd+bwd")
+BWD_FACTOR = 2.5  # backward FLOPs / forward FLOPs
+MiB = 2 ** 20
+GiB = 2 ** 30
+
+
+# ---- FLOPs -------------------------------------------------------------------------------
+
+def attention_flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, *,
+                    causal: bool, mode: str = "fwd", head_dim_v: Optional[int] = None) -> float:
+  """Attention FLOPs by the FlashAttention convention (see the module docstring).
+
+  Forward: 2 * B * H * Sq * Skv * (D + Dv) (= 4 * B * H * Sq * Skv * D when Dv = D),
+  x0.5 when causal; "fwd+bwd" is 3.5x that (backward = 2.5x forward).
+  """
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  dv = head_dim if head_dim_v is None else head_dim_v
+  fwd = 2.0 * batch * heads * seq_q * seq_kv * (head_dim + dv)
+  if causal:
+    fwd *= 0.5
+  return fwd if mode == "fwd" else fwd * (1.0 + BWD_FACTOR)
+
+
+# ---- functions under test ----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """One benchmark shape. flashvjp layout [batch, heads, seq, head_dim]."""
+
+  batch: int
+  heads: int
+  seq: int
+  head_dim: int
+  dtype: str = "float32"
+  causal: bool = False
+
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+
+def attention_fn(impl: str, causal: bool, block_q: Optional[int] = None,
+                 block_kv: Optional[int] = None) -> Callable:
+  """(q, k, v) -> out for `impl`; "jax.nn" takes and returns [batch, seq, heads, dim]."""
+  if impl == BASELINE:
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                        implementation="xla")
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {impl!r}")
+  blocks = {} if impl == "naive" else dict(block_q=block_q, block_kv=block_kv)
+  return lambda q, k, v: flashvjp.flash_attention(q, k, v, causal=causal,
+                                                  implementation=impl, **blocks)
+
+
+def benchmark_fn(impl: str, causal: bool, mode: str, **blocks) -> Callable:
+  """The function timed: "fwd" (q, k, v) -> out; "fwd+bwd" (q, k, v, do) -> (dq, dk, dv)."""
+  attn = attention_fn(impl, causal, **blocks)
+  if mode == "fwd":
+    return attn
+  if mode != "fwd+bwd":
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+  def fwd_bwd(q, k, v, do):
+    _, vjp = jax.vjp(attn, q, k, v)
+    return vjp(do)
+
+  return fwd_bwd
+
+
+def input_specs(impl: str, shape: Shape, mode: str) -> tuple:
+  """ShapeDtypeStructs of the arguments of benchmark_fn(impl, ..., mode)."""
+  if impl == BASELINE:
+    dims = (shape.batch, shape.seq, shape.heads, shape.head_dim)
+  else:
+    dims = (shape.batch, shape.heads, shape.seq, shape.head_dim)
+  spec = jax.ShapeDtypeStruct(dims, shape.jnp_dtype)
+  return (spec,) * (3 if mode == "fwd" else 4)
+
+
+def make_inputs(shape: Shape, seed: int = 0) -> Dict[str, tuple]:
+  """Random q, k, v, do in both layouts: {"bhsd": (...), "bshd": (...)}."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  dims = (shape.batch, shape.heads, shape.seq, shape.head_dim)
+  bhsd = tuple(jax.random.normal(kk, dims, jnp.float32).astype(shape.jnp_dtype) for kk in keys)
+  bshd = tuple(jnp.swapaxes(x, 1, 2) for x in bhsd)
+  jax.block_until_ready((bhsd, bshd))
+  return {"bhsd": bhsd, "bshd": bshd}
+
+
+def args_for(impl: str, mode: str, inputs: Dict[str, tuple]) -> tuple:
+  xs = inputs["bshd" if impl == BASELINE else "bhsd"]
+  return xs[:3] if mode == "fwd" else xs
+
+
+# ---- memory ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+  """Bytes of one compiled call (from memory_analysis)."""
+
+  temp: int
+  argument: int
+  output: int
+  alias: int
+
+  @property
+  def total(self) -> int:
+    return self.temp + self.argument + self.output - self.alias
+
+
+def memory_of(compiled) -> Memory:
+  stats = compiled.memory_analysis()
+  if stats is None:
+    raise RuntimeError(f"this backend ({jax.default_backend()}) reports no memory analysis")
+  return Memory(temp=int(stats.temp_size_in_bytes), argument=int(stats.argument_size_in_bytes),
+                output=int(stats.output_size_in_bytes), alias=int(stats.alias_size_in_bytes))
+
+
+def compile_fn(fn: Callable, *args):
+  """jax.jit(fn).lower(*args).compile(); args may be arrays or ShapeDtypeStructs."""
+  return jax.jit(fn).lower(*args).compile()
+
+
+def compiled_memory(fn: Callable, *args) -> Memory:
+  """Compiled memory of fn(*args), without running it."""
+  return memory_of(compile_fn(fn, *args))
+
+
+# ---- timing ------------------------------------------------------------------------------
+
+def time_call(fn: Callable, *args) -> float:
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  return time.perf_counter() - t0
+
+
+def time_round_robin(calls: Sequence[tuple], *, repeats: int = 5,
+                     max_seconds: float = 20.0) -> List[dict]:
+  """Times each (fn, args) round-robin; returns [{"median", "runs", "times"}] per call.
+
+  One warm-up call each (it also estimates the cost), then up to `repeats` timed rounds,
+  fewer for a call whose warm-up says the rounds would exceed `max_seconds`: such a call
+  is timed at least once (its warm-up counts as that time when it alone would exceed the
+  budget). Interleaving makes the ratios between calls robust to load from other users.
+  """
+  warm = [time_call(fn, *args) for fn, args in calls]
+  runs = []
+  for t0 in warm:
+    n = repeats if t0 * repeats <= max_seconds else int(max_seconds // max(t0, 1e-9))
+    runs.append(max(0, min(repeats, n)))
+  times: List[List[float]] = [[] for _ in calls]
+  for r in range(max(runs, default=0)):
+    for i, (fn, args) in enumerate(calls):
+      if r < runs[i]:
+        times[i].append(time_call(fn, *args))
+  out = []
+  for t0, ts in zip(warm, times):
+    ts = ts or [t0]  # too slow to repeat: the warm-up (a compiled call, no tracing) is the time
+    out.append({"median": statistics.median(ts), "runs": len(ts), "times": ts})
+  return out
+
+
+def matmul_rate(n: int = 2048, dtype="float32", repeats: int = 5) -> float:
+  """Measured FLOP/s of jnp.dot on [n, n] x [n, n] (median of `repeats` after a warm-up)."""
+  a = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32).astype(dtype)
+  b = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.float32).astype(dtype)
+  f = compile_fn(jnp.dot, a, b)
+  (res,) = time_round_robin([(f, (a, b))], repeats=repeats, max_seconds=60.0)
+  return 2.0 * n ** 3 / res["median"]
+
+
+def tile_matmul_rate(heads: int, block: int, head_dim: int, dtype="float32",
+                     repeats: int = 5) -> float:
+  """Measured FLOP/s of the attention tile product [H, block, D] x [H, block, D]^T."""
+  a = jax.random.normal(jax.random.PRNGKey(1), (heads, block, head_dim), jnp.float32).astype(dtype)
+  b = jax.random.normal(jax.random.PRNGKey(2), (heads, block, head_dim), jnp.float32).astype(dtype)
+  f = compile_fn(lambda x, y: jnp.einsum("hqd,hkd->hqk", x, y,
+                                         preferred_element_type=jnp.float32), a, b)
+  (res,) = time_round_robin([(f, (a, b))], repeats=repeats, max_seconds=30.0)
+  return 2.0 * heads * block * block * head_dim / res["median"]
+
+
+# ---- the suite ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Result:
+  """One (implementation, shape, mode) measurement. Times in seconds, memory in bytes."""
+
+  impl: str
+  batch: int
+  heads: int
+  seq: int
+  head_dim: int
+  dtype: str
+  causal: bool
+  mode: str
+  flops: float
+  temp_bytes: Optional[int] = None
+  argument_bytes: Optional[int] = None
+  output_bytes: Optional[int] = None
+  time_s: Optional[float] = None
+  runs: int = 0
+  skip_reason: Optional[str] = None  # why time_s is None
+  ratio_to_baseline: Optional[float] = None  # time_s / jax.nn's time_s, same round-robin
+  flops_per_s: Optional[float] = None
+  matmul_fraction: Optional[float] = None  # flops_per_s / matmul rate
+
+
+@dataclasses.dataclass
+class SuiteConfig:
+  seqs: Sequence[int]
+  impls: Sequence[str] = ("naive", "blockwise", BASELINE)
+  causals: Sequence[bool] = (True, False)
+  modes: Sequence[str] = MODES
+  batch: int = 1
+  heads: int = 8
+  head_dim: int = 64
+  dtype: str = "float32"
+  repeats: int = 5
+  block_q: Optional[int] = None
+  block_kv: Optional[int] = None
+  # Timing is skipped (memory still read) where the compiled call needs more than this...
+  max_time_memory_bytes: int = 2 * GiB
+  # ...or where one call is predicted to take longer (from the same config at seq / 2).
+  max_call_seconds: float = 10.0
+  # Budget for the timed rounds of one call (warm-up excluded).
+  max_seconds_per_case: float = 20.0
+  matmul_n: int = 2048
+
+
+def machine_info() -> dict:
+  devs = jax.devices()
+  return {
+      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+      "platform": jax.default_backend(),
+      "device": devs[0].device_kind if devs else "none",
+      "nproc": os.cpu_count(),
+      "machine": _platform.machine(),
+      "python": _platform.python_version(),
+      "jax": jax.__version__,
+      "flashvjp": flashvjp.__version__,
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+  }
+
+
+def cases(cfg: SuiteConfig):
+  """The (seq, causal, mode) groups, in the order they are measured (small seq first)."""
+  return [(s, c, m) for s in sorted(cfg.seqs) for c in cfg.causals for m in cfg.modes]
+
+
+def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None) -> dict:
+  """Measures every implementation at every (seq, causal, mode); returns a JSON-able dict.
+
+  `progress(description)` is called once per finished group (tqdm's update, say).
+  """
+  for impl in cfg.impls:
+    if impl not in IMPLEMENTATIONS:
+      raise ValueError(f"unknown implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
+  impls = list(cfg.impls)
+  if BASELINE not in impls:
+    impls.append(BASELINE)  # ratios need it
+  meta = machine_info()
+  rate = matmul_rate(cfg.matmul_n, cfg.dtype)
+  block = cfg.block_q or flashvjp.BlockSizes().block_q
+  tile = tile_matmul_rate(cfg.heads, min(block, min(cfg.seqs)), cfg.head_dim, cfg.dtype)
+  meta.update(matmul_flops_per_s=rate, matmul_shape=f"[{cfg.matmul_n}, {cfg.matmul_n}]^2 {cfg.dtype}",
+              tile_matmul_flops_per_s=tile,
+              tile_matmul_shape=f"[{cfg.heads}, {min(block, min(cfg.seqs))}, {cfg.head_dim}] x^T")
+  meta["config"] = {k: (list(v) if isinstance(v, (tuple, list)) else v)
+                    for k, v in dataclasses.asdict(cfg).items()}
+  meta["flops_convention"] = ("fwd = 4*B*H*Sq*Skv*D (x0.5 causal); fwd+bwd = 3.5x fwd"
+                              " (bwd = 2.5x fwd, recomputation included)")
+  results: List[Result] = []
+  last_time: Dict[tuple, tuple] = {}  # (impl, causal, mode) -> (seq, seconds)
+  inputs_cache: Dict[int, dict] = {}
+  for seq, causal, mode in cases(cfg):
+    shape = Shape(cfg.batch, cfg.heads, seq, cfg.head_dim, cfg.dtype, causal)
+    flops = attention_flops(cfg.batch, cfg.heads, seq, seq, cfg.head_dim, causal=causal, mode=mode)
+    group: List[Result] = []
+    to_time = []
+    for impl in impls:
+      r = Result(impl, cfg.batch, cfg.heads, seq, cfg.head_dim, cfg.dtype, causal, mode, flops)
+      fn = benchmark_fn(impl, causal, mode, **({} if impl == BASELINE else
+                                               dict(block_q=cfg.block_q, block_kv=cfg.block_kv)))
+      compiled = compile_fn(fn, *input_specs(impl, shape, mode))
+      mem = memory_of(compiled)
+      r.temp_bytes, r.argument_bytes, r.output_bytes = mem.temp, mem.argument, mem.output
+      prev = last_time.get((impl, causal, mode))
+      predicted = None if prev is None else prev[1] * (seq / prev[0]) ** 2
+      if mem.total > cfg.max_time_memory_bytes:
+        r.skip_reason = (f"compiled memory {mem.total / GiB:.1f} GiB >"
+                         f" {cfg.max_time_memory_bytes / GiB:.1f} GiB timing limit")
+      elif predicted is not None and predicted > cfg.max_call_seconds:
+        r.skip_reason = (f"predicted {predicted:.0f} s per call (from seq {prev[0]}) >"
+                         f" {cfg.max_call_seconds:.0f} s limit")
+      else:
+        to_time.append((r, compiled))
+      group.append(r)
+    if to_time:
+      if seq not in inputs_cache:
+        inputs_cache.clear()  # one seq at a time
+        inputs_cache[seq] = make_inputs(shape)
+      calls = [(c, args_for(r.impl, mode, inputs_cache[seq])) for r, c in to_time]
+      timed = time_round_robin(calls, repeats=cfg.repeats, max_seconds=cfg.max_seconds_per_case)
+      for (r, _), t in zip(to_time, timed):
+        r.time_s, r.runs = t["median"], t["runs"]
+        r.flops_per_s = flops / r.time_s
+        r.matmul_fraction = r.flops_per_s / rate
+        last_time[(r.impl, causal, mode)] = (seq, r.time_s)
+    base = next(r for r in group if r.impl == BASELINE)
+    for r in group:
+      if r.time_s is not None and base.time_s is not None:
+        r.ratio_to_baseline = r.time_s / base.time_s
+      if r.impl in cfg.impls:
+        results.append(r)
+    if progress is not None:
+      progress(f"seq {seq} {'causal' if causal else 'full'} {mode}")
+  return {"meta": meta, "results": [dataclasses.asdict(r) for r in results]}
+
+
+# ---- reporting ---------------------------------------------------------------------------
+
+def _fmt_bytes(b):
+  if b is None:
+    return "-"
+  return f"{b / GiB:.2f} GiB" if b >= GiB else f"{b / MiB:.1f} MiB"
+
+
+def _fmt_time(t):
+  if t is None:
+    return "skipped"
+  return f"{t * 1e3:.1f} ms" if t < 10 else f"{t:.1f} s"
+
+
+def _fmt_rate(x):
+  return "-" if x is None else f"{x / 1e9:.1f}"
+
+
+def results_table(report: dict) -> str:
+  """A markdown table: one row per (impl, seq, causal), fwd and fwd+bwd side by side."""
+  rows: Dict[tuple, Dict[str, dict]] = {}
+  for r in report["results"]:
+    rows.setdefault((r["seq"], r["causal"], r["impl"]), {})[r["mode"]] = r
+  head = ["impl", "seq", "causal", "time fwd", "x jax.nn fwd", "time fwd+bwd",
+          "x jax.nn fwd+bwd", "temp mem fwd", "temp mem fwd+bwd", "GFLOP/s fwd+bwd",
+          "% matmul fwd+bwd"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for (seq, causal, impl), by_mode in sorted(rows.items(), key=lambda kv: (not kv[0][1], kv[0][0],
+                                                                            kv[0][2])):
+    f, fb = by_mode.get("fwd", {}), by_mode.get("fwd+bwd", {})
+    ratio = lambda r: "-" if r.get("ratio_to_baseline") is None else f"{r['ratio_to_baseline']:.2f}"
+    frac = fb.get("matmul_fraction")
+    lines.append("| " + " | ".join([
+        impl, str(seq), "yes" if causal else "no",
+        _fmt_time(f.get("time_s")) if f else "-", ratio(f) if f else "-",
+        _fmt_time(fb.get("time_s")) if fb else "-", ratio(fb) if fb else "-",
+        _fmt_bytes(f.get("temp_bytes")), _fmt_bytes(fb.get("temp_bytes")),
+        _fmt_rate(fb.get("flops_per_s")), "-" if frac is None else f"{100 * frac:.0f}%",
+    ]) + " |")
+  return "\n".join(lines)
+
+
+def skipped_lines(report: dict) -> List[str]:
+  return [f"- {r['impl']} seq {r['seq']} {'causal' if r['causal'] else 'full'} {r['mode']}:"
+          f" {r['skip_reason']}" for r in report["results"] if r["skip_reason"]]
+
+
+def meta_lines(report: dict) -> List[str]:
+  m = report["meta"]
+  return [
+      f"- date: {m['date']}",
+      f"- machine: {m['platform']} ({m['device']}), {m['nproc']} cores, {m['machine']};"
+      f" python {m['python']}, jax {m['jax']}, flashvjp {m['flashvjp']}",
+      f"- XLA_FLAGS: `{m['xla_flags']}`",
+      f"- matmul rate: {m['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s ({m['matmul_shape']});"
+      f" attention-tile matmul {m['tile_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s"
+      f" ({m['tile_matmul_shape']})",
+      f"- FLOPs: {m['flops_convention']}",
+      "- time: median of the compiled call after a warm-up; \"x jax.nn\" = time /"
+      " jax.nn.dot_product_attention(implementation=\"xla\") timed round-robin in the same run",
+      "- temp mem: compiled temp_size_in_bytes (arguments and outputs excluded)",
+  ]
+
+
+def plot(report: dict, path: str) -> None:
+  """Time and temp memory against seq (log-log): fwd and fwd+bwd columns, one line per impl."""
+  try:
+    import matplotlib
+  except ImportError as e:
+    raise SystemExit("--plot needs matplotlib: pip install 'flashvjp[bench]'") from e
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from matplotlib import ticker
+
+  res = report["results"]
+  modes = [m for m in MODES if any(r["mode"] == m for r in res)]
+  impls = list(dict.fromkeys(r["impl"] for r in res))
+  causals = sorted({r["causal"] for r in res}, reverse=True)
+  fig, axes = plt.subplots(2, len(modes), figsize=(6.5 * len(modes), 9), squeeze=False)
+  colors = dict(zip(impls, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+  m = report["meta"]
+  for col, mode in enumerate(modes):
+    for row, (key, scale, label) in enumerate([("time_s", 1e3, "time per call (ms)"),
+                                               ("temp_bytes", 1 / MiB, "compiled temp memory (MiB)")]):
+      ax = axes[row][col]
+      for impl in impls:
+        for causal in causals:
+          pts = sorted((r["seq"], r[key] * scale) for r in res
+                       if r["impl"] == impl and r["mode"] == mode and r["causal"] == causal
+                       and r[key] is not None and r[key] > 0)
+          if not pts:
+            continue
+          xs, ys = zip(*pts)
+          ax.plot(xs, ys, marker="o" if causal else "s", color=colors[impl],
+                  linestyle="-" if causal else "--", markerfacecolor=None if causal else "none",
+                  label=f"{impl} ({'causal' if causal else 'full'})")
+      ax.set_xscale("log", base=2)
+      ax.set_yscale("log")
+      seqs = sorted({r["seq"] for r in res})
+      ax.set_xticks(seqs)
+      ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+      ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+      ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+      lo, hi = ax.get_ylim()
+      ax.yaxis.set_minor_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}") if hi / lo < 30
+                                   else ticker.NullFormatter())
+      ax.set_xlabel("sequence length")
+      ax.set_ylabel(label)
+      ax.set_title(f"{mode}: {label.split(' (')[0]}")
+      ax.grid(True, which="both", alpha=0.3)
+      ax.legend(fontsize=8)
+  cfg = m["config"]
+  fig.suptitle(f"flashvjp attention, B={cfg['batch']} H={cfg['heads']} D={cfg['head_dim']}"
+               f" {cfg['dtype']} on {m['platform']} ({m['device']}, {m['nproc']} cores),"
+               f" jax {m['jax']}, {m['date']}\nskipped points are not drawn; jax.nn ="
+               " dot_product_attention(implementation='xla')", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+# ---- the CLI: python -m flashvjp bench ---------------------------------------------------
+
+def default_config(platform: str) -> SuiteConfig:
+  """CPU: small and about a minute; GPU: bigger shapes in bfloat16, Pallas if it runs."""
+  if platform == "cpu":
+    return SuiteConfig(seqs=(512, 1024, 2048, 4096), impls=("naive", "blockwise", BASELINE),
+                       heads=8, head_dim=64, dtype="float32", repeats=3,
+                       max_time_memory_bytes=2 * GiB, max_call_seconds=5.0,
+                       max_seconds_per_case=5.0)
+  impls = ["naive", "blockwise", BASELINE]
+  probe = jax.ShapeDtypeStruct((1, 16, 4096, 128), jnp.bfloat16)
+  if flashvjp.explain(probe, probe, probe, causal=True).implementation == "pallas":
+    impls.insert(0, "pallas")
+  return SuiteConfig(seqs=(1024, 2048, 4096, 8192, 16384), impls=tuple(impls), batch=4, heads=16,
+                     head_dim=128, dtype="bfloat16", repeats=10,
+                     max_time_memory_bytes=32 * GiB, max_call_seconds=2.0,
+                     max_seconds_per_case=5.0, matmul_n=8192)
+
+
+def add_bench_parser(subparsers):
+  """Adds `bench` to the subparsers of `python -m flashvjp`; returns the parser."""
+  p = subparsers.add_parser(
+      "bench", help="time and compiled memory of each implementation against jax.nn",
+      description="Benchmark flashvjp's implementations against"
+      " jax.nn.dot_product_attention(implementation='xla'): compiled temp memory, time of"
+      " forward and forward+backward (median, as a ratio to jax.nn timed in the same run),"
+      " attention FLOP/s and its fraction of a measured matmul rate. Defaults depend on the"
+      " platform (CPU: seq 512..4096, float32, about a minute).")
+  p.add_argument("--seq", type=int, nargs="+", help="sequence lengths (seq_q = seq_kv)")
+  p.add_argument("--impl", nargs="+", choices=IMPLEMENTATIONS,
+                 help="implementations (jax.nn is always measured: it is the baseline)")
+  p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+  p.add_argument("--mode", choices=("both",) + MODES, default="both")
+  p.add_argument("--batch", type=int)
+  p.add_argument("--heads", type=int)
+  p.add_argument("--head-dim", type=int)
+  p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+  p.add_argument("--repeats", type=int, help="timed calls per case (median)")
+  p.add_argument("--block-q", type=int, help="block_q for blockwise/pallas (default: tuned)")
+  p.add_argument("--block-kv", type=int, help="block_kv for blockwise/pallas (default: tuned)")
+  p.add_argument("--max-call-seconds", type=float,
+                 help="skip timing where one call is predicted to take longer")
+  p.add_argument("--max-time-memory-gib", type=float,
+                 help="skip timing (memory is still read) where a call needs more memory")
+  p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+  p.add_argument("--plot", metavar="FILE.png", help="plot time and memory against seq (matplotlib)")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.set_defaults(func=run_bench)
+  return p
+
+
+def config_from_args(args) -> SuiteConfig:
+  cfg = default_config(jax.default_backend())
+  over = {}
+  for name, field in (("seq", "seqs"), ("impl", "impls"), ("batch", "batch"), ("heads", "heads"),
+                      ("head_dim", "head_dim"), ("dtype", "dtype"), ("repeats", "repeats"),
+                      ("block_q", "block_q"), ("block_kv", "block_kv"),
+                      ("max_call_seconds", "max_call_seconds")):
+    v = getattr(args, name, None)
+    if v is not None:
+      over[field] = tuple(v) if isinstance(v, list) else v
+  if getattr(args, "max_time_memory_gib", None) is not None:
+    over["max_time_memory_bytes"] = int(args.max_time_memory_gib * GiB)
+  causal = getattr(args, "causal", "both")
+  over["causals"] = {"both": (True, False), "yes": (True,), "no": (False,)}[causal]
+  mode = getattr(args, "mode", "both")
+  over["modes"] = MODES if mode == "both" else (mode,)
+  for name in ("batch", "heads", "head_dim", "repeats", "block_q", "block_kv"):
+    if name in over and over[name] <= 0:
+      raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {over[name]}")
+  if "seqs" in over and min(over["seqs"]) <= 0:
+    raise SystemExit(f"--seq must be positive, got {list(over['seqs'])}")
+  return dataclasses.replace(cfg, **over)
+
+
+def _progress_bar(total: int, disable: bool):
+  """A tqdm bar; a clear error if the optional dependency is missing."""
+  try:
+    from tqdm.auto import tqdm
+  except ImportError as e:
+    raise SystemExit("`python -m flashvjp bench` shows progress with tqdm, which is not"
+                     " installed: pip install 'flashvjp[bench]' (or pass --no-progress)") from e
+  return tqdm(total=total, desc="bench", unit="case", disable=disable)
+
+
+def run_bench(args) -> int:
+  """`python -m flashvjp bench`: measure, print a table, optionally write JSON and a plot."""
+  cfg = config_from_args(args)
+  if getattr(args, "plot", None):
+    try:
+      import matplotlib  # noqa: F401  (fail before measuring, not after)
+    except ImportError as e:
+      raise SystemExit("--plot needs matplotlib: pip install 'flashvjp[bench]'") from e
+  no_progress = bool(getattr(args, "no_progress", False))
+  bar = None if no_progress else _progress_bar(len(cases(cfg)), disable=False)
+
+  def progress(desc):
+    if bar is not None:
+      bar.set_postfix_str(desc)
+      bar.update(1)
+
+  report = run_suite(cfg, progress)
+  if bar is not None:
+    bar.close()
+  print("\n".join(meta_lines(report)))
+  print()
+  print(results_table(report))
+  skipped = skipped_lines(report)
+  if skipped:
+    print("\ntiming skipped (memory still read from the compiled call):")
+    print("\n".join(skipped))
+  if getattr(args, "json", None):
+    with open(args.json, "w") as f:
+      json.dump(report, f, indent=1, default=_json_default)
+    print(f"\nwrote {args.json}")
+  if getattr(args, "plot", None):
+    plot(report, args.plot)
+    print(f"wrote {args.plot}")
+  return 0
+
+
+def _json_default(x):
+  if isinstance(x, (np.floating, np.integer)):
+    return x.item()
+  raise TypeError(f"not JSON serialisable: {type(x).__name__}")
