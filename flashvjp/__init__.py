@@ -5,17 +5,24 @@ from flashvjp._api import memory_efficient_attention
 from flashvjp._api import pallas_flash_attention
 from flashvjp._dispatch import Decision
 from flashvjp._dropout import dropout_mask
+from flashvjp._jax_nn import dot_product_attention
 from flashvjp._score_mod import ScoreMod
 from flashvjp._score_mod import alibi
 from flashvjp._score_mod import alibi_slopes
 from flashvjp._score_mod import relative_position_bias
 from flashvjp._score_mod import softcap
 from flashvjp._config import BlockSizes
+from flashvjp.distributed import from_zigzag
+from flashvjp.distributed import ring_attention
+from flashvjp.distributed import sharded_attention
+from flashvjp.distributed import to_zigzag
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockSizes", "Decision", "ScoreMod", "alibi", "alibi_slopes", "dropout_mask", "explain",
+    "BlockSizes", "Decision", "ScoreMod", "alibi", "alibi_slopes", "dot_product_attention",
+    "dropout_mask", "explain",
     "flash_attention", "memory_efficient_attention", "pallas_flash_attention",
     "relative_position_bias", "softcap",
+    "from_zigzag", "ring_attention", "sharded_attention", "to_zigzag",
 ]

@@ -1,0 +1,174 @@
+"""A drop-in for `jax.nn.dot_product_attention`, running flashvjp.
+
+Room: ecosystem adapter. Translates jax.nn's layout and arguments into one
+`flashvjp.flash_attention` call and back; holds no attention math of its own.
+
+    jax.nn.dot_product_attention          flashvjp.flash_attention
+    -----------------------------         -------------------------------------------
+    [batch, seq, heads, head_dim]         [batch, heads, seq, head_dim] (transposed)
+    [seq, heads, head_dim] (rank 3)       batch of 1, squeezed again on the way out
+    is_causal                             causal (top-left aligned, as jax.nn)
+    local_window_size=w or (l, r)         window=(w, w) or (l, r)
+    query_seq_lengths [batch]             q segment ids: 0 where pos < len, else -1
+    key_value_seq_lengths [batch]         kv segment ids: 0 where pos < len, else -2
+    bias, mask (broadcast to BNTS/NTS)    bias, mask (same broadcasting)
+
+Sequence lengths become segment ids, never a dense [batch, heads, seq_q, seq_kv]
+mask, so memory stays O(seq). Padded query rows (pos >= query_seq_lengths) give 0,
+as in jax.nn.
+
+The one intended difference: a query row with no allowed key (for example
+key_value_seq_lengths == 0, or a mask row that is all False) gives 0 here, while
+jax.nn's XLA path fills masked logits with a large negative number and so
+returns the average of V over all keys for such a row.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Tuple, Union
+
+import jax.numpy as jnp
+
+from flashvjp import _api
+from flashvjp import _dispatch
+
+# jax.nn's backend names; flashvjp runs its own implementations instead.
+_JAX_NN_IMPLEMENTATIONS = ("xla", "cudnn")
+
+
+def _window_pair(local_window_size):
+  """jax.nn's local_window_size (int or (left, right)) -> flashvjp's window."""
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, numbers.Integral) and not isinstance(local_window_size, bool):
+    local_window_size = (local_window_size, local_window_size)
+  if not isinstance(local_window_size, (tuple, list)) or len(local_window_size) != 2:
+    raise ValueError("local_window_size must be an int or a pair (left, right) of ints,"
+                     f" got {local_window_size!r}")
+  out = []
+  for side, w in zip(("left", "right"), local_window_size):
+    if w is None:  # flashvjp extension: an unbounded side
+      out.append(None)
+      continue
+    if not isinstance(w, numbers.Integral) or isinstance(w, bool):
+      raise TypeError(f"local_window_size {side} must be an int, got {w!r}")
+    if w < 0:
+      raise ValueError(f"local_window_size {side} must be >= 0, got {w}")
+    out.append(int(w))
+  return tuple(out)
+
+
+def _lengths(name, lengths, batch):
+  if lengths is None:
+    return None
+  lengths = jnp.asarray(lengths)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array [batch], got dtype {lengths.dtype}")
+  if lengths.shape != (batch,):
+    raise ValueError(f"{name} must have shape [batch] = ({batch},), got {lengths.shape}")
+  return lengths.astype(jnp.int32)
+
+
+def _segment_ids(q_lengths, kv_lengths, batch, seq_q, seq_kv):
+  """Sequence lengths -> (q_ids [B, Sq], kv_ids [B, Skv]) int32, or None.
+
+  Valid positions get id 0 on both sides; padded queries get -1 and padded keys
+  -2, so a padded position never matches anything (and padded queries output 0).
+  """
+  if q_lengths is None and kv_lengths is None:
+    return None
+
+  def ids(lengths, seq, pad_id):
+    if lengths is None:
+      return jnp.zeros((batch, seq), jnp.int32)
+    pos = jnp.arange(seq, dtype=jnp.int32)[None, :]
+    return jnp.where(pos < lengths[:, None], jnp.int32(0), jnp.int32(pad_id))
+
+  return ids(q_lengths, seq_q, -1), ids(kv_lengths, seq_kv, -2)
+
+
+def dot_product_attention(
+    query, key, value, bias=None, mask=None, *, scale: Optional[float] = None,
+    is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
+    local_window_size: Union[int, Tuple[int, int], None] = None,
+    implementation: Optional[str] = None, return_residual: bool = False):
+  """`jax.nn.dot_product_attention`'s signature and meaning, computed by flashvjp.
+
+  Switch by changing one import: ``from flashvjp import dot_product_attention``.
+  Uppercase letters as in jax.nn: B batch, T query length, S key length, N query
+  heads, K kv heads (N % K == 0: GQA/MQA), H head dim.
+
+  Args:
+    query: [B, T, N, H] or [T, N, H].
+    key: [B, S, K, H] or [S, K, H] (same rank as query).
+    value: [B, S, K, H_v] or [S, K, H_v]; H_v may differ from H (a flashvjp extension).
+    bias: float, broadcastable to [B, N, T, S] (or [N, T, S] for rank-3 inputs);
+      added to the scaled logits; differentiable.
+    mask: bool, broadcastable like bias; True = may attend.
+    scale: logit scale, a Python float (default 1 / sqrt(H)). Unlike jax.nn, a traced
+      scale is not accepted (flashvjp specialises its kernels on it).
+    is_causal: key position <= query position (top-left aligned when T != S).
+    query_seq_lengths: int [B]; query rows at positions >= length output 0.
+    key_value_seq_lengths: int [B]; keys at positions >= length are ignored.
+    local_window_size: int w (= (w, w)) or (left, right): query t attends keys in
+      [t - left, t + right]. A None side is unbounded (flashvjp extension).
+    implementation: flashvjp's implementation names: None (choose; see
+      `flashvjp.explain`), "pallas", "blockwise" or "naive". jax.nn's "xla" and
+      "cudnn" are rejected with a ValueError rather than silently mapped: call
+      `jax.nn.dot_product_attention` itself for those.
+    return_residual: also return the logsumexp of the logits, float32 [B, T, N]
+      (or [T, N]). Unlike jax.nn's it is differentiable, and -inf for a row with
+      no allowed key.
+
+  Returns:
+    [B, T, N, H_v] (or [T, N, H_v]) in query's dtype; with return_residual, (out, lse).
+
+  A row with no allowed key returns 0 (jax.nn's XLA path returns mean(V) there);
+  this is the one intended difference from jax.nn.
+  """
+  if implementation in _JAX_NN_IMPLEMENTATIONS:
+    raise ValueError(
+        f"implementation={implementation!r} is a jax.nn backend name; flashvjp's"
+        f" dot_product_attention accepts None or one of {_dispatch.IMPLEMENTATIONS}"
+        f" (call jax.nn.dot_product_attention for implementation={implementation!r})")
+  if implementation is not None and implementation not in _dispatch.IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be None or one of {_dispatch.IMPLEMENTATIONS},"
+                     f" got {implementation!r}")
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if not _api._is_array(x):
+      raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}")
+    if x.ndim not in (3, 4):
+      raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim] or rank 3"
+                       f" [seq, heads, head_dim], got shape {x.shape}")
+  if not query.ndim == key.ndim == value.ndim:
+    raise ValueError("query, key and value must have the same rank, got shapes"
+                     f" {query.shape}, {key.shape}, {value.shape}")
+  if not isinstance(is_causal, bool):
+    raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+  if not isinstance(return_residual, bool):
+    raise TypeError(f"return_residual must be a bool, got {return_residual!r}")
+  window = _window_pair(local_window_size)
+  rank3 = query.ndim == 3
+  if rank3:
+    query, key, value = query[None], key[None], value[None]
+  B, T, _, _ = query.shape
+  S = key.shape[1]
+  q_len = _lengths("query_seq_lengths", query_seq_lengths, B)
+  kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, B)
+  segment_ids = _segment_ids(q_len, kv_len, B, T, S)
+
+  to_bnth = lambda x: jnp.swapaxes(x, 1, 2)
+  result = _api.flash_attention(
+      to_bnth(query), to_bnth(key), to_bnth(value), bias=bias, mask=mask, causal=is_causal,
+      window=window, segment_ids=segment_ids, scale=scale, return_lse=return_residual,
+      implementation=implementation)
+  out, lse = result if return_residual else (result, None)
+  out = to_bnth(out)  # [B, T, N, H_v]
+  if return_residual:
+    lse = jnp.swapaxes(lse, 1, 2)  # [B, T, N]
+  if rank3:
+    out = out[0]
+    lse = None if lse is None else lse[0]
+  return (out, lse) if return_residual else out
+
+__all__ = ["dot_product_attention"]
