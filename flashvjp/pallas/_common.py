@@ -1,0 +1,263 @@
+"""Geometry, input padding and the per-tile math shared by the forward and backward kernels.
+
+Room: Pallas kernels (shared part). Reads the mask model, score_mod, dropout and
+config; never the API. Everything here runs either outside the kernels (padding,
+block tables) or inside a kernel body on one [block_q, block_kv] tile.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flashvjp import _dropout
+from flashvjp import _mask
+from flashvjp import _score_mod
+from flashvjp._config import AttentionConfig
+from flashvjp.pallas import _compat
+
+# Triton's dot needs every tile dimension >= 16 and every tensor a power of 2.
+MIN_TRITON_DIM = 16
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+  """Static sizes of one kernel launch.
+
+  Sequence lengths are padded to whole blocks and head dims to what the lowering
+  needs (a power of two >= 16 for Triton; unpadded in interpret mode). Padding
+  is masked by the mask model (positions >= seq_q / seq_kv never attend) and
+  zero-padded head dims contribute nothing to the dot products.
+  """
+
+  B: int
+  H: int
+  Hkv: int
+  Sq: int
+  Skv: int
+  D: int
+  Dv: int
+  bq: int
+  bk: int
+  Dp: int
+  Dvp: int
+
+  @property
+  def G(self) -> int:
+    return self.H // self.Hkv
+
+  @property
+  def nq(self) -> int:
+    return _mask.num_blocks(self.Sq, self.bq)
+
+  @property
+  def nk(self) -> int:
+    return _mask.num_blocks(self.Skv, self.bk)
+
+  @property
+  def Sqp(self) -> int:
+    return self.nq * self.bq
+
+  @property
+  def Skvp(self) -> int:
+    return self.nk * self.bk
+
+
+def effective_block(block: int, seq: int, interpret: bool) -> int:
+  """The block the kernels use: min(block, seq); rounded to a power of 2 >= 16 for Triton."""
+  b = min(block, seq)
+  if interpret:
+    return b
+  return max(MIN_TRITON_DIM, _compat.next_power_of_2(b))
+
+
+def padded_head_dim(d: int, interpret: bool) -> int:
+  return d if interpret else max(MIN_TRITON_DIM, _compat.next_power_of_2(d))
+
+
+def geometry(cfg: AttentionConfig, q_shape, k_shape, v_shape, block_q, block_kv) -> Geometry:
+  B, H, Sq, D = q_shape
+  Hkv, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
+  return Geometry(
+      B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=Dv,
+      bq=effective_block(block_q, Sq, cfg.interpret),
+      bk=effective_block(block_kv, Skv, cfg.interpret),
+      Dp=padded_head_dim(D, cfg.interpret), Dvp=padded_head_dim(Dv, cfg.interpret))
+
+
+def mask_spec(cfg: AttentionConfig) -> _mask.MaskSpec:
+  return _mask.MaskSpec(cfg.causal, cfg.window, cfg.seq_q, cfg.seq_kv)
+
+
+def acc_dtype(dtype):
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def needs_mask(cfg: AttentionConfig, g: Geometry, has_seg: bool, has_mask: bool) -> bool:
+  return (cfg.causal or cfg.window is not None or has_seg or has_mask
+          or g.Sqp != g.Sq or g.Skvp != g.Skv)
+
+
+def hoist_score_mod(cfg: AttentionConfig, consts, acc):
+  """Make every array the score_mod reads an explicit kernel input.
+
+  `jax.closure_convert` hoists only closed-over tracers; a concrete array (an ALiBi
+  slope vector built outside any transformation) stays closed over, and a Pallas
+  kernel may not capture array constants. We trace the scalar score_mod once and
+  append its remaining constants to `consts` (after the user's: the first
+  cfg.num_diff_consts stay the differentiable ones).
+
+  Returns (cfg with the rewritten score_mod, consts + hoisted constants).
+  """
+  consts = tuple(consts)
+  if cfg.score_mod is None:
+    return cfg, consts
+  s = jnp.zeros((), acc)
+  i = jnp.zeros((), jnp.int32)
+  closed = jax.make_jaxpr(cfg.score_mod)(s, i, i, i, i, *consts)
+  hidden = tuple(jnp.asarray(c) for c in closed.consts)
+  if not hidden:
+    return cfg, consts
+  jaxpr, n = closed.jaxpr, len(consts)
+
+  def fn(s_, b, h, q, kv, *cs):
+    (out,) = _compat.eval_jaxpr(jaxpr, cs[n:], s_, b, h, q, kv, *cs[:n])
+    return out
+
+  return dataclasses.replace(cfg, score_mod=fn), consts + hidden
+
+
+# ---- input preparation (outside the kernels) -----------------------------------
+
+def pad_to(x, axis, size):
+  """Zero-pad `x` along `axis` to `size` (no-op when already that size)."""
+  return _mask.pad_axis(x, axis, size, keep_broadcast=False)
+
+
+def pad_seq_head(x, seq, head):
+  """[B, H, S, D] -> [B, H, seq, head], zero padded."""
+  return pad_to(pad_to(x, 2, seq), 3, head)
+
+
+def pad_pair(x, g: Geometry):
+  """Rank-4 bias/mask (dims 1 or full): pad the full seq dims to whole blocks."""
+  if x is None:
+    return None
+  return _mask.pad_axis(_mask.pad_axis(x, 2, g.Sqp), 3, g.Skvp)
+
+
+def pad_segments(q_seg, kv_seg, g: Geometry):
+  if q_seg is None:
+    return None, None
+  return (_mask.pad_axis(q_seg, 1, g.Sqp, "edge", keep_broadcast=False),
+          _mask.pad_axis(kv_seg, 1, g.Skvp, "edge", keep_broadcast=False))
+
+
+def block_table(q_seg_p, kv_seg_p, mask_p, g: Geometry):
+  """int32 [B', H', nq, nk]: 0 where segment ids / dense mask leave the block pair empty."""
+  table = _mask.block_any_table(q_seg_p, kv_seg_p, mask_p, g.bq, g.bk, g.nq, g.nk)
+  return None if table is None else table.astype(jnp.int32)
+
+
+# ---- per-tile math (inside kernel bodies) --------------------------------------
+
+def dot_nt(a, b, acc):
+  """a [m, d] @ b[n, d]^T -> [m, n] in `acc`."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+
+
+def dot_nn(a, b, acc):
+  """a [m, k] @ b [k, n] -> [m, n] in `acc`."""
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=acc)
+
+
+def dot_tn(a, b, acc):
+  """a [k, m]^T @ b [k, n] -> [m, n] in `acc`."""
+  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=acc)
+
+
+def tile_indices(g: Geometry, i, j):
+  """Global (q_idx [bq, 1], kv_idx [1, bk]) int32 positions of tile (i, j)."""
+  qi = i * g.bq + lax.broadcasted_iota(jnp.int32, (g.bq, 1), 0)
+  ki = j * g.bk + lax.broadcasted_iota(jnp.int32, (1, g.bk), 1)
+  return qi, ki
+
+
+def pair_tile(ref, lead, i, j, g: Geometry, *, full_q: bool, full_kv: bool):
+  """A [bq|1, bk|1] tile of a bias/mask ref whose last two dims are (Sq'', Skv'').
+
+  `lead` indexes the leading (head-group) dims of the ref (a tuple, maybe empty).
+  `full_q` / `full_kv`: the ref holds every q row / kv column (so the tile is sliced
+  out here), else it holds just this program's block along that dim. Broadcast
+  (size-1) dims are never sliced.
+  """
+  sq, sk = ref.shape[-2], ref.shape[-1]
+  qs = _compat.ds(i * g.bq, g.bq) if (full_q and sq != 1) else slice(None)
+  ks = _compat.ds(j * g.bk, g.bk) if (full_kv and sk != 1) else slice(None)
+  return ref[tuple(lead) + (qs, ks)]
+
+
+@dataclasses.dataclass
+class TileInputs:
+  """What the score computation of one tile may read, already loaded or sliced."""
+
+  b: jax.Array  # scalar int32 batch index
+  h: jax.Array  # scalar int32 query head index
+  i: jax.Array  # q block index
+  j: jax.Array  # kv block index
+  bias: Optional[jax.Array] = None  # [bq|1, bk|1]
+  mask: Optional[jax.Array] = None  # int8 [bq|1, bk|1]
+  q_seg: Optional[jax.Array] = None  # int32 [bq]
+  kv_seg: Optional[jax.Array] = None  # int32 [bk]
+
+
+def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, masked,
+           diff_consts=None):
+  """Scores of one tile: scale * q k^T + bias, score_mod, mask -> (s [bq, bk], vjp or None).
+
+  With `diff_consts` (a tuple, possibly empty) the score_mod is differentiated:
+  the second result maps d(score) [bq, bk] -> (d(pre-mod score), d(diff consts)).
+  `consts` are then the fixed (non-differentiable) consts only.
+  """
+  s = dot_nt(q, k, acc) * jnp.asarray(cfg.scale, acc)
+  if t.bias is not None:
+    s = s + t.bias.astype(acc)
+  qi, ki = tile_indices(g, t.i, t.j)
+  sm_vjp = None
+  if cfg.score_mod is not None:
+    if diff_consts is None:
+      s = _score_mod.apply(cfg.score_mod, tuple(consts), s, t.b, t.h, qi, ki)
+    else:
+      fixed = tuple(consts)
+      s, sm_vjp = jax.vjp(
+          lambda s_, c_: _score_mod.apply(cfg.score_mod, tuple(c_) + fixed, s_, t.b, t.h, qi, ki),
+          s, tuple(diff_consts))
+  if masked:
+    qs = None if t.q_seg is None else t.q_seg[:, None]
+    ks = None if t.kv_seg is None else t.kv_seg[None, :]
+    dense = None if t.mask is None else (t.mask != 0)
+    ok = mask_spec(cfg).allowed(qi, ki, q_seg=qs, kv_seg=ks, dense=dense)
+    s = jnp.where(ok, s, -jnp.inf)
+  return s, sm_vjp
+
+
+def dropout_scale(cfg: AttentionConfig, g: Geometry, seed_ref, t: TileInputs, acc):
+  """[bq, bk] multiplier: 1 / (1 - rate) where kept, 0 where dropped (the shared hash)."""
+  qi, ki = tile_indices(g, t.i, t.j)
+  keep = _dropout.keep(seed_ref[0], seed_ref[1], t.b, t.h, qi, ki, cfg.dropout_rate)
+  return jnp.where(keep, jnp.asarray(1.0 / (1.0 - cfg.dropout_rate), acc), jnp.asarray(0.0, acc))
+
+
+def maybe_skip(table_value, compute, carry):
+  """`compute(carry)` unless the block table entry is 0 (None: always compute)."""
+  if table_value is None:
+    return compute(carry)
+  return lax.cond(table_value != 0, compute, lambda c: c, carry)
+
+
+def num_warps(g: Geometry) -> int:
+  return 4 if max(g.Dp, g.Dvp) <= 64 else 8

@@ -1,0 +1,81 @@
+"""Every Pallas API spelling the kernels use, in one place.
+
+Room: Pallas compatibility. The kernels import `pl`-level names only from here,
+so that a Pallas API change is fixed in this file and nowhere else.
+
+Checked against jax 0.10.2, 0.11.2 and 0.12.0.1:
+
+* ``pl.BlockSpec(block_shape, index_map)``: block shape first in all three (before
+  jax 0.4.31 the index map came first); we always pass keywords.
+* ``None`` in a block shape squeezes that dimension in all three (``pl.squeezed``
+  is the newer spelling of the same thing).
+* ``pl.program_id`` / ``pl.ds(start, size)``: same in all three; 0.10.2's
+  ``pl.ds`` defaults ``size`` to None, later ones to a sentinel, so we always pass it.
+* ``pl.load`` / ``pl.store`` are gone from ``jax.experimental.pallas`` in all three
+  (they live in ``jax.experimental.pallas.triton``); the kernels use ``ref[...]``
+  indexing, which lowers both in interpret mode and through Triton.
+* Triton compiler params: ``jax.experimental.pallas.triton.CompilerParams(num_warps=,
+  num_stages=)`` in all three (``TritonCompilerParams`` before jax 0.6,
+  ``compiler_params=dict(triton=...)`` before 0.4.32).
+* ``interpret=``: a bool in all three (newer versions also take InterpretParams).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import jax
+from jax.experimental import pallas as pl
+
+try:  # Triton params are importable on CPU-only installs too; guard for slim builds.
+  from jax.experimental.pallas import triton as _plgpu
+except ImportError:  # pragma: no cover - only on builds without the Triton module
+  _plgpu = None
+
+
+def program_id(axis: int):
+  """The index of this program along grid axis `axis` (traced int32)."""
+  return pl.program_id(axis)
+
+
+def ds(start, size: int):
+  """A dynamic slice of static `size` starting at (traced) `start`."""
+  return pl.ds(start, size)
+
+
+def block_spec(block_shape: Sequence[Optional[int]], index_map: Callable) -> pl.BlockSpec:
+  """BlockSpec with `None` entries squeezed; `index_map(*program_ids) -> block indices`."""
+  return pl.BlockSpec(block_shape=tuple(block_shape), index_map=index_map)
+
+
+def compiler_params(*, interpret: bool, num_warps: int, num_stages: int):
+  """Triton compiler params, or None in interpret mode."""
+  if interpret:
+    return None
+  if _plgpu is None or not hasattr(_plgpu, "CompilerParams"):
+    raise NotImplementedError(
+        "this jax has no jax.experimental.pallas.triton.CompilerParams; "
+        "flashvjp's Pallas kernels need jax >= 0.10")
+  return _plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, interpret: bool, name: str,
+                num_warps: int = 4, num_stages: int = 2):
+  """`pl.pallas_call` with the Triton params and interpret flag spelled for this jax."""
+  kwargs = dict(out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                interpret=bool(interpret), name=name)
+  params = compiler_params(interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+  if params is not None:
+    kwargs["compiler_params"] = params
+  return pl.pallas_call(kernel, **kwargs)
+
+
+def eval_jaxpr(jaxpr, consts, *args):
+  """Evaluate an open jaxpr (``jax.core.eval_jaxpr`` in all three versions)."""
+  return jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+
+def next_power_of_2(n: int) -> int:
+  return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+__all__ = ["block_spec", "compiler_params", "ds", "eval_jaxpr", "next_power_of_2", "pallas_call", "program_id"]

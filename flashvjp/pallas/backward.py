@@ -1,0 +1,377 @@
+"""Pallas backward (FlashAttention-2): preprocess, dK/dV kernel, dQ kernel, dbias kernel.
+
+Room: Pallas kernels (backward). Probabilities are recomputed from the saved
+logsumexp; nothing O(seq_q * seq_kv) is kept or written.
+
+* preprocess: delta = rowsum(dO * O) - dlse (an XLA fusion, O(seq) work); empty
+  and padded rows get lse = +inf so that exp(s - lse) = 0 there (zero, finite grads).
+* dK/dV kernel: grid (batch, kv head, kv block); loops over the G query heads of
+  the group and, for each, over the q blocks that see this kv block
+  (`MaskSpec.q_block_range`), so GQA gradients are summed in-kernel without
+  repeating K/V per query head.
+* dQ kernel: grid (batch, head, q block); loops over the allowed kv blocks. When
+  score_mod has differentiable consts it also writes one partial dconsts per program,
+  summed outside the kernel (deterministic, no atomics).
+* dbias kernel: grid over the bias' own blocks; loops over the dims the bias is
+  broadcast along, so a bias broadcast over batch/heads/rows gets its reduced
+  gradient without any [B, H, Sq, Skv] array. A separate pallas_call, so XLA drops
+  it when the bias gradient is unused.
+
+Every output block is written by exactly one program with a sequential loop:
+bitwise deterministic.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flashvjp._config import AttentionConfig
+from flashvjp.pallas import _common as C
+from flashvjp.pallas import _compat
+from flashvjp.pallas import forward as F
+
+
+def _tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, masked, n_diff):
+  """Backward math of one [bq, bk] tile.
+
+  Returns (pd, ds, dconsts): pd = dropped-out probabilities (for dV), ds = dL/d(pre-mod
+  score incl. bias) (not yet multiplied by scale), dconsts = grads of the first
+  `n_diff` consts from this tile (empty tuple when n_diff == 0).
+  """
+  diff = None
+  if cfg.score_mod is not None:
+    diff = tuple(consts[:n_diff])
+    consts = tuple(consts[n_diff:])
+  s, sm_vjp = C.scores(cfg, g, q, k, t, consts, acc, masked, diff_consts=diff)
+  p = jnp.exp(s - lse[:, None])
+  dp = C.dot_nt(do, v, acc)
+  pd = p
+  if cfg.dropout_active:
+    keep = C.dropout_scale(cfg, g, seed_ref, t, acc)
+    pd, dp = p * keep, dp * keep
+  ds = p * (dp - delta[:, None])
+  dconsts = ()
+  if sm_vjp is not None:
+    ds, dconsts = sm_vjp(ds)
+  return pd, ds, tuple(dconsts)
+
+
+def _preprocess(out, lse, dout, dlse, g: C.Geometry, acc):
+  """delta = rowsum(dO * O) - dlse and the backward lse (+inf on empty/padded rows), padded."""
+  delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)
+  if dlse is not None:
+    delta = delta - dlse.astype(acc)
+  lse_b = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(acc))
+  pad = ((0, 0), (0, 0), (0, g.Sqp - g.Sq))
+  return jnp.pad(delta, pad), jnp.pad(lse_b, pad, constant_values=jnp.inf)
+
+
+# ---- dK / dV ------------------------------------------------------------------
+
+def _group5(x, g: C.Geometry):
+  """A padded rank-4 bias/mask [B', H', ., .] -> [B', Hkv|1, G|1, ., .] (free reshape)."""
+  if x.shape[1] == 1:
+    return x[:, :, None]
+  return x.reshape((x.shape[0], g.Hkv, g.G) + x.shape[2:])
+
+
+def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, masked):
+  r = dict(zip(names + ["dk", "dv"], refs))
+  acc = C.acc_dtype(r["q"].dtype)
+  b, hk, j = _compat.program_id(0), _compat.program_id(1), _compat.program_id(2)
+  k, v = r["k"][...], r["v"][...]
+  consts = tuple(r[f"const{n}"][...] for n in range(n_consts))
+  kv_seg = r["kv_seg"][...] if "kv_seg" in r else None
+  lo, hi = C.mask_spec(cfg).q_block_range(j, g.bq, g.bk, g.nq)
+
+  def lead(name, gi):
+    return (gi if r[name].shape[0] != 1 else 0,)
+
+  def group_body(gi, carry):
+    h = hk * g.G + gi
+
+    def q_body(i, carry):
+      def compute(carry):
+        dk, dv = carry
+        rows = _compat.ds(i * g.bq, g.bq)
+        q, do = r["q"][gi, rows, :], r["do"][gi, rows, :]
+        t = C.TileInputs(b=b, h=h, i=i, j=j, kv_seg=kv_seg)
+        for name in ("bias", "mask"):
+          if name in r:
+            setattr(t, name, C.pair_tile(r[name], lead(name, gi), i, j, g,
+                                         full_q=True, full_kv=False))
+        if kv_seg is not None:
+          t.q_seg = r["q_seg"][rows]
+        pd, ds, _ = _tile_grads(cfg, g, q, k, v, do, r["lse"][gi, rows], r["delta"][gi, rows],
+                                t, consts, r.get("seed"), acc, masked, 0)
+        dv = dv + C.dot_tn(pd.astype(do.dtype), do, acc)
+        ds = ds * jnp.asarray(cfg.scale, acc)
+        dk = dk + C.dot_tn(ds.astype(q.dtype), q, acc)
+        return dk, dv
+
+      table = r["table"][lead("table", gi) + (i,)] if "table" in r else None
+      return C.maybe_skip(table, compute, carry)
+
+    return lax.fori_loop(lo, hi, q_body, carry)
+
+  init = (jnp.zeros((g.bk, g.Dp), acc), jnp.zeros((g.bk, g.Dvp), acc))
+  dk, dv = lax.fori_loop(0, g.G, group_body, init)
+  r["dk"][...] = dk.astype(r["dk"].dtype)
+  r["dv"][...] = dv.astype(r["dv"].dtype)
+
+
+def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, table,
+          seed, consts, masked, acc):
+  G = g.G
+  ins = F._Inputs()
+  ins.add("q", qp.reshape(g.B, g.Hkv, G, g.Sqp, g.Dp),
+          _compat.block_spec((None, None, G, g.Sqp, g.Dp), lambda b, h, j: (b, h, 0, 0, 0)))
+  ins.add("do", dop.reshape(g.B, g.Hkv, G, g.Sqp, g.Dvp),
+          _compat.block_spec((None, None, G, g.Sqp, g.Dvp), lambda b, h, j: (b, h, 0, 0, 0)))
+  ins.add("k", kp, _compat.block_spec((None, None, g.bk, g.Dp), lambda b, h, j: (b, h, j, 0)))
+  ins.add("v", vp, _compat.block_spec((None, None, g.bk, g.Dvp), lambda b, h, j: (b, h, j, 0)))
+  for name, x in (("lse", lse_p), ("delta", delta_p)):
+    ins.add(name, x.reshape(g.B, g.Hkv, G, g.Sqp),
+            _compat.block_spec((None, None, G, g.Sqp), lambda b, h, j: (b, h, 0, 0)))
+  for name, x in (("bias", bias_p), ("mask", mask_p)):
+    if x is None:
+      continue
+    x5 = _group5(x, g)
+    Bp, Hp, Gp, Sq2, Sk2 = x5.shape
+    ins.add(name, x5, _compat.block_spec(
+        (None, None, Gp, Sq2, g.bk if Sk2 != 1 else 1),
+        functools.partial(lambda Bp, Hp, Sk2, b, h, j: (
+            b if Bp != 1 else 0, h if Hp != 1 else 0, 0, 0, j if Sk2 != 1 else 0), Bp, Hp, Sk2)))
+  if q_seg_p is not None:
+    ins.add("q_seg", q_seg_p, _compat.block_spec((None, g.Sqp), lambda b, h, j: (b, 0)))
+    ins.add("kv_seg", kv_seg_p, _compat.block_spec((None, g.bk), lambda b, h, j: (b, j)))
+  if table is not None:
+    t5 = _group5(jnp.swapaxes(table, 2, 3), g)  # [B', Hkv|1, G|1, nk, nq]
+    tb, th = t5.shape[0], t5.shape[1]
+    ins.add("table", t5, _compat.block_spec(
+        (None, None, t5.shape[2], None, g.nq),
+        lambda b, h, j: (b if tb != 1 else 0, h if th != 1 else 0, 0, j, 0)))
+  if cfg.dropout_active:
+    ins.add("seed", seed, F._full_spec(seed))
+  for n, c in enumerate(consts):
+    ins.add(f"const{n}", c, F._full_spec(c))
+  kernel = functools.partial(_dkdv_kernel, cfg=cfg, g=g, names=ins.names,
+                             n_consts=len(consts), masked=masked)
+  return _compat.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), acc),
+                 jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), acc)),
+      grid=(g.B, g.Hkv, g.nk),
+      in_specs=ins.specs,
+      out_specs=(_compat.block_spec((None, None, g.bk, g.Dp), lambda b, h, j: (b, h, j, 0)),
+                 _compat.block_spec((None, None, g.bk, g.Dvp), lambda b, h, j: (b, h, j, 0))),
+      interpret=cfg.interpret, name="flashvjp_bwd_dkdv",
+      num_warps=C.num_warps(g), num_stages=2,
+  )(*ins.arrays)
+
+
+# ---- dQ (+ score_mod dconsts partials) ----------------------------------------
+
+def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, n_diff, masked):
+  r = dict(zip(names + ["dq"] + [f"dconst{n}" for n in range(n_diff)], refs))
+  acc = C.acc_dtype(r["q"].dtype)
+  b, h, i = _compat.program_id(0), _compat.program_id(1), _compat.program_id(2)
+  q, do = r["q"][...], r["do"][...]
+  lse, delta = r["lse"][...], r["delta"][...]
+  consts = tuple(r[f"const{n}"][...] for n in range(n_consts))
+  lo, hi = C.mask_spec(cfg).kv_block_range(i, g.bq, g.bk, g.nk)
+
+  def body(j, carry):
+    def compute(carry):
+      dq, dcs = carry
+      t = F.load_tile_inputs(r, g, b, h, i, j)
+      cols = _compat.ds(j * g.bk, g.bk)
+      k = r["k"][cols, :]
+      _, ds, dc = _tile_grads(cfg, g, q, k, r["v"][cols, :], do, lse, delta, t, consts,
+                              r.get("seed"), acc, masked, n_diff)
+      ds = ds * jnp.asarray(cfg.scale, acc)
+      dq = dq + C.dot_nn(ds.astype(k.dtype), k, acc)
+      dcs = tuple(a + c.astype(a.dtype) for a, c in zip(dcs, dc))
+      return dq, dcs
+
+    table = r["table"][j] if "table" in r else None
+    return C.maybe_skip(table, compute, carry)
+
+  dc0 = tuple(jnp.zeros(r[f"dconst{n}"].shape, r[f"dconst{n}"].dtype) for n in range(n_diff))
+  dq, dcs = lax.fori_loop(lo, hi, body, (jnp.zeros((g.bq, g.Dp), acc), dc0))
+  r["dq"][...] = dq.astype(r["dq"].dtype)
+  for n, d in enumerate(dcs):
+    r[f"dconst{n}"][...] = d
+
+
+def _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, dop, lse_p, delta_p, masked,
+        acc, n_diff):
+  ins = F.kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
+  ins.add("do", dop, _compat.block_spec((None, None, g.bq, g.Dvp), lambda b, h, i: (b, h, i, 0)))
+  for name, x in (("lse", lse_p), ("delta", delta_p)):
+    ins.add(name, x, _compat.block_spec((None, None, g.bq), lambda b, h, i: (b, h, i)))
+  out_shape = [jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dp), acc)]
+  out_specs = [_compat.block_spec((None, None, g.bq, g.Dp), lambda b, h, i: (b, h, i, 0))]
+  for c in consts[:n_diff]:
+    c = jnp.asarray(c)
+    nd = c.ndim
+    out_shape.append(jax.ShapeDtypeStruct((g.B, g.H, g.nq) + c.shape,
+                                          jnp.promote_types(c.dtype, acc)))
+    out_specs.append(_compat.block_spec(
+        (None, None, None) + c.shape,
+        functools.partial(lambda nd, b, h, i: (b, h, i) + (0,) * nd, nd)))
+  kernel = functools.partial(_dq_kernel, cfg=cfg, g=g, names=ins.names, n_consts=len(consts),
+                             n_diff=n_diff, masked=masked)
+  outs = _compat.pallas_call(
+      kernel, out_shape=tuple(out_shape), grid=(g.B, g.H, g.nq), in_specs=ins.specs,
+      out_specs=tuple(out_specs), interpret=cfg.interpret, name="flashvjp_bwd_dq",
+      num_warps=C.num_warps(g), num_stages=2,
+  )(*ins.arrays)
+  dq, partials = outs[0], outs[1:]
+  dconsts = tuple(p.sum(axis=(0, 1, 2)) for p in partials)
+  return dq, dconsts
+
+
+# ---- dbias ----------------------------------------------------------------------
+
+def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, masked, bias_shape):
+  r = dict(zip(names + ["dbias"], refs))
+  acc = C.acc_dtype(r["q"].dtype)
+  Bb, Hb, Sqb, Skb = bias_shape
+  pb, ph, pi, pj = (_compat.program_id(a) for a in range(4))
+  bias_tile = r["bias"][...]
+  consts = tuple(r[f"const{n}"][...] for n in range(n_consts))
+  nb = g.B if Bb == 1 else 1
+  nh = g.H if Hb == 1 else 1
+  spec = C.mask_spec(cfg)
+
+  def bh_body(t_bh, accum):
+    b = pb if Bb != 1 else t_bh // nh
+    h = ph if Hb != 1 else t_bh % nh
+
+    def i_body(i, accum):
+      lo, hi = spec.kv_block_range(i, g.bq, g.bk, g.nk)
+      if Skb != 1:
+        lo, hi = jnp.maximum(lo, pj), jnp.minimum(hi, pj + 1)
+
+      def j_body(j, accum):
+        def compute(accum):
+          rows, cols = _compat.ds(i * g.bq, g.bq), _compat.ds(j * g.bk, g.bk)
+          q, do = r["q"][b, h, rows, :], r["do"][b, h, rows, :]
+          hkv = h // g.G
+          k, v = r["k"][b, hkv, cols, :], r["v"][b, hkv, cols, :]
+          t = C.TileInputs(b=b, h=h, i=i, j=j, bias=bias_tile)
+          if "mask" in r:
+            m = r["mask"]
+            t.mask = C.pair_tile(m, (0 if m.shape[0] == 1 else b, 0 if m.shape[1] == 1 else h),
+                                 i, j, g, full_q=True, full_kv=True)
+          if "q_seg" in r:
+            t.q_seg, t.kv_seg = r["q_seg"][b, rows], r["kv_seg"][b, cols]
+          _, ds, _ = _tile_grads(cfg, g, q, k, v, do, r["lse"][b, h, rows],
+                                 r["delta"][b, h, rows], t, consts, r.get("seed"), acc, masked, 0)
+          if Sqb == 1:
+            ds = ds.sum(axis=0, keepdims=True)
+          if Skb == 1:
+            ds = ds.sum(axis=1, keepdims=True)
+          return accum + ds
+
+        table = None
+        if "table" in r:
+          tr = r["table"]
+          table = tr[0 if tr.shape[0] == 1 else b, 0 if tr.shape[1] == 1 else h, i, j]
+        return C.maybe_skip(table, compute, accum)
+
+      return lax.fori_loop(lo, hi, j_body, accum)
+
+    i_lo, i_hi = (pi, pi + 1) if Sqb != 1 else (0, g.nq)
+    return lax.fori_loop(i_lo, i_hi, i_body, accum)
+
+  init = jnp.zeros(r["dbias"].shape, acc)
+  r["dbias"][...] = lax.fori_loop(0, nb * nh, bh_body, init).astype(r["dbias"].dtype)
+
+
+def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, table,
+           seed, consts, masked, acc):
+  ins = F._Inputs()
+  Bb, Hb, Sqb, Skb = bias_p.shape
+  bq, bk = (g.bq if Sqb != 1 else 1), (g.bk if Skb != 1 else 1)
+  for name, x in (("q", qp), ("k", kp), ("v", vp), ("do", dop), ("lse", lse_p),
+                  ("delta", delta_p), ("mask", mask_p), ("q_seg", q_seg_p), ("kv_seg", kv_seg_p),
+                  ("table", table)):
+    if x is not None:
+      ins.add(name, x, F._full_spec(x))
+  ins.add("bias", bias_p, _compat.block_spec((None, None, bq, bk), lambda b, h, i, j: (b, h, i, j)))
+  if cfg.dropout_active:
+    ins.add("seed", seed, F._full_spec(seed))
+  for n, c in enumerate(consts):
+    ins.add(f"const{n}", c, F._full_spec(c))
+  kernel = functools.partial(_dbias_kernel, cfg=cfg, g=g, names=ins.names, n_consts=len(consts),
+                             masked=masked, bias_shape=bias_p.shape)
+  grid = (Bb, Hb, g.nq if Sqb != 1 else 1, g.nk if Skb != 1 else 1)
+  return _compat.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct(bias_p.shape, acc), grid=grid, in_specs=ins.specs,
+      out_specs=_compat.block_spec((None, None, bq, bk), lambda b, h, i, j: (b, h, i, j)),
+      interpret=cfg.interpret, name="flashvjp_bwd_dbias",
+      num_warps=C.num_warps(g), num_stages=2,
+  )(*ins.arrays)
+
+
+# ---- entry point ------------------------------------------------------------------
+
+def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
+             out, lse, dout, dlse):
+  """Hand-written Pallas backward.
+
+  Args:
+    cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts: as `forward`.
+    out: [B, H, Sq, Dv] forward output; lse: [B, H, Sq] its logsumexp (-inf on empty rows).
+    dout: [B, H, Sq, Dv] cotangent of out; dlse: [B, H, Sq] cotangent of lse (or None).
+
+  Returns:
+    (dq [B, H, Sq, D], dk [B, Hkv, Skv, D], dv [B, Hkv, Skv, Dv] in the input dtype,
+     dbias in bias' own shape and dtype (or None), tuple of grads of the
+     cfg.num_diff_consts differentiable score_mod consts).
+  """
+  bq_dkv, bk_dkv = cfg.blocks.dkv
+  bq_dq, bk_dq = cfg.blocks.dq
+  acc = C.acc_dtype(q.dtype)
+  n_user_consts = len(consts)
+  cfg, consts = C.hoist_score_mod(cfg, consts, acc)
+  consts = tuple(jnp.asarray(c) for c in consts)
+  n_diff = cfg.num_diff_consts
+  has_seg, has_mask = q_seg is not None, mask is not None
+
+  # dK / dV (and dbias, which shares its blocks).
+  g = C.geometry(cfg, q.shape, k.shape, v.shape, bq_dkv, bk_dkv)
+  masked = C.needs_mask(cfg, g, has_seg, has_mask)
+  delta_p, lse_p = _preprocess(out, lse, dout, dlse, g, acc)
+  qp, dop = C.pad_seq_head(q, g.Sqp, g.Dp), C.pad_seq_head(dout, g.Sqp, g.Dvp)
+  kp, vp = C.pad_seq_head(k, g.Skvp, g.Dp), C.pad_seq_head(v, g.Skvp, g.Dvp)
+  bias_p, mask_b = C.pad_pair(bias, g), C.pad_pair(mask, g)
+  mask_p = None if mask_b is None else mask_b.astype(jnp.int8)
+  q_seg_p, kv_seg_p = C.pad_segments(q_seg, kv_seg, g)
+  table = C.block_table(q_seg_p, kv_seg_p, mask_b, g)
+  dk, dv = _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p,
+                 table, seed, consts, masked, acc)
+  dk = dk[:, :, : g.Skv, : g.D].astype(k.dtype)
+  dv = dv[:, :, : g.Skv, : g.Dv].astype(v.dtype)
+  dbias = None
+  if bias is not None:
+    dbias = _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p,
+                   table, seed, consts, masked, acc)
+    dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
+
+  # dQ (and the score_mod consts' grads).
+  g = C.geometry(cfg, q.shape, k.shape, v.shape, bq_dq, bk_dq)
+  masked = C.needs_mask(cfg, g, has_seg, has_mask)
+  delta_p, lse_p = _preprocess(out, lse, dout, dlse, g, acc)
+  dop = C.pad_seq_head(dout, g.Sqp, g.Dvp)
+  dq, dconsts = _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, dop, lse_p,
+                    delta_p, masked, acc, n_diff)
+  dq = dq[:, :, : g.Sq, : g.D].astype(q.dtype)
+  dconsts = tuple(d.astype(jnp.result_type(c)) for d, c in zip(dconsts, consts[:n_diff]))
+  del n_user_consts
+  return dq, dk, dv, dbias, dconsts

@@ -1,0 +1,173 @@
+"""Pallas forward kernel: online softmax, writes out and logsumexp.
+
+Room: Pallas kernels (forward). Grid (batch, head, q block); each program keeps
+its q tile, loops over the kv blocks the mask model's static bounds allow
+(causal / window, `MaskSpec.kv_block_range` on the program id), skips block pairs
+that segment ids or a dense mask leave empty (a per-block table input), and
+accumulates in float32 (float64 for float64 inputs in interpret mode).
+
+GQA: the K/V index maps read kv head h // G, so K/V are never repeated.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flashvjp._config import AttentionConfig
+from flashvjp.pallas import _common as C
+from flashvjp.pallas import _compat
+
+
+class _Inputs:
+  """Named kernel inputs with their BlockSpecs (optional inputs simply absent)."""
+
+  def __init__(self):
+    self.names, self.arrays, self.specs = [], [], []
+
+  def add(self, name, array, spec):
+    self.names.append(name)
+    self.arrays.append(array)
+    self.specs.append(spec)
+
+
+def _full_spec(x):
+  """The whole array as one block (for small inputs: seed, score_mod consts)."""
+  nd = x.ndim
+  return _compat.block_spec(x.shape, lambda *ids: (0,) * nd)
+
+
+def kernel_inputs(cfg: AttentionConfig, g: C.Geometry, q, k, v, bias, mask, q_seg, kv_seg, seed,
+                  consts):
+  """Padded inputs and specs for a kernel with grid (batch, head, q block).
+
+  Shared by the forward and the dQ kernel. Returns (_Inputs, padded mask or None).
+  """
+  G = g.G
+  ins = _Inputs()
+  qp = C.pad_seq_head(q, g.Sqp, g.Dp)
+  kp = C.pad_seq_head(k, g.Skvp, g.Dp)
+  vp = C.pad_seq_head(v, g.Skvp, g.Dvp)
+  ins.add("q", qp, _compat.block_spec((None, None, g.bq, g.Dp), lambda b, h, i: (b, h, i, 0)))
+  ins.add("k", kp, _compat.block_spec((None, None, g.Skvp, g.Dp),
+                                      lambda b, h, i: (b, h // G, 0, 0)))
+  ins.add("v", vp, _compat.block_spec((None, None, g.Skvp, g.Dvp),
+                                      lambda b, h, i: (b, h // G, 0, 0)))
+  mask_p = C.pad_pair(mask, g)
+  for name, x in (("bias", C.pad_pair(bias, g)),
+                  ("mask", None if mask_p is None else mask_p.astype(jnp.int8))):
+    if x is None:
+      continue
+    ins.add(name, x, pair_spec_q(x, g))
+  q_seg_p, kv_seg_p = C.pad_segments(q_seg, kv_seg, g)
+  if q_seg_p is not None:
+    ins.add("q_seg", q_seg_p, _compat.block_spec((None, g.bq), lambda b, h, i: (b, i)))
+    ins.add("kv_seg", kv_seg_p, _compat.block_spec((None, g.Skvp), lambda b, h, i: (b, 0)))
+  table = C.block_table(q_seg_p, kv_seg_p, mask_p, g)
+  if table is not None:
+    tb, th = table.shape[0], table.shape[1]
+    ins.add("table", table, _compat.block_spec(
+        (None, None, None, g.nk),
+        lambda b, h, i: (b if tb != 1 else 0, h if th != 1 else 0, i, 0)))
+  if cfg.dropout_active:
+    ins.add("seed", seed, _full_spec(seed))
+  for n, c in enumerate(consts):
+    ins.add(f"const{n}", jnp.asarray(c), _full_spec(jnp.asarray(c)))
+  return ins
+
+
+def pair_spec_q(x, g: C.Geometry):
+  """BlockSpec of a padded rank-4 bias/mask for a (batch, head, q block) grid.
+
+  A size-1 (broadcast) dim maps to block 0 and is never copied per program.
+  """
+  Bp, Hp, Sq2, Sk2 = x.shape
+  return _compat.block_spec(
+      (None, None, g.bq if Sq2 != 1 else 1, Sk2),
+      lambda b, h, i: (b if Bp != 1 else 0, h if Hp != 1 else 0, i if Sq2 != 1 else 0, 0))
+
+
+def load_tile_inputs(r, g: C.Geometry, b, h, i, j):
+  """TileInputs of tile (i, j) for a (batch, head, q block) program."""
+  t = C.TileInputs(b=b, h=h, i=i, j=j)
+  if "bias" in r:
+    t.bias = C.pair_tile(r["bias"], (), i, j, g, full_q=False, full_kv=True)
+  if "mask" in r:
+    t.mask = C.pair_tile(r["mask"], (), i, j, g, full_q=False, full_kv=True)
+  if "q_seg" in r:
+    t.q_seg = r["q_seg"][...]
+    t.kv_seg = r["kv_seg"][_compat.ds(j * g.bk, g.bk)]
+  return t
+
+
+def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts, masked):
+  r = dict(zip(names + ["out", "lse"], refs))
+  acc = C.acc_dtype(r["q"].dtype)
+  b, h, i = _compat.program_id(0), _compat.program_id(1), _compat.program_id(2)
+  q = r["q"][...]
+  consts = tuple(r[f"const{n}"][...] for n in range(n_consts))
+  lo, hi = C.mask_spec(cfg).kv_block_range(i, g.bq, g.bk, g.nk)
+
+  def body(j, carry):
+    def compute(carry):
+      m, l, o = carry
+      t = load_tile_inputs(r, g, b, h, i, j)
+      kv = _compat.ds(j * g.bk, g.bk)
+      s, _ = C.scores(cfg, g, q, r["k"][kv, :], t, consts, acc, masked)
+      m_new = jnp.maximum(m, s.max(axis=-1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p = jnp.exp(s - m_safe[:, None])
+      alpha = jnp.exp(m - m_safe)
+      l = alpha * l + p.sum(axis=-1)
+      if cfg.dropout_active:
+        p = p * C.dropout_scale(cfg, g, r["seed"], t, acc)
+      vt = r["v"][kv, :]
+      o = alpha[:, None] * o + C.dot_nn(p.astype(vt.dtype), vt, acc)
+      return m_new, l, o
+
+    table = r["table"][j] if "table" in r else None
+    return C.maybe_skip(table, compute, carry)
+
+  init = (jnp.full((g.bq,), -jnp.inf, acc), jnp.zeros((g.bq,), acc),
+          jnp.zeros((g.bq, g.Dvp), acc))
+  m, l, o = lax.fori_loop(lo, hi, body, init)
+  empty = l == 0.0
+  o = o / jnp.where(empty, 1.0, l)[:, None]
+  r["out"][...] = o.astype(r["out"].dtype)
+  r["lse"][...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+
+
+def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts):
+  """Pallas forward.
+
+  Args:
+    cfg: static configuration (cfg.interpret selects interpret mode).
+    q: [B, H, Sq, D]; k: [B, Hkv, Skv, D]; v: [B, Hkv, Skv, Dv].
+    bias: None or rank 4 float, dims 1 or full. mask: None or rank-4 bool, dims 1 or full.
+    q_seg, kv_seg: None or int32 [B, Sq] / [B, Skv]. seed: uint32 [2] or None.
+    consts: score_mod consts (differentiable first).
+
+  Returns:
+    (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32 (float64 for float64 inputs)).
+  """
+  g = C.geometry(cfg, q.shape, k.shape, v.shape, cfg.blocks.block_q, cfg.blocks.block_kv)
+  acc = C.acc_dtype(q.dtype)
+  cfg, consts = C.hoist_score_mod(cfg, consts, acc)
+  ins = kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
+  masked = C.needs_mask(cfg, g, q_seg is not None, mask is not None)
+  kernel = functools.partial(_forward_kernel, cfg=cfg, g=g, names=ins.names,
+                             n_consts=len(consts), masked=masked)
+  out, lse = _compat.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dvp), q.dtype),
+                 jax.ShapeDtypeStruct((g.B, g.H, g.Sqp), acc)),
+      grid=(g.B, g.H, g.nq),
+      in_specs=ins.specs,
+      out_specs=(_compat.block_spec((None, None, g.bq, g.Dvp), lambda b, h, i: (b, h, i, 0)),
+                 _compat.block_spec((None, None, g.bq), lambda b, h, i: (b, h, i))),
+      interpret=cfg.interpret, name="flashvjp_fwd",
+      num_warps=C.num_warps(g), num_stages=2,
+  )(*ins.arrays)
+  return out[:, :, : g.Sq, : g.Dv], lse[:, :, : g.Sq]
