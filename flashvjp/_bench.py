@@ -23,7 +23,8 @@ Conventions, stated once:
   matmuls, including the recomputation of ``q @ k^T``), so forward+backward is ``3.5x``.
   The same count is used for every implementation, so FLOP/s compares times.
 * Matmul rate: median FLOP/s of ``jnp.dot`` on square matrices in the benchmark dtype,
-  measured in the same process; attention FLOP/s is reported as a fraction of it.
+  measured in the same process before and after the suite (the higher of the two is the
+  reference); attention FLOP/s is reported as a fraction of it.
 """
 from __future__ import annotations
 
@@ -215,20 +216,22 @@ def time_call(fn: Callable, *args) -> float:
   return time.perf_counter() - t0
 
 
-def time_round_robin(calls: Sequence[tuple], *, repeats: int = 5,
-                     max_seconds: float = 20.0) -> List[dict]:
-  """Times each (fn, args) round-robin; returns [{"median", "runs", "times"}] per call.
+def time_round_robin(calls: Sequence[tuple], *, repeats: int = 5, max_seconds: float = 20.0,
+                     min_seconds: float = 0.5, max_repeats: int = 50) -> List[dict]:
+  """Times each (fn, args) round-robin; returns [{"median", "min", "runs", "times"}] per call.
 
-  One warm-up call each (it also estimates the cost), then up to `repeats` timed rounds,
-  fewer for a call whose warm-up says the rounds would exceed `max_seconds`: such a call
-  is timed at least once (its warm-up counts as that time when it alone would exceed the
-  budget). Interleaving makes the ratios between calls robust to load from other users.
+  One warm-up call each (it also estimates the cost), then `repeats` timed rounds; more
+  (up to `max_repeats`) for a fast call, until about `min_seconds` of timed calls; fewer
+  for a call whose warm-up says the rounds would exceed `max_seconds`. A call too slow to
+  repeat at all is timed once: its warm-up (a compiled call, no tracing) is the time.
+  Interleaving makes the ratios between calls robust to load from other users.
   """
   warm = [time_call(fn, *args) for fn, args in calls]
   runs = []
   for t0 in warm:
-    n = repeats if t0 * repeats <= max_seconds else int(max_seconds // max(t0, 1e-9))
-    runs.append(max(0, min(repeats, n)))
+    t0 = max(t0, 1e-9)
+    n = max(repeats, min(max_repeats, int(min_seconds / t0)))
+    runs.append(max(0, min(n, int(max_seconds // t0))))
   times: List[List[float]] = [[] for _ in calls]
   for r in range(max(runs, default=0)):
     for i, (fn, args) in enumerate(calls):
@@ -237,7 +240,7 @@ def time_round_robin(calls: Sequence[tuple], *, repeats: int = 5,
   out = []
   for t0, ts in zip(warm, times):
     ts = ts or [t0]  # too slow to repeat: the warm-up (a compiled call, no tracing) is the time
-    out.append({"median": statistics.median(ts), "runs": len(ts), "times": ts})
+    out.append({"median": statistics.median(ts), "min": min(ts), "runs": len(ts), "times": ts})
   return out
 
 
@@ -279,7 +282,8 @@ class Result:
   temp_bytes: Optional[int] = None
   argument_bytes: Optional[int] = None
   output_bytes: Optional[int] = None
-  time_s: Optional[float] = None
+  time_s: Optional[float] = None  # median
+  time_min_s: Optional[float] = None
   runs: int = 0
   skip_reason: Optional[str] = None  # why time_s is None
   ratio_to_baseline: Optional[float] = None  # time_s / jax.nn's time_s, same round-robin
@@ -301,11 +305,15 @@ class SuiteConfig:
   block_q: Optional[int] = None
   block_kv: Optional[int] = None
   # Timing is skipped (memory still read) where the compiled call needs more than this...
-  max_time_memory_bytes: int = 2 * GiB
+  max_time_memory_bytes: int = 3 * GiB
   # ...or where one call is predicted to take longer (from the same config at seq / 2).
   max_call_seconds: float = 10.0
-  # Budget for the timed rounds of one call (warm-up excluded).
+  # Budget for the timed rounds of one call (warm-up excluded); fast calls are repeated
+  # (up to 50 times) until about min_seconds_per_case.
   max_seconds_per_case: float = 20.0
+  min_seconds_per_case: float = 0.5
+  # Once the suite has run this long, later (larger) cases get memory only.
+  max_suite_seconds: Optional[float] = None
   matmul_n: int = 2048
 
 
@@ -340,11 +348,12 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
   impls = list(cfg.impls)
   if BASELINE not in impls:
     impls.append(BASELINE)  # ratios need it
+  start = time.perf_counter()
   meta = machine_info()
-  rate = matmul_rate(cfg.matmul_n, cfg.dtype)
+  rate_start = matmul_rate(cfg.matmul_n, cfg.dtype)
   block = cfg.block_q or flashvjp.BlockSizes().block_q
   tile = tile_matmul_rate(cfg.heads, min(block, min(cfg.seqs)), cfg.head_dim, cfg.dtype)
-  meta.update(matmul_flops_per_s=rate, matmul_shape=f"[{cfg.matmul_n}, {cfg.matmul_n}]^2 {cfg.dtype}",
+  meta.update(matmul_shape=f"[{cfg.matmul_n}, {cfg.matmul_n}]^2 {cfg.dtype}",
               tile_matmul_flops_per_s=tile,
               tile_matmul_shape=f"[{cfg.heads}, {min(block, min(cfg.seqs))}, {cfg.head_dim}] x^T")
   meta["config"] = {k: (list(v) if isinstance(v, (tuple, list)) else v)
@@ -374,6 +383,9 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
       elif predicted is not None and predicted > cfg.max_call_seconds:
         r.skip_reason = (f"predicted {predicted:.0f} s per call (from seq {prev[0]}) >"
                          f" {cfg.max_call_seconds:.0f} s limit")
+      elif (cfg.max_suite_seconds is not None
+            and time.perf_counter() - start + 2 * (predicted or 0.0) > cfg.max_suite_seconds):
+        r.skip_reason = f"suite time budget of {cfg.max_suite_seconds:.0f} s used up"
       else:
         to_time.append((r, compiled))
       group.append(r)
@@ -382,20 +394,28 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
         inputs_cache.clear()  # one seq at a time
         inputs_cache[seq] = make_inputs(shape)
       calls = [(c, args_for(r.impl, mode, inputs_cache[seq])) for r, c in to_time]
-      timed = time_round_robin(calls, repeats=cfg.repeats, max_seconds=cfg.max_seconds_per_case)
+      timed = time_round_robin(calls, repeats=cfg.repeats, max_seconds=cfg.max_seconds_per_case,
+                               min_seconds=cfg.min_seconds_per_case)
       for (r, _), t in zip(to_time, timed):
-        r.time_s, r.runs = t["median"], t["runs"]
+        r.time_s, r.time_min_s, r.runs = t["median"], t["min"], t["runs"]
         r.flops_per_s = flops / r.time_s
-        r.matmul_fraction = r.flops_per_s / rate
         last_time[(r.impl, causal, mode)] = (seq, r.time_s)
     base = next(r for r in group if r.impl == BASELINE)
     for r in group:
       if r.time_s is not None and base.time_s is not None:
         r.ratio_to_baseline = r.time_s / base.time_s
-      if r.impl in cfg.impls:
-        results.append(r)
+      results.append(r)
     if progress is not None:
       progress(f"seq {seq} {'causal' if causal else 'full'} {mode}")
+  # The matmul rate is measured before and after; the higher one (the machine when least
+  # loaded) is the reference, so fractions err low rather than high.
+  rate_end = matmul_rate(cfg.matmul_n, cfg.dtype)
+  rate = max(rate_start, rate_end)
+  meta.update(matmul_flops_per_s=rate, matmul_flops_per_s_start=rate_start,
+              matmul_flops_per_s_end=rate_end, seconds=time.perf_counter() - start)
+  for r in results:
+    if r.flops_per_s is not None:
+      r.matmul_fraction = r.flops_per_s / rate
   return {"meta": meta, "results": [dataclasses.asdict(r) for r in results]}
 
 
@@ -453,10 +473,13 @@ def meta_lines(report: dict) -> List[str]:
       f"- machine: {m['platform']} ({m['device']}), {m['nproc']} cores, {m['machine']};"
       f" python {m['python']}, jax {m['jax']}, flashvjp {m['flashvjp']}",
       f"- XLA_FLAGS: `{m['xla_flags']}`",
-      f"- matmul rate: {m['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s ({m['matmul_shape']});"
+      f"- matmul rate: {m['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s ({m['matmul_shape']}, best of"
+      f" {m['matmul_flops_per_s_start'] / 1e9:.1f} before and {m['matmul_flops_per_s_end'] / 1e9:.1f}"
+      " after the run);"
       f" attention-tile matmul {m['tile_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s"
       f" ({m['tile_matmul_shape']})",
       f"- FLOPs: {m['flops_convention']}",
+      f"- suite wall time: {m['seconds']:.0f} s",
       "- time: median of the compiled call after a warm-up; \"x jax.nn\" = time /"
       " jax.nn.dot_product_attention(implementation=\"xla\") timed round-robin in the same run",
       "- temp mem: compiled temp_size_in_bytes (arguments and outputs excluded)",
@@ -527,8 +550,8 @@ def default_config(platform: str) -> SuiteConfig:
   if platform == "cpu":
     return SuiteConfig(seqs=(512, 1024, 2048, 4096), impls=("naive", "blockwise", BASELINE),
                        heads=8, head_dim=64, dtype="float32", repeats=3,
-                       max_time_memory_bytes=2 * GiB, max_call_seconds=5.0,
-                       max_seconds_per_case=5.0)
+                       max_time_memory_bytes=3 * GiB, max_call_seconds=5.0,
+                       max_seconds_per_case=5.0, max_suite_seconds=90.0)
   impls = ["naive", "blockwise", BASELINE]
   probe = jax.ShapeDtypeStruct((1, 16, 4096, 128), jnp.bfloat16)
   if flashvjp.explain(probe, probe, probe, causal=True).implementation == "pallas":
@@ -558,10 +581,15 @@ def add_bench_parser(subparsers):
   p.add_argument("--head-dim", type=int)
   p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
   p.add_argument("--repeats", type=int, help="timed calls per case (median)")
+  p.add_argument("--min-seconds", type=float,
+                 help="repeat fast calls (up to 50 times) until about this many seconds")
+  p.add_argument("--matmul-size", type=int, help="n of the [n, n] x [n, n] reference matmul")
   p.add_argument("--block-q", type=int, help="block_q for blockwise/pallas (default: tuned)")
   p.add_argument("--block-kv", type=int, help="block_kv for blockwise/pallas (default: tuned)")
   p.add_argument("--max-call-seconds", type=float,
                  help="skip timing where one call is predicted to take longer")
+  p.add_argument("--max-suite-seconds", type=float,
+                 help="after this long, larger cases get compiled memory only")
   p.add_argument("--max-time-memory-gib", type=float,
                  help="skip timing (memory is still read) where a call needs more memory")
   p.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -577,7 +605,9 @@ def config_from_args(args) -> SuiteConfig:
   for name, field in (("seq", "seqs"), ("impl", "impls"), ("batch", "batch"), ("heads", "heads"),
                       ("head_dim", "head_dim"), ("dtype", "dtype"), ("repeats", "repeats"),
                       ("block_q", "block_q"), ("block_kv", "block_kv"),
-                      ("max_call_seconds", "max_call_seconds")):
+                      ("max_call_seconds", "max_call_seconds"),
+                      ("max_suite_seconds", "max_suite_seconds"),
+                      ("min_seconds", "min_seconds_per_case"), ("matmul_size", "matmul_n")):
     v = getattr(args, name, None)
     if v is not None:
       over[field] = tuple(v) if isinstance(v, list) else v
@@ -587,7 +617,7 @@ def config_from_args(args) -> SuiteConfig:
   over["causals"] = {"both": (True, False), "yes": (True,), "no": (False,)}[causal]
   mode = getattr(args, "mode", "both")
   over["modes"] = MODES if mode == "both" else (mode,)
-  for name in ("batch", "heads", "head_dim", "repeats", "block_q", "block_kv"):
+  for name in ("batch", "heads", "head_dim", "repeats", "block_q", "block_kv", "matmul_n"):
     if name in over and over[name] <= 0:
       raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {over[name]}")
   if "seqs" in over and min(over["seqs"]) <= 0:

@@ -1,0 +1,122 @@
+"""Fast tests of the benchmark helpers (flashvjp/_bench.py) and of `python -m flashvjp bench`."""
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from flashvjp import _bench
+
+
+def test_cpu_memory_flag_is_set():
+  assert "--xla_cpu_experimental_ynn_fusion_type=individual_dot" in os.environ["XLA_FLAGS"]
+  assert _bench.ensure_cpu_memory_flag() is False  # already there: not added twice
+  assert os.environ["XLA_FLAGS"].count("xla_cpu_experimental_ynn_fusion_type") == 1
+
+
+def test_attention_flops_formula():
+  B, H, S, D = 2, 8, 1024, 64
+  fwd = _bench.attention_flops(B, H, S, S, D, causal=False, mode="fwd")
+  assert fwd == 4 * B * H * S * S * D
+  assert _bench.attention_flops(B, H, S, S, D, causal=True, mode="fwd") == fwd / 2
+  assert _bench.attention_flops(B, H, S, S, D, causal=False, mode="fwd+bwd") == 3.5 * fwd
+  assert _bench.attention_flops(B, H, S, S, D, causal=True, mode="fwd+bwd") == 1.75 * fwd
+  # Rectangular and Dv != D: 2 * B * H * Sq * Skv * (D + Dv).
+  assert _bench.attention_flops(1, 1, 3, 5, 4, causal=False, head_dim_v=6) == 2 * 3 * 5 * (4 + 6)
+  with pytest.raises(ValueError, match="mode"):
+    _bench.attention_flops(B, H, S, S, D, causal=False, mode="bwd")
+
+
+@pytest.mark.parametrize("mode", _bench.MODES)
+def test_naive_compiled_memory_exceeds_blockwise(mode):
+  shape = _bench.Shape(batch=1, heads=4, seq=512, head_dim=64, dtype="float32", causal=True)
+  mem = {}
+  for impl in ("naive", "blockwise"):
+    fn = _bench.benchmark_fn(impl, True, mode, **({"block_q": 128, "block_kv": 128}
+                                                  if impl == "blockwise" else {}))
+    mem[impl] = _bench.compiled_memory(fn, *_bench.input_specs(impl, shape, mode))
+  scores = 4 * 512 * 512 * 4  # one float32 [1, 4, 512, 512] score matrix
+  assert mem["naive"].temp >= scores
+  assert mem["naive"].temp > 2 * mem["blockwise"].temp
+  assert mem["naive"].argument == mem["blockwise"].argument > 0
+  assert mem["naive"].output == mem["blockwise"].output > 0
+
+
+def test_baseline_takes_jax_nn_layout():
+  shape = _bench.Shape(batch=1, heads=2, seq=8, head_dim=4)
+  (q_spec, *_), = [_bench.input_specs("jax.nn", shape, "fwd")]
+  assert q_spec.shape == (1, 8, 2, 4)
+  inputs = _bench.make_inputs(shape)
+  q, k, v = _bench.args_for("naive", "fwd", inputs)
+  qt, kt, vt = _bench.args_for("jax.nn", "fwd", inputs)
+  ours = _bench.benchmark_fn("naive", True, "fwd")(q, k, v)
+  theirs = _bench.benchmark_fn("jax.nn", True, "fwd")(qt, kt, vt)
+  assert jnp.max(jnp.abs(jnp.swapaxes(theirs, 1, 2) - ours)) < 1e-5
+
+
+def test_time_round_robin_respects_budget():
+  def sleep(t):
+    time.sleep(t)
+    return jnp.zeros(())
+  fast, slow = (lambda: sleep(0.001)), (lambda: sleep(0.05))
+  res = _bench.time_round_robin([(fast, ()), (slow, ())], repeats=3, max_seconds=0.12,
+                                min_seconds=0.02)
+  assert res[0]["runs"] >= 3 and res[0]["median"] >= 0.001
+  assert 1 <= res[1]["runs"] <= 2 and res[1]["median"] >= 0.05
+  (too_slow,) = _bench.time_round_robin([(slow, ())], repeats=3, max_seconds=0.01)
+  assert too_slow["runs"] == 1  # the warm-up is the time
+
+
+def test_run_suite_skips_timing_over_memory_limit_but_reads_memory():
+  cfg = _bench.SuiteConfig(seqs=(64,), impls=("naive",), causals=(True,), modes=("fwd",),
+                           heads=1, head_dim=16, repeats=1, max_time_memory_bytes=1,
+                           min_seconds_per_case=0.0,
+                           matmul_n=128)
+  report = _bench.run_suite(cfg)
+  impls = sorted(r["impl"] for r in report["results"])
+  assert impls == ["jax.nn", "naive"]  # the baseline is always measured
+  for r in report["results"]:
+    assert r["time_s"] is None and r["ratio_to_baseline"] is None
+    assert "compiled memory" in r["skip_reason"]
+    assert r["temp_bytes"] > 0
+
+
+def _bench_args(argv):
+  parser = argparse.ArgumentParser()
+  _bench.add_bench_parser(parser.add_subparsers(dest="command"))
+  return parser.parse_args(["bench"] + argv)
+
+
+def test_cpu_defaults():
+  if jax.default_backend() != "cpu":
+    pytest.skip("CPU defaults")
+  cfg = _bench.config_from_args(_bench_args([]))
+  assert tuple(cfg.seqs) == (512, 1024, 2048, 4096)
+  assert cfg.dtype == "float32" and cfg.heads == 8 and cfg.head_dim == 64
+  assert "pallas" not in cfg.impls  # interpret mode is not a benchmark
+
+
+def test_run_bench_writes_json_and_png(tmp_path, capsys):
+  pytest.importorskip("matplotlib")
+  js, png = tmp_path / "bench.json", tmp_path / "bench.png"
+  args = _bench_args(["--seq", "32", "64", "--heads", "1", "--head-dim", "16", "--causal", "yes",
+                      "--repeats", "1", "--min-seconds", "0", "--matmul-size", "256",
+                      "--no-progress", "--json", str(js), "--plot", str(png)])
+  assert args.func(args) == 0
+  report = json.loads(js.read_text())
+  assert report["meta"]["matmul_flops_per_s"] > 0
+  rows = {(r["impl"], r["seq"], r["mode"]): r for r in report["results"]}
+  assert set(rows) == {(i, s, m) for i in ("naive", "blockwise", "jax.nn")
+                       for s in (32, 64) for m in _bench.MODES}
+  for (impl, seq, mode), r in rows.items():
+    assert r["causal"] is True and r["temp_bytes"] >= 0 and r["skip_reason"] is None
+    assert r["time_s"] > 0 and r["flops_per_s"] > 0 and r["matmul_fraction"] > 0
+    assert r["flops"] == _bench.attention_flops(1, 1, seq, seq, 16, causal=True, mode=mode)
+    if impl == "jax.nn":
+      assert r["ratio_to_baseline"] == 1.0
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+  out = capsys.readouterr().out
+  assert "| impl | seq | causal |" in out and "blockwise" in out
