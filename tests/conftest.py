@@ -8,6 +8,9 @@ import os
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_cpu_experimental_ynn_fusion_type" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_cpu_experimental_ynn_fusion_type=individual_dot"
+# Eight virtual CPU devices for the sharding and ring tests (tests/test_distributed.py).
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
 

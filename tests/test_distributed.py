@@ -1,0 +1,284 @@
+"""Sharding and ring attention on 8 virtual CPU devices (tests/conftest.py sets the flag).
+
+Ring attention against float64 naive autodiff (forward, lse and the VJP with random
+cotangents), the compiled programs' collectives (collective-permute only for the ring,
+none at all for batch/head sharding), per-device memory, and input validation.
+Zigzag permutation and data placement happen outside the compiled programs, so the
+programs inspected hold exactly the attention.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import flashvjp
+from flashvjp import reference
+from tests import _util
+
+B, H, HKV, D, DV = 2, 4, 2, 16, 8
+BLOCK = 8
+
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
+
+
+def _need(n):
+  if jax.device_count() < n:
+    pytest.fail(f"needs {n} devices, got {jax.device_count()}: run with tests/conftest.py"
+              " (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+
+
+def _mesh(shape, names):
+  n = int(np.prod(shape))
+  _need(n)
+  return Mesh(np.asarray(jax.devices()[:n]).reshape(shape), names)
+
+
+def _collectives(compiled) -> set:
+  """Collective ops in a compiled program's HLO text (sync or async-start forms)."""
+  text = compiled.as_text()
+  return {c for c in COLLECTIVES if re.search(rf"\b{c}(-start)?\(", text)}
+
+
+def _segments(seq, cuts):
+  ids = np.zeros((B, seq), np.int32)
+  for b in range(B):
+    for c in cuts[b % len(cuts)]:
+      ids[b, c:] += 1
+  return ids
+
+
+def _naive_vjp(q, k, v, dout, dlse, *, causal, segment_ids):
+  def f(q, k, v):
+    return flashvjp.flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
+                                    return_lse=True, implementation="naive")
+  (out, lse), vjp = jax.vjp(f, q, k, v)
+  return (out, lse) + tuple(vjp((dout, jnp.where(jnp.isfinite(lse), dlse, 0.0))))
+
+
+def _ring_program(mesh, *, causal, layout, pair, has_seg, implementation="blockwise"):
+  """jit(shard_map) computing (out, lse, dq, dk, dv) of ring attention for given cotangents."""
+  s4, s2 = P(None, None, "sp", None), P(None, None, "sp")
+  seg_spec = P(None, "sp")
+
+  def local(q, k, v, dout, dlse, q_ids, kv_ids):
+    seg = None if not has_seg else ((q_ids, kv_ids) if pair else q_ids)
+    def f(q, k, v):
+      return flashvjp.ring_attention(q, k, v, axis_name="sp", causal=causal, segment_ids=seg,
+                                     layout=layout, return_lse=True,
+                                     implementation=implementation, block_q=BLOCK,
+                                     block_kv=BLOCK)
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    return (out, lse) + tuple(vjp((dout, dlse)))
+
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(s4, s4, s4, s4, s2, seg_spec, seg_spec),
+                     out_specs=(s4, s2, s4, s4, s4))
+  return jax.jit(fn)
+
+
+RING_CASES = [
+    # (devices, causal, layout, segments: None / "same" / "pair", seq, dtype)
+    (2, False, "contiguous", None, 32, jnp.float64),
+    (4, True, "contiguous", "same", 64, jnp.float64),
+    (4, True, "zigzag", None, 64, jnp.float64),
+    (8, True, "zigzag", "same", 64, jnp.float64),
+    (8, False, "contiguous", "pair", 64, jnp.float64),
+    (2, True, "zigzag", "same", 48, jnp.float32),
+]
+
+
+@pytest.mark.parametrize("n,causal,layout,segments,seq,dtype", RING_CASES)
+def test_ring_matches_naive(n, causal, layout, segments, seq, dtype):
+  mesh = _mesh((n,), ("sp",))
+  q, k, v = _util.random_qkv(n, B, H, HKV, seq, seq, D, DV, dtype=dtype)
+  rng = np.random.default_rng(n)
+  dout = jnp.asarray(rng.standard_normal((B, H, seq, DV))).astype(dtype)
+  dlse = jnp.asarray(rng.standard_normal((B, H, seq)), jnp.float32)
+  q_ids = _segments(seq, [[5, seq // 2 + 3], [seq // 3]])
+  # "pair": kv ids skip id 1 on batch 0, so those query rows attend nothing (out 0, lse -inf).
+  kv_ids = np.where(q_ids == 1, 2, q_ids) if segments == "pair" else q_ids
+  if segments is None:
+    seg_ref = None
+  elif segments == "pair":
+    seg_ref = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+  else:
+    seg_ref = jnp.asarray(q_ids)
+
+  ref = _naive_vjp(*_util.as64((q, k, v, dout)), dlse, causal=causal, segment_ids=seg_ref)
+  if segments == "pair":
+    assert np.isinf(np.asarray(ref[1])).any(), "the pair case must have empty rows"
+
+  zz = layout == "zigzag"
+  to = (lambda x, a=2: flashvjp.to_zigzag(x, n, a)) if zz else (lambda x, a=2: x)
+  back = (lambda x, a=2: flashvjp.from_zigzag(x, n, a)) if zz else (lambda x, a=2: x)
+  s4 = NamedSharding(mesh, P(None, None, "sp", None))
+  s2 = NamedSharding(mesh, P(None, None, "sp"))
+  ss = NamedSharding(mesh, P(None, "sp"))
+  args = [jax.device_put(to(x), s4) for x in (q, k, v, dout)]
+  args += [jax.device_put(to(dlse), s2)]
+  args += [jax.device_put(to(jnp.asarray(x), 1), ss) for x in (q_ids, kv_ids)]
+  prog = _ring_program(mesh, causal=causal, layout=layout, pair=segments == "pair",
+                       has_seg=segments is not None)
+  compiled = prog.lower(*args).compile()
+  got = compiled(*args)
+  got = [back(x) for x in got]
+
+  names = ("out", "lse", "dq", "dk", "dv")
+  for name, g, r in zip(names, got, ref):
+    _util.assert_close(g, r, dtype, f"{name} (n={n}, causal={causal}, {layout}, {segments})")
+  # K/V travel by collective-permute; nothing is gathered or reduced.
+  assert _collectives(compiled) == {"collective-permute"}, _collectives(compiled)
+
+
+def test_ring_float32_matches_single_device_flash_attention():
+  """Same dtype on both sides: the ring is a re-association of the single-device sums."""
+  n, seq = 4, 64
+  mesh = _mesh((n,), ("sp",))
+  q, k, v = _util.random_qkv(11, B, H, HKV, seq, seq, D, DV, dtype=jnp.float32)
+  dout = jax.random.normal(jax.random.key(12), (B, H, seq, DV), jnp.float32)
+  dlse = jax.random.normal(jax.random.key(13), (B, H, seq), jnp.float32)
+
+  def single(q, k, v):
+    return flashvjp.flash_attention(q, k, v, causal=True, return_lse=True,
+                                    implementation="blockwise", block_q=BLOCK, block_kv=BLOCK)
+  (o1, l1), vjp = jax.vjp(single, q, k, v)
+  ref = (o1, l1) + tuple(vjp((dout, dlse)))
+  ids = jnp.zeros((B, seq), jnp.int32)
+  got = _ring_program(mesh, causal=True, layout="contiguous", pair=False, has_seg=False)(
+      q, k, v, dout, dlse, ids, ids)
+  for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+    _util.assert_close(g, r, jnp.float32, name)
+
+
+def test_ring_memory_per_device_shrinks_with_devices():
+  """Per-device compiled temp memory of ring fwd+bwd falls ~ 1/devices at fixed global seq."""
+  seq, d = 2048, 16
+  temps = {}
+  for n in (1, 4):
+    mesh = _mesh((n,), ("sp",))
+    def arg(shape, dtype=jnp.float32):
+      spec = P(None, "sp") if len(shape) == 2 else P(None, None, "sp", *([None] * (len(shape) - 3)))
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+    args = [arg((1, 1, seq, d))] * 4 + [arg((1, 1, seq))] + [arg((1, seq), jnp.int32)] * 2
+    prog = _ring_program(mesh, causal=True, layout="contiguous", pair=False, has_seg=False)
+    temps[n] = prog.lower(*args).compile().memory_analysis().temp_size_in_bytes
+  # Blocks of 8 x 8 keep the kernels' own temps tiny: what is left is O(local seq).
+  assert temps[4] <= 0.4 * temps[1], temps
+
+
+# ---- batch / head sharding -------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", [P("b"), P("b", "h")])
+def test_jit_batch_head_sharding_has_no_collectives(spec):
+  """XLA's SPMD partitioner splits the blockwise path over batch/heads by itself."""
+  mesh = _mesh((2, 4), ("b", "h"))
+  seq = 40
+  q, k, v = _util.random_qkv(3, 4, 8, 4, seq, seq, D, DV, dtype=jnp.float32)
+  ids = jnp.asarray(np.repeat(_segments(seq, [[9, 30]])[:1], 4, 0))
+  dout = jax.random.normal(jax.random.key(4), (4, 8, seq, DV), jnp.float32)
+
+  def f(q, k, v, dout, ids):
+    def att(q, k, v):
+      return flashvjp.flash_attention(q, k, v, causal=True, segment_ids=ids,
+                                      implementation="blockwise", block_q=16, block_kv=16)
+    out, vjp = jax.vjp(att, q, k, v)
+    return (out,) + tuple(vjp(dout))
+
+  sh = NamedSharding(mesh, spec)
+  sh_ids = NamedSharding(mesh, P(spec[0]))
+  compiled = jax.jit(f, in_shardings=(sh, sh, sh, sh, sh_ids), out_shardings=sh).lower(
+      q, k, v, dout, ids).compile()
+  assert _collectives(compiled) == set(), _collectives(compiled)
+  got = compiled(q, k, v, dout, ids)
+  ref = f(*_util.as64((q, k, v, dout)), ids)
+  _util.assert_close(got, ref, jnp.float32, f"sharded {spec}")
+
+
+def test_sharded_attention_batch_heads_and_ring():
+  """The shard_map wrapper: batch x heads (no collective) and batch x seq (ring)."""
+  seq = 32
+  q, k, v = _util.random_qkv(5, 2, 4, 2, seq, seq, D, DV, dtype=jnp.float64)
+  ids = jnp.asarray(_segments(seq, [[7, 20]]))
+  ref_out, ref_lse = flashvjp.flash_attention(q, k, v, causal=True, segment_ids=ids,
+                                              return_lse=True, implementation="naive")
+
+  mesh = _mesh((2, 2), ("b", "h"))
+  f = jax.jit(lambda q, k, v, ids: flashvjp.sharded_attention(
+      q, k, v, mesh=mesh, batch_axis="b", head_axis="h", segment_ids=ids, causal=True,
+      return_lse=True, implementation="blockwise", block_q=BLOCK, block_kv=BLOCK))
+  compiled = f.lower(q, k, v, ids).compile()
+  assert _collectives(compiled) == set(), _collectives(compiled)
+  out, lse = compiled(q, k, v, ids)
+  _util.assert_close((out, lse), (ref_out, ref_lse), jnp.float64, "batch x heads")
+
+  mesh = _mesh((2, 4), ("b", "sp"))
+  qz, kz, vz = (flashvjp.to_zigzag(x, 4) for x in (q, k, v))
+  out, lse = jax.jit(lambda q, k, v, ids: flashvjp.sharded_attention(
+      q, k, v, mesh=mesh, batch_axis="b", seq_axis="sp", segment_ids=ids, causal=True,
+      layout="zigzag", return_lse=True, block_q=BLOCK, block_kv=BLOCK))(
+          qz, kz, vz, flashvjp.to_zigzag(ids, 4, 1))
+  _util.assert_close((flashvjp.from_zigzag(out, 4), flashvjp.from_zigzag(lse, 4)),
+                     (ref_out, ref_lse), jnp.float64, "batch x ring")
+
+
+# ---- helpers and errors ------------------------------------------------------------
+
+def test_zigzag_order_and_roundtrip():
+  x = jnp.arange(16).reshape(1, 16)
+  z = flashvjp.to_zigzag(x, 2, axis=1)
+  # 4 chunks of 4: device 0 holds chunks 0 and 3, device 1 chunks 1 and 2.
+  np.testing.assert_array_equal(z[0], [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])
+  np.testing.assert_array_equal(flashvjp.from_zigzag(z, 2, axis=1), x)
+  with pytest.raises(ValueError, match="divisible by 2 \\* num_devices"):
+    flashvjp.to_zigzag(jnp.zeros((1, 6)), 2, axis=1)
+  with pytest.raises(ValueError, match="num_devices"):
+    flashvjp.to_zigzag(x, 0, axis=1)
+
+
+def test_ring_errors():
+  q = jnp.zeros((1, 2, 8, 4))
+  with pytest.raises(ValueError, match="axis_name 'sp'"):
+    flashvjp.ring_attention(q, q, q, axis_name="sp")
+  mesh = _mesh((2,), ("sp",))
+
+  def call(**kw):
+    spec = P(None, None, "sp")
+    fn = jax.shard_map(lambda q, k, v: flashvjp.ring_attention(q, k, v, axis_name="sp", **kw),
+                       mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    return jax.eval_shape(fn, q, q, q)
+
+  with pytest.raises(ValueError, match="layout"):
+    call(layout="spiral")
+  with pytest.raises(ValueError, match="naive"):
+    call(implementation="naive")
+  with pytest.raises(TypeError, match="causal"):
+    call(causal=1)
+  with pytest.raises(ValueError, match="even local seq"):
+    jax.eval_shape(jax.shard_map(
+        lambda q: flashvjp.ring_attention(q, q, q, axis_name="sp", causal=True, layout="zigzag"),
+        mesh=mesh, in_specs=P(None, None, "sp"), out_specs=P(None, None, "sp")),
+        jnp.zeros((1, 2, 6, 4)))
+  with pytest.raises(ValueError, match="head_dim"):
+    jax.eval_shape(jax.shard_map(
+        lambda q, k: flashvjp.ring_attention(q, k, k, axis_name="sp"), mesh=mesh,
+        in_specs=(P(None, None, "sp"),) * 2, out_specs=P(None, None, "sp")),
+        q, jnp.zeros((1, 2, 8, 3)))
+
+
+def test_sharded_attention_errors():
+  mesh = _mesh((2, 4), ("b", "h"))
+  q = jnp.zeros((2, 4, 8, 4))
+  with pytest.raises(TypeError, match="bias"):
+    flashvjp.sharded_attention(q, q, q, mesh=mesh, batch_axis="b", bias=jnp.zeros((8, 8)))
+  with pytest.raises(ValueError, match="num_kv_heads \\(2\\) must be divisible"):
+    flashvjp.sharded_attention(q, q[:, :2], q[:, :2], mesh=mesh, head_axis="h")
+  with pytest.raises(ValueError, match="not an axis of the mesh"):
+    flashvjp.sharded_attention(q, q, q, mesh=mesh, batch_axis="x")
+  with pytest.raises(ValueError, match="distinct"):
+    flashvjp.sharded_attention(q, q, q, mesh=mesh, batch_axis="b", head_axis="b")
+  with pytest.raises(TypeError, match="mesh"):
+    flashvjp.sharded_attention(q, q, q, mesh="b")

@@ -1,0 +1,54 @@
+"""The counter-based keep-mask: statistics, determinism, and the same mask in every path."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashvjp
+from tests import _util
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
+def test_keep_fraction_matches_rate(rate):
+  keep = np.asarray(flashvjp.dropout_mask(jax.random.key(0), (2, 4, 128, 128), rate))
+  n = keep.size
+  # 6 standard deviations of a binomial proportion.
+  assert abs(keep.mean() - (1 - rate)) < 6 * np.sqrt(rate * (1 - rate) / n)
+
+
+def test_mask_depends_on_key_and_has_no_row_structure():
+  a = np.asarray(flashvjp.dropout_mask(jax.random.key(0), (1, 2, 64, 64), 0.5))
+  b = np.asarray(flashvjp.dropout_mask(jax.random.key(1), (1, 2, 64, 64), 0.5))
+  assert (a != b).mean() > 0.4
+  np.testing.assert_array_equal(a, np.asarray(flashvjp.dropout_mask(jax.random.key(0), (1, 2, 64, 64), 0.5)))
+  # Neighbouring rows and heads are not copies or shifts of each other.
+  assert (a[0, 0, 1:] != a[0, 0, :-1]).mean() > 0.4
+  assert (a[0, 0] != a[0, 1]).mean() > 0.4
+  assert (a[0, 0, 1:, 1:] != a[0, 0, :-1, :-1]).mean() > 0.4
+
+
+def test_raw_uint32_key_accepted():
+  k = jax.random.PRNGKey(0)
+  np.testing.assert_array_equal(np.asarray(flashvjp.dropout_mask(k, (1, 1, 8, 8), 0.5)),
+                                np.asarray(flashvjp.dropout_mask(jax.random.wrap_key_data(k), (1, 1, 8, 8), 0.5)))
+
+
+def test_blockwise_dropout_equals_explicit_mask():
+  """Dropout in blockwise equals naive attention with the dense dropout_mask applied by hand."""
+  q, k, v = _util.random_qkv(0, 1, 2, 1, 20, 30, 4)
+  key = jax.random.key(9)
+  out = flashvjp.flash_attention(q, k, v, dropout_rate=0.5, dropout_rng=key, deterministic=False,
+                                 implementation="blockwise", block_q=8, block_kv=8)
+  keep = flashvjp.dropout_mask(key, (1, 2, 20, 30), 0.5)
+  qq, kk, vv = _util.as64((q, k, v))
+  p = jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", qq, jnp.repeat(kk, 2, 1)) / 2.0, axis=-1)
+  ref = jnp.einsum("bhqk,bhkd->bhqd", jnp.where(keep, p / 0.5, 0.0), jnp.repeat(vv, 2, 1))
+  _util.assert_close(out, ref, jnp.float32)
+
+
+def test_deterministic_true_disables_dropout():
+  q, k, v = _util.random_qkv(0, 1, 2, 1, 10, 10, 4)
+  a = flashvjp.flash_attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(1),
+                               deterministic=True, implementation="blockwise")
+  b = flashvjp.flash_attention(q, k, v, implementation="blockwise")
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
