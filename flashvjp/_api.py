@@ -24,13 +24,15 @@ from flashvjp._config import AttentionConfig, BlockSizes, default_block_sizes
 _FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
-def _is_array(x):
+def _is_array(x, allow_shapes=False):
+  if allow_shapes and isinstance(x, jax.ShapeDtypeStruct):
+    return True
   return isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "__jax_array__")
 
 
-def _check_qkv(query, key, value):
+def _check_qkv(query, key, value, allow_shapes=False):
   for name, x in (("query", query), ("key", key), ("value", value)):
-    if not _is_array(x):
+    if not _is_array(x, allow_shapes):
       raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}")
     if x.ndim != 4:
       raise ValueError(f"{name} must have rank 4 [batch, heads, seq, head_dim], got shape {x.shape}")
@@ -121,9 +123,9 @@ def _check_block(name, b):
 
 def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, score_mod, scale,
              dropout_rate, dropout_rng, deterministic, implementation, block_q, block_kv,
-             interpret):
+             interpret, allow_shapes=False):
   """Validate everything; return (decision, cfg, arrays) without tracing any kernel."""
-  _check_qkv(query, key, value)
+  _check_qkv(query, key, value, allow_shapes)
   B, H, Sq, D = query.shape
   Skv = key.shape[2]
   target = (B, H, Sq, Skv)
@@ -162,7 +164,7 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
   decision = _dispatch.decide(
       implementation, interpret=interpret, query_shape=query.shape, key_shape=key.shape,
       value_shape=value.shape, dtype=query.dtype, has_score_mod=score_mod is not None,
-      has_dropout=dropout_active)
+      has_dropout=dropout_active, score_mod=sm_fn, score_mod_consts=consts)
   defaults = default_block_sizes(decision.implementation, _dispatch.platform())
   blocks = BlockSizes(block_q or defaults.block_q, block_kv or defaults.block_kv)
   cfg = AttentionConfig(
@@ -171,8 +173,9 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       score_mod=sm_fn, num_diff_consts=n_diff, interpret=decision.interpret,
       implementation=decision.implementation)
   seed = _dropout.seed_from_key(dropout_rng) if dropout_active else None
-  arrays = (jnp.asarray(query), jnp.asarray(key), jnp.asarray(value), bias, mask, q_seg, kv_seg,
-            seed, consts)
+  if not allow_shapes:
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+  arrays = (query, key, value, bias, mask, q_seg, kv_seg, seed, consts)
   return decision, cfg, arrays
 
 
@@ -257,7 +260,7 @@ def explain(query, key, value, **kwargs) -> _dispatch.Decision:
   if unknown:
     raise TypeError(f"explain() got unexpected arguments {sorted(unknown)}")
   params.update(kwargs)
-  decision, _, _ = _prepare(query, key, value, **params)
+  decision, _, _ = _prepare(query, key, value, **params, allow_shapes=True)
   return decision
 
 

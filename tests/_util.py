@@ -13,13 +13,7 @@ import numpy as np
 
 import flashvjp
 
-# The one tolerance table: max |got - ref| <= TOL * max |ref| (and elementwise rtol TOL).
-TOL = {
-    jnp.dtype(jnp.float64): 1e-10,
-    jnp.dtype(jnp.float32): 1e-5,
-    jnp.dtype(jnp.float16): 2e-3,
-    jnp.dtype(jnp.bfloat16): 1e-2,
-}
+from flashvjp._check import TOL  # the one tolerance table, stated in the package
 
 
 def assert_close(got, ref, dtype, what=""):
@@ -38,16 +32,6 @@ def assert_close(got, ref, dtype, what=""):
     scale = float(np.abs(r[finite]).max()) if finite.any() else 0.0
     chex.assert_trees_all_close(g[finite], r[finite], rtol=tol, atol=tol * max(scale, 1e-30),
                                 custom_message=f"{what} leaf {n} (scale {scale:.3g})")
-
-
-def max_rel_err(got, ref) -> float:
-  """max |got - ref| / max |ref| over finite entries (for tables and notes)."""
-  g = np.asarray(jnp.asarray(got, jnp.float64))
-  r = np.asarray(jnp.asarray(ref, jnp.float64))
-  f = np.isfinite(r)
-  if not f.any():
-    return 0.0
-  return float(np.abs(g[f] - r[f]).max() / max(np.abs(r[f]).max(), 1e-30))
 
 
 def random_qkv(seed, B, H, Hkv, Sq, Skv, D, Dv=None, dtype=jnp.float32):
