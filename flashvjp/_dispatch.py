@@ -29,7 +29,8 @@ def platform() -> str:
 
 
 def decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype,
-           has_score_mod=False, has_dropout=False) -> Decision:
+           has_score_mod=False, has_dropout=False, score_mod=None,
+           score_mod_consts=()) -> Decision:
   """Choose the implementation. Raises ValueError for "pallas" on an unsupported input."""
   plat = platform()
   interp = (plat == "cpu") if interpret is None else bool(interpret)
@@ -40,7 +41,8 @@ def decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype,
   from flashvjp.pallas import _limits  # the lowering limits, encoded once
   ok, why = _limits.supports(platform=plat, interpret=interp, query_shape=query_shape,
                              key_shape=key_shape, value_shape=value_shape, dtype=dtype,
-                             has_score_mod=has_score_mod, has_dropout=has_dropout)
+                             has_score_mod=has_score_mod, has_dropout=has_dropout,
+                             score_mod=score_mod, score_mod_consts=score_mod_consts)
   if requested == "pallas":
     if not ok:
       raise ValueError(f"implementation='pallas' cannot run this input: {why}")
