@@ -1,0 +1,185 @@
+"""Flax integration: an ``attention_fn`` for MultiHeadAttention (linen and nnx).
+
+Room: ecosystem adapter. Translates Flax's attention_fn convention into one
+`flashvjp.flash_attention` call; holds no attention math and does not import flax.
+
+Usage::
+
+    import flashvjp.flax
+    import flax.linen as nn
+    from flax import nnx
+
+    nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=flashvjp.flax.attention_fn)
+    nnx.MultiHeadAttention(num_heads=8, in_features=512, rngs=nnx.Rngs(0),
+                           attention_fn=flashvjp.flax.attention_fn)
+
+    # causal (or windowed) attention without Flax's dense [batch, 1, L, L] causal mask:
+    nn.MultiHeadDotProductAttention(
+        num_heads=8, attention_fn=flashvjp.flax.make_attention_fn(causal=True))
+
+Mapping from Flax's arguments:
+
+  * layout ``[batch..., length, heads, features]``: any number of batch dims
+    (including none), flattened into one batch for flashvjp and restored after;
+  * ``mask`` (True or nonzero = attend; Flax's ``make_attention_mask`` and
+    ``make_causal_mask`` return float32 0/1 masks by default) and ``bias``:
+    broadcastable to ``[batch..., heads, q_length, kv_length]``, as in Flax;
+  * ``is_causal`` (nnx passes it): causal, top-left aligned, never a dense mask;
+  * dropout on the attention probabilities when ``dropout_rate > 0`` and
+    ``deterministic`` is False, drawn from ``dropout_rng`` by flashvjp's own
+    counter-based hash (`flashvjp.dropout_mask`), a pure function of
+    (dropout_rng, batch index, head, q_pos, kv_pos), where the batch index is the
+    row-major flattened index over the batch dims. ``broadcast_dropout=True``
+    (Flax's default: one mask shared across batch and heads) cannot be honoured
+    exactly: flashvjp always draws an independent mask per batch row and head.
+    Each probability is still kept with probability ``1 - dropout_rate`` and scaled
+    by ``1 / (1 - dropout_rate)``, so the expectation is the same;
+  * ``dtype``: query, key and value are cast to it (default: their promoted dtype);
+    accumulation is float32 (or float64 for float64 inputs) whatever the dtype, so
+    ``force_fp32_for_softmax`` is always satisfied and ``precision`` is not used;
+  * ``module`` (set by ``sow_weights=True``) and custom einsums
+    (``qk_attn_weights_einsum``, ``attn_weights_value_einsum``, ``einsum_dot_general``)
+    raise ValueError: flashvjp never materialises the attention weights.
+
+The one intended difference from Flax's default: a query row whose mask is all
+False outputs 0 (Flax averages the values over all keys there).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Tuple
+
+import jax.numpy as jnp
+
+from flashvjp import _api
+
+
+def _broadcast_pair(name, x, batch_dims, target_tail):
+  """A Flax mask/bias [batch..., heads, q, kv] (broadcastable) -> rank 4 [B or 1, h, q, kv]."""
+  if x is None:
+    return None
+  if not _api._is_array(x):
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+  nb = len(batch_dims)
+  full = tuple(batch_dims) + tuple(target_tail)
+  if x.ndim > nb + 3:
+    raise ValueError(f"{name} must broadcast to [batch..., heads, q_length, kv_length] = {full},"
+                     f" got shape {x.shape}")
+  if name == "mask" and x.dtype != jnp.bool_:
+    if not (jnp.issubdtype(x.dtype, jnp.number)):
+      raise TypeError(f"mask must be bool or numeric (nonzero = attend), got dtype {x.dtype}")
+    x = x != 0  # Flax's make_attention_mask returns float32 0/1 masks; nonzero attends
+  x = jnp.reshape(x, (1,) * (nb + 3 - x.ndim) + tuple(x.shape))
+  for got, want in zip(x.shape, full):
+    if got not in (1, want):
+      raise ValueError(f"{name} of shape {x.shape} does not broadcast to"
+                       f" [batch..., heads, q_length, kv_length] = {full}")
+  if all(d == 1 for d in x.shape[:nb]):
+    return jnp.reshape(x, (1,) + tuple(x.shape[nb:]))
+  x = jnp.broadcast_to(x, tuple(batch_dims) + tuple(x.shape[nb:]))
+  return jnp.reshape(x, (math.prod(batch_dims),) + tuple(x.shape[nb:]))
+
+
+def make_attention_fn(*, causal: bool = False,
+                      window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                      score_mod: Optional[Callable] = None, scale: Optional[float] = None,
+                      implementation: Optional[str] = None, block_q: Optional[int] = None,
+                      block_kv: Optional[int] = None) -> Callable:
+  """An ``attention_fn`` for Flax with flashvjp options baked in.
+
+  Args:
+    causal: causal attention (top-left aligned) without a dense mask; combined
+      (AND) with any ``mask`` Flax passes and with nnx's ``is_causal``.
+    window: (left, right) local window, as in `flashvjp.flash_attention`.
+    score_mod: a flashvjp score_mod, e.g. `flashvjp.softcap(50.0)`. Arrays it closes
+      over receive gradients only where the closure is built inside the traced
+      function; a module that learns a table should call `flash_attention` itself.
+    scale: logit scale (default 1 / sqrt(head_dim), as Flax).
+    implementation: None (choose; see `flashvjp.explain`), "pallas", "blockwise", "naive".
+    block_q, block_kv: block sizes (None: tuned defaults).
+
+  Returns:
+    A function with Flax's attention_fn signature (see `attention_fn`).
+  """
+
+  def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
+                   dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
+                   dtype=None, precision=None, module=None, force_fp32_for_softmax: bool = False,
+                   qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
+                   einsum_dot_general=None, is_causal: bool = False):
+    """Flax-compatible dot-product attention computed by flashvjp.
+
+    Args:
+      query: [batch..., q_length, num_heads, qk_depth].
+      key: [batch..., kv_length, num_kv_heads, qk_depth]; num_heads % num_kv_heads == 0.
+      value: [batch..., kv_length, num_kv_heads, v_depth].
+      bias: float, broadcastable to [batch..., num_heads, q_length, kv_length].
+      mask: bool or numeric (as Flax's make_attention_mask returns), broadcastable to
+        [batch..., num_heads, q_length, kv_length]; True / nonzero = attend.
+      broadcast_dropout: accepted; masks are always independent per batch row and
+        head (see the module docstring).
+      dropout_rng: PRNG key; required when dropout is active.
+      dropout_rate: dropout probability on the attention probabilities.
+      deterministic: True disables dropout.
+      dtype: computation dtype for query/key/value (default: promoted input dtype).
+      precision: not used (accumulation is float32 or wider).
+      module: must be None (``sow_weights`` needs the weights, which flashvjp never builds).
+      force_fp32_for_softmax: accepted; flashvjp's softmax is always float32 or wider.
+      qk_attn_weights_einsum, attn_weights_value_einsum, einsum_dot_general: must be None.
+      is_causal: causal attention (nnx passes it); combined with the factory's ``causal``.
+
+    Returns:
+      [batch..., q_length, num_heads, v_depth] in the computation dtype.
+    """
+    del broadcast_dropout, precision, force_fp32_for_softmax  # documented above
+    if module is not None:
+      raise ValueError("module is set (sow_weights=True?): flashvjp's attention_fn never"
+                       " materialises the attention weights, so it cannot sow them")
+    for name, f in (("qk_attn_weights_einsum", qk_attn_weights_einsum),
+                    ("attn_weights_value_einsum", attn_weights_value_einsum),
+                    ("einsum_dot_general", einsum_dot_general)):
+      if f is not None:
+        raise ValueError(f"{name} must be None: flashvjp computes attention in its own"
+                         f" kernels and cannot use a custom einsum, got {f!r}")
+    if not isinstance(is_causal, bool):
+      raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    for name, x in (("query", query), ("key", key), ("value", value)):
+      if not _api._is_array(x):
+        raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}")
+      if x.ndim < 3:
+        raise ValueError(f"{name} must have shape [batch..., length, heads, features],"
+                         f" got shape {x.shape}")
+    if not query.ndim == key.ndim == value.ndim:
+      raise ValueError("query, key and value must have the same rank, got shapes"
+                       f" {query.shape}, {key.shape}, {value.shape}")
+    batch_dims = tuple(query.shape[:-3])
+    if tuple(key.shape[:-3]) != batch_dims or tuple(value.shape[:-3]) != batch_dims:
+      raise ValueError("query, key and value batch dims must match, got shapes"
+                       f" {query.shape}, {key.shape}, {value.shape}")
+    compute = jnp.result_type(query, key, value) if dtype is None else jnp.dtype(dtype)
+    Lq, H = query.shape[-3], query.shape[-2]
+    Lkv = key.shape[-3]
+    B = math.prod(batch_dims)
+
+    def to_bhld(x):  # [batch..., L, H, D] -> [B, H, L, D]
+      x = jnp.asarray(x).astype(compute)
+      return jnp.swapaxes(jnp.reshape(x, (B,) + tuple(x.shape[-3:])), 1, 2)
+
+    tail = (H, Lq, Lkv)
+    out = _api.flash_attention(
+        to_bhld(query), to_bhld(key), to_bhld(value),
+        bias=_broadcast_pair("bias", bias, batch_dims, tail),
+        mask=_broadcast_pair("mask", mask, batch_dims, tail),
+        causal=bool(causal or is_causal), window=window, score_mod=score_mod, scale=scale,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng, deterministic=bool(deterministic),
+        implementation=implementation, block_q=block_q, block_kv=block_kv)
+    out = jnp.swapaxes(out, 1, 2)  # [B, Lq, H, Dv]
+    return jnp.reshape(out, batch_dims + tuple(out.shape[1:]))
+
+  return attention_fn
+
+
+attention_fn = make_attention_fn()
+attention_fn.__name__ = attention_fn.__qualname__ = "attention_fn"
+
+__all__ = ["attention_fn", "make_attention_fn"]

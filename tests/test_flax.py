@@ -1,0 +1,210 @@
+"""flashvjp.flax.attention_fn inside Flax's MultiHeadAttention (linen and nnx).
+
+References are Flax's own default attention_fn in float64 (same parameters, same
+inputs); rows whose mask is all False are the one intended difference and are
+kept out of these comparisons (the padding masks here leave every query row
+at least one key). Dropout is checked against `flashvjp.dropout_mask`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+flax = pytest.importorskip("flax")
+import flax.linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import flashvjp  # noqa: E402
+import flashvjp.flax  # noqa: E402
+from tests._util import TOL, assert_close  # noqa: E402
+
+F32, F64 = jnp.float32, jnp.float64
+BATCH, L, FEAT, HEADS = 2, 10, 16, 4
+
+
+def _x(seed, shape=(BATCH, L, FEAT), dtype=F64):
+  return jax.random.normal(jax.random.key(seed), shape, F64).astype(dtype)
+
+
+def _causal_padding_mask():
+  """[B, 1, L, L]: causal and key padding (batch 1 has 6 valid keys); no empty row."""
+  valid = jnp.arange(L)[None, :] < jnp.asarray([L, 6])[:, None]
+  return nn.combine_masks(nn.make_causal_mask(jnp.ones((BATCH, L))),
+                          nn.make_attention_mask(jnp.ones((BATCH, L), bool), valid))
+
+
+def _assert_grads_close(got, ref, dtype, what):
+  """assert_close per leaf; a leaf whose true gradient is 0 (the key projection's bias:
+  softmax ignores a per-row constant) is checked against the tree's largest gradient."""
+  scale = max(float(jnp.abs(r).max()) for r in jax.tree_util.tree_leaves(ref))
+  for n, (g, r) in enumerate(zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref))):
+    if float(jnp.abs(r).max()) < 1e3 * TOL[jnp.dtype(dtype)] * scale:
+      assert float(jnp.abs(g).max()) <= 1e3 * TOL[jnp.dtype(dtype)] * scale, f"{what} leaf {n}"
+    else:
+      assert_close(g, r, dtype, f"{what} leaf {n}")
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_linen_matches_default_attention_forward_and_grads(dtype):
+  def make(attention_fn):
+    return nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=FEAT, dtype=dtype,
+                                           param_dtype=dtype, attention_fn=attention_fn)
+
+  x = _x(0, dtype=dtype)
+  mask = _causal_padding_mask()
+  params = make(nn.dot_product_attention).init(jax.random.key(1), x, mask=mask)
+
+  def loss(module, params, x):
+    y = module.apply(params, x, mask=mask)
+    return jnp.sum(y * _x(2, dtype=dtype)), y
+
+  grad = lambda m: jax.jit(jax.value_and_grad(lambda p, x: loss(m, p, x), argnums=(0, 1),
+                                              has_aux=True))(params, x)
+  (_, y), g = grad(make(flashvjp.flax.attention_fn))
+  # float64 reference: Flax's default attention on float64 copies of the same parameters.
+  ref_module = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=FEAT, dtype=F64,
+                                               param_dtype=F64)
+  p64, x64 = jax.tree_util.tree_map(lambda a: a.astype(F64), (params, x))
+  (_, y_ref), g_ref = jax.value_and_grad(
+      lambda p, x: (jnp.sum(ref_module.apply(p, x, mask=mask) * _x(2, dtype=dtype).astype(F64)),
+                    ref_module.apply(p, x, mask=mask)), argnums=(0, 1), has_aux=True)(p64, x64)
+  assert y.dtype == dtype and y.shape == x.shape
+  assert_close(y, y_ref, dtype, "linen out")
+  _assert_grads_close(g, g_ref, dtype, "linen grads")
+
+
+def test_linen_make_attention_fn_causal_needs_no_mask():
+  x = _x(3)
+  dense = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=FEAT, param_dtype=F64,
+                                          dtype=F64)
+  ours = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=FEAT, param_dtype=F64,
+                                         dtype=F64,
+                                         attention_fn=flashvjp.flax.make_attention_fn(causal=True))
+  params = dense.init(jax.random.key(0), x)
+  y_ref = dense.apply(params, x, mask=nn.make_causal_mask(jnp.ones((BATCH, L))))
+  assert_close(ours.apply(params, x), y_ref, F64, "causal factory")
+
+
+def test_nnx_matches_default_attention_forward_and_grads():
+  def make(attention_fn):
+    return nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEAT, qkv_features=FEAT,
+                                  decode=False, dtype=F64, param_dtype=F64,
+                                  rngs=nnx.Rngs(0), attention_fn=attention_fn)
+
+  def reference_attention(query, key, value, mask=None, is_causal=False, **unused):
+    # nnx.dot_product_attention routes to jax.nn's float32 softmax; linen's stays float64.
+    causal = jnp.tril(jnp.ones((query.shape[-3], key.shape[-3]), bool))
+    mask = nn.combine_masks(mask, causal[None, None]) if is_causal else mask
+    return nn.dot_product_attention(query, key, value, mask=mask)
+
+  ours, ref = make(flashvjp.flax.attention_fn), make(reference_attention)
+  x, ct = _x(4), _x(5)
+  valid = jnp.arange(L)[None, :] < jnp.asarray([L, 7])[:, None]
+  mask = nnx.make_attention_mask(jnp.ones((BATCH, L), bool), valid)  # key padding
+
+  def loss(model, x):
+    return jnp.sum(model(x, mask=mask, is_causal=True) * ct)
+
+  l_ours, g_ours = nnx.value_and_grad(loss, argnums=(0, 1))(ours, x)
+  l_ref, g_ref = nnx.value_and_grad(loss, argnums=(0, 1))(ref, x)
+  assert_close(ours(x, mask=mask, is_causal=True), ref(x, mask=mask, is_causal=True), F64,
+               "nnx out")
+  assert_close(l_ours, l_ref, F64, "nnx loss")
+  _assert_grads_close(nnx.state(g_ours[0], nnx.Param), nnx.state(g_ref[0], nnx.Param), F64,
+                      "nnx param grads")
+  assert_close(g_ours[1], g_ref[1], F64, "nnx input grad")
+
+
+@pytest.mark.parametrize("batch_dims", [(), (3,), (2, 3)])
+def test_attention_fn_batch_dims_and_gqa_match_flax(batch_dims):
+  """Any number of batch dims (incl. none); a [heads, q, kv] mask broadcast over them."""
+  kq, kk, kv, km = jax.random.split(jax.random.key(6), 4)
+  q = jax.random.normal(kq, batch_dims + (5, HEADS, 8), F64)
+  k = jax.random.normal(kk, batch_dims + (7, HEADS, 8), F64)
+  v = jax.random.normal(kv, batch_dims + (7, HEADS, 6), F64)
+  mask = jax.random.bernoulli(km, 0.6, batch_dims + (1, 5, 7)).at[..., 0].set(True)
+  bias = jax.random.normal(km, (HEADS, 5, 7), F64)
+  got = jax.jit(flashvjp.flax.attention_fn)(q, k, v, bias=bias, mask=mask)
+  ref = nn.dot_product_attention(q, k, v, bias=bias.reshape((1,) * len(batch_dims) + bias.shape),
+                                 mask=mask)
+  assert got.shape == batch_dims + (5, HEADS, 6)
+  assert_close(got, ref, F64, f"batch dims {batch_dims}")
+  # GQA: 2 kv heads shared by 4 query heads equals repeating them for Flax.
+  k2, v2 = k[..., :2, :], v[..., :2, :]
+  got = jax.jit(flashvjp.flax.attention_fn)(q, k2, v2, mask=mask)
+  ref = nn.dot_product_attention(q, jnp.repeat(k2, 2, axis=-2), jnp.repeat(v2, 2, axis=-2),
+                                 mask=mask)
+  assert_close(got, ref, F64, "gqa")
+
+
+def test_dropout_is_flashvjp_hash_on_probabilities_and_deterministic():
+  kq, kk, kv = jax.random.split(jax.random.key(7), 3)
+  batch_dims, Lq, Lk, D, rate = (2, 3), 6, 9, 8, 0.3
+  q = jax.random.normal(kq, batch_dims + (Lq, HEADS, D), F64)
+  k = jax.random.normal(kk, batch_dims + (Lk, HEADS, D), F64)
+  v = jax.random.normal(kv, batch_dims + (Lk, HEADS, D), F64)
+  rng = jax.random.key(11)
+  fn = jax.jit(flashvjp.flax.attention_fn, static_argnames=("deterministic", "dropout_rate"))
+  run = lambda r, det: fn(q, k, v, dropout_rng=r, dropout_rate=rate, deterministic=det)
+  got = run(rng, False)
+  # Independent computation: softmax weights (Flax, no dropout) * keep / (1 - rate) @ v,
+  # with keep from flashvjp.dropout_mask over the flattened batch [6, heads, Lq, Lk].
+  w = nn.dot_product_attention_weights(q, k)  # [2, 3, heads, Lq, Lk]
+  keep = flashvjp.dropout_mask(rng, (6, HEADS, Lq, Lk), rate).reshape(w.shape)
+  ref = jnp.einsum("...hqk,...khd->...qhd", jnp.where(keep, w / (1 - rate), 0.0), v)
+  assert_close(got, ref, F64, "dropout")
+  np.testing.assert_array_equal(np.asarray(run(rng, False)), np.asarray(got))  # same key
+  assert not np.allclose(np.asarray(run(jax.random.key(12), False)), np.asarray(got))
+  assert_close(run(None, True), nn.dot_product_attention(q, k, v), F64, "deterministic")
+
+
+def test_linen_module_dropout_determinism_and_grads():
+  module = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=FEAT, dropout_rate=0.5,
+                                           param_dtype=F64, dtype=F64,
+                                           attention_fn=flashvjp.flax.attention_fn)
+  x = _x(8)
+  params = module.init(jax.random.key(0), x, deterministic=True)
+  apply = lambda p, r: module.apply(p, x, deterministic=False, rngs={"dropout": r})
+  a, b = apply(params, jax.random.key(1)), apply(params, jax.random.key(1))
+  c = apply(params, jax.random.key(2))
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not np.allclose(np.asarray(a), np.asarray(c))
+  det = module.apply(params, x, deterministic=True)
+  ref = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=FEAT, param_dtype=F64,
+                                        dtype=F64).apply(params, x)
+  assert_close(det, ref, F64, "deterministic")
+  # with dropout active, the gradient matches autodiff through the naive implementation
+  naive = nn.MultiHeadDotProductAttention(
+      num_heads=HEADS, qkv_features=FEAT, dropout_rate=0.5, param_dtype=F64, dtype=F64,
+      attention_fn=flashvjp.flax.make_attention_fn(implementation="naive"))
+  g = jax.grad(lambda p: jnp.sum(apply(p, jax.random.key(3)) ** 2))(params)
+  g_ref = jax.grad(lambda p: jnp.sum(naive.apply(p, x, deterministic=False,
+                                                 rngs={"dropout": jax.random.key(3)}) ** 2))(params)
+  _assert_grads_close(g, g_ref, F64, "dropout grads")
+
+
+def test_attention_fn_signature_and_errors():
+  import inspect
+  params = inspect.signature(flashvjp.flax.attention_fn).parameters
+  for name in ("query", "key", "value", "bias", "mask", "broadcast_dropout", "dropout_rng",
+               "dropout_rate", "deterministic", "dtype", "precision", "module", "is_causal"):
+    assert name in params, name
+  q = _x(0, (BATCH, L, HEADS, 8))
+  with pytest.raises(ValueError, match="module is set"):
+    flashvjp.flax.attention_fn(q, q, q, module=object())
+  with pytest.raises(ValueError, match="qk_attn_weights_einsum must be None"):
+    flashvjp.flax.attention_fn(q, q, q, qk_attn_weights_einsum=jnp.einsum)
+  with pytest.raises(ValueError, match="mask of shape"):
+    flashvjp.flax.attention_fn(q, q, q, mask=jnp.ones((BATCH, 3, L, L), bool))
+  with pytest.raises(ValueError, match="batch dims must match"):
+    flashvjp.flax.attention_fn(q, q[:1], q[:1])
+  with pytest.raises(ValueError, match="dropout_rng is required"):
+    flashvjp.flax.attention_fn(q, q, q, dropout_rate=0.1, deterministic=False)
+  with pytest.raises(ValueError, match="must have shape"):
+    flashvjp.flax.attention_fn(q[0, 0], q[0, 0], q[0, 0])
+  module = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=flashvjp.flax.attention_fn)
+  p = module.init(jax.random.key(0), _x(0))
+  with pytest.raises(ValueError, match="module is set"):
+    module.apply(p, _x(0), sow_weights=True)
