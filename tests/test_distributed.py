@@ -97,7 +97,7 @@ def test_ring_matches_naive(n, causal, layout, segments, seq, dtype):
   q, k, v = _util.random_qkv(n, B, H, HKV, seq, seq, D, DV, dtype=dtype)
   rng = np.random.default_rng(n)
   dout = jnp.asarray(rng.standard_normal((B, H, seq, DV))).astype(dtype)
-  dlse = jnp.asarray(rng.standard_normal((B, H, seq)), jnp.float32)
+  dlse = jnp.asarray(rng.standard_normal((B, H, seq)), jnp.promote_types(dtype, jnp.float32))
   q_ids = _segments(seq, [[5, seq // 2 + 3], [seq // 3]])
   # "pair": kv ids skip id 1 on batch 0, so those query rows attend nothing (out 0, lse -inf).
   kv_ids = np.where(q_ids == 1, 2, q_ids) if segments == "pair" else q_ids
@@ -108,7 +108,7 @@ def test_ring_matches_naive(n, causal, layout, segments, seq, dtype):
   else:
     seg_ref = jnp.asarray(q_ids)
 
-  ref = _naive_vjp(*_util.as64((q, k, v, dout)), dlse, causal=causal, segment_ids=seg_ref)
+  ref = _naive_vjp(*_util.as64((q, k, v, dout, dlse)), causal=causal, segment_ids=seg_ref)
   if segments == "pair":
     assert np.isinf(np.asarray(ref[1])).any(), "the pair case must have empty rows"
 
@@ -158,7 +158,7 @@ def test_ring_memory_per_device_shrinks_with_devices():
   """Per-device compiled temp memory of ring fwd+bwd falls ~ 1/devices at fixed global seq."""
   seq, d = 2048, 16
   temps = {}
-  for n in (1, 4):
+  for n in (2, 8):
     mesh = _mesh((n,), ("sp",))
     def arg(shape, dtype=jnp.float32):
       spec = P(None, "sp") if len(shape) == 2 else P(None, None, "sp", *([None] * (len(shape) - 3)))
@@ -166,14 +166,21 @@ def test_ring_memory_per_device_shrinks_with_devices():
     args = [arg((1, 1, seq, d))] * 4 + [arg((1, 1, seq))] + [arg((1, seq), jnp.int32)] * 2
     prog = _ring_program(mesh, causal=True, layout="contiguous", pair=False, has_seg=False)
     temps[n] = prog.lower(*args).compile().memory_analysis().temp_size_in_bytes
-  # Blocks of 8 x 8 keep the kernels' own temps tiny: what is left is O(local seq).
-  assert temps[4] <= 0.4 * temps[1], temps
+  # Blocks of 8 x 8 keep the kernels' own temps tiny: what is left is O(local seq), so 4x
+  # the devices gives ~1/4 the temp memory. (With 1 device XLA drops the ring's buffers.)
+  assert temps[8] <= 0.35 * temps[2], temps
 
 
 # ---- batch / head sharding -------------------------------------------------------------
 
-@pytest.mark.parametrize("spec", [P("b"), P("b", "h")])
-def test_jit_batch_head_sharding_has_no_collectives(spec):
+_SEGMENT_TABLE_XFAIL = pytest.mark.xfail(
+    strict=True, reason="blockwise's block-skip table reduces over batch ([nq, nk] `any`), which"
+    " XLA turns into an all-reduce under batch sharding; sharded_attention (shard_map) has none")
+
+
+@pytest.mark.parametrize("spec,segments", [(P("b"), False), (P("b", "h"), False),
+                                           pytest.param(P("b"), True, marks=_SEGMENT_TABLE_XFAIL)])
+def test_jit_batch_head_sharding_has_no_collectives(spec, segments):
   """XLA's SPMD partitioner splits the blockwise path over batch/heads by itself."""
   mesh = _mesh((2, 4), ("b", "h"))
   seq = 40
@@ -183,7 +190,7 @@ def test_jit_batch_head_sharding_has_no_collectives(spec):
 
   def f(q, k, v, dout, ids):
     def att(q, k, v):
-      return flashvjp.flash_attention(q, k, v, causal=True, segment_ids=ids,
+      return flashvjp.flash_attention(q, k, v, causal=True, segment_ids=ids if segments else None,
                                       implementation="blockwise", block_q=16, block_kv=16)
     out, vjp = jax.vjp(att, q, k, v)
     return (out,) + tuple(vjp(dout))

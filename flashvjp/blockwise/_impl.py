@@ -122,6 +122,18 @@ class _Layout:
     return lax.dynamic_slice_in_dim(x, j * self.bk, self.bk, axis=2).astype(self.acc)
 
 
+def _carry_zero(acc, *refs):
+  """A scalar 0 that varies over every shard_map axis any of `refs` varies over.
+
+  Added to fresh loop-carry constants so that their types match the loop outputs
+  under shard_map's check_vma (a plain jnp.zeros is invariant there).
+  """
+  z = jnp.zeros((), acc)
+  for r in jax.tree_util.tree_leaves(refs):
+    z = z + jnp.zeros_like(r, acc, shape=())
+  return z
+
+
 def _maybe_skip(table, i, j, compute, carry):
   """Run `compute(carry)` unless the block table says block (i, j) is empty."""
   if table is None:
@@ -141,6 +153,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   masked = L.needs_mask(q_seg is not None, mask is not None)
   acc = L.acc
   shape_r = (L.B, L.Hkv, L.G, L.bq)
+  z0 = _carry_zero(acc, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
 
   def q_block(i):
     q_blk = L.q_tile(q5, i)
@@ -167,8 +180,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
         return m_new, l, o
       return _maybe_skip(table, i, j, compute, carry)
 
-    init = (jnp.full(shape_r, -jnp.inf, acc), jnp.zeros(shape_r, acc),
-            jnp.zeros(shape_r + (L.Dv,), acc))
+    init = (jnp.full(shape_r, -jnp.inf, acc) + z0, jnp.zeros(shape_r, acc) + z0,
+            jnp.zeros(shape_r + (L.Dv,), acc) + z0)
     m, l, o = lax.fori_loop(lo, hi, body, init)
     empty = l == 0.0
     o = o / jnp.where(empty, 1.0, l)[..., None]
@@ -251,15 +264,16 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
         return dk_j, dv_j, dq, dbias, dconsts
       return _maybe_skip(table, i, j, compute, inner)
 
-    init = (jnp.zeros((L.B, L.Hkv, L.bk, L.D), acc), jnp.zeros((L.B, L.Hkv, L.bk, L.Dv), acc),
-            dq, dbias, dconsts)
+    init = (jnp.zeros((L.B, L.Hkv, L.bk, L.D), acc) + z0,
+            jnp.zeros((L.B, L.Hkv, L.bk, L.Dv), acc) + z0, dq, dbias, dconsts)
     dk_j, dv_j, dq, dbias, dconsts = lax.fori_loop(lo, hi, body, init)
     return (dq, dbias, dconsts), (dk_j, dv_j)
 
-  dq0 = jnp.zeros((L.B, L.Hkv, L.G, L.Sqp, L.D), acc)
-  dbias0 = None if bias is None else jnp.zeros(bias5.shape, acc)
+  z0 = _carry_zero(acc, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse)
+  dq0 = jnp.zeros((L.B, L.Hkv, L.G, L.Sqp, L.D), acc) + z0
+  dbias0 = None if bias is None else jnp.zeros(bias5.shape, acc) + z0
   dconsts0 = tuple(jnp.zeros(jnp.shape(c), jnp.promote_types(jnp.result_type(c), acc))
-                   for c in diff_consts)
+                   + z0.astype(jnp.promote_types(jnp.result_type(c), acc)) for c in diff_consts)
   (dq, dbias, dconsts), (dk_blocks, dv_blocks) = lax.scan(
       kv_block, (dq0, dbias0, dconsts0), jnp.arange(L.nk, dtype=jnp.int32))
   dq = dq.reshape(L.B, L.H, L.Sqp, L.D)[:, :, : L.Sq].astype(q.dtype)

@@ -1,0 +1,52 @@
+"""The one place where JAX version differences of the distributed code live.
+
+Room: distributed / compat. Supported: jax 0.10.2 - 0.12 (``jax.shard_map`` with
+``check_vma``; the varying-manual-axes type is ``manual_axis_type.varying`` there and
+``vma`` in some releases).
+"""
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+if hasattr(jax, "shard_map"):
+  shard_map = jax.shard_map
+else:  # older jax: only the experimental module (check_rep instead of check_vma)
+  from jax.experimental.shard_map import shard_map as _old_shard_map
+
+  def shard_map(f, *, mesh, in_specs, out_specs, check_vma=True):
+    return _old_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                          check_rep=check_vma)
+
+
+def axis_size(axis_name) -> int:
+  """Static size of a bound mesh axis; ValueError naming axis_name when it is not bound."""
+  try:
+    if hasattr(lax, "axis_size"):
+      return int(lax.axis_size(axis_name))
+    return int(lax.psum(1, axis_name))
+  except NameError as e:  # jax raises NameError for an unbound axis name
+    raise ValueError(
+        f"axis_name {axis_name!r} is not a bound mesh axis: call ring_attention inside"
+        f" jax.shard_map over a mesh that has this axis ({e})") from None
+
+
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes over which `x` varies (empty outside shard_map or without checks)."""
+  aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def match_varying(x, ref):
+  """`x`, marked as varying over every manual axis over which `ref` varies.
+
+  Loop carries and cond branches must agree on their varying axes under shard_map's
+  check_vma; fresh constants (zeros, -inf) are invariant until marked.
+  """
+  missing = varying_axes(ref) - varying_axes(x)
+  if not missing:
+    return x
+  return lax.pcast(x, tuple(missing), to="varying")

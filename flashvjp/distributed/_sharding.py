@@ -1,0 +1,118 @@
+"""Batch / head / sequence sharding of attention over a mesh, with one shard_map.
+
+Room: distributed / sharding. Batch and head sharding need no communication at all:
+every device runs `flash_attention` on its own slice (this is also what XLA does by
+itself with the blockwise path under jit; the explicit shard_map makes it hold for
+Pallas kernels too, which XLA cannot partition). Sequence sharding runs
+`ring_attention` over the sequence axis.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Optional
+
+from jax.sharding import Mesh, PartitionSpec
+
+from flashvjp import _api
+from flashvjp.distributed import _compat
+from flashvjp.distributed import _ring
+
+# flash_attention arguments whose meaning does not depend on where a slice sits.
+_LOCAL_KWARGS = ("causal", "window", "scale", "implementation", "block_q", "block_kv",
+                 "interpret")
+_RING_KWARGS = ("causal", "scale", "layout", "implementation", "block_q", "block_kv",
+                "interpret")
+
+
+def _axis_size(mesh: Mesh, name, arg):
+  if name is None:
+    return 1
+  names = name if isinstance(name, tuple) else (name,)
+  size = 1
+  for n in names:
+    if n not in mesh.shape:
+      raise ValueError(f"{arg} {n!r} is not an axis of the mesh (axes {tuple(mesh.shape)})")
+    size *= mesh.shape[n]
+  return size
+
+
+def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Optional[Hashable] = None,
+                      head_axis: Optional[Hashable] = None, seq_axis: Optional[Hashable] = None,
+                      segment_ids=None, return_lse: bool = False, **kwargs):
+  """Attention on global arrays, sharded over `mesh` by batch, heads and/or sequence.
+
+  Without `seq_axis` every device computes `flash_attention` on its own batch/head
+  slice (no collective in the program). With `seq_axis` the sequence is split over
+  that axis and `ring_attention` passes K/V chunks around the ring (collective-permute
+  only). Works inside or outside jit; the inputs are resharded to the layout below if
+  they are not already in it.
+
+  Layout: query/key/value [batch, heads, seq, dim] sharded as
+  P(batch_axis, head_axis, seq_axis, None); segment_ids [batch, seq] as
+  P(batch_axis, seq_axis); out likewise, lse as P(batch_axis, head_axis, seq_axis).
+
+  Args:
+    query: [batch, num_heads, seq_q, head_dim] (global).
+    key: [batch, num_kv_heads, seq_kv, head_dim]; with `head_axis`, num_kv_heads must be
+      divisible by its size (each device keeps whole GQA groups).
+    value: [batch, num_kv_heads, seq_kv, head_dim_v].
+    mesh: a jax.sharding.Mesh.
+    batch_axis, head_axis, seq_axis: mesh axis names (or tuples of names), or None.
+    segment_ids: as in `flash_attention`; with `seq_axis` and layout="zigzag" it must be
+      zigzag-permuted like the sequence.
+    return_lse: also return lse [batch, num_heads, seq_q].
+    **kwargs: without seq_axis: causal, window, scale, implementation, block_q, block_kv,
+      interpret. With seq_axis: causal, scale, layout ("contiguous" or "zigzag"; the
+      arrays must already be in that order, see `to_zigzag`), implementation, block_q,
+      block_kv, interpret.
+
+  Returns:
+    out [batch, num_heads, seq_q, head_dim_v] (global, sharded as above), or (out, lse).
+  """
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  allowed = _RING_KWARGS if seq_axis is not None else _LOCAL_KWARGS
+  unknown = sorted(set(kwargs) - set(allowed))
+  if unknown:
+    raise TypeError(
+        f"sharded_attention got arguments {unknown} it cannot shard"
+        f" ({'with' if seq_axis is not None else 'without'} seq_axis it accepts {list(allowed)});"
+        " bias, mask, score_mod and dropout see global indices: call flash_attention under jit"
+        " (XLA partitions the blockwise path) or shard_map yourself")
+  used = [a for a in (batch_axis, head_axis, seq_axis) if a is not None]
+  flat = [n for a in used for n in (a if isinstance(a, tuple) else (a,))]
+  if len(set(flat)) != len(flat):
+    raise ValueError(f"batch_axis, head_axis and seq_axis must be distinct mesh axes, got {used}")
+  # Validate shapes on the global arrays first (errors name the argument, as flash_attention).
+  _api._check_qkv(query, key, value)
+  B, H, Sq, _ = query.shape
+  Hkv, Skv = key.shape[1], key.shape[2]
+  for arg, name, dims in (("batch_axis", batch_axis, (("batch", B),)),
+                          ("head_axis", head_axis, (("num_heads", H), ("num_kv_heads", Hkv))),
+                          ("seq_axis", seq_axis, (("seq_q", Sq), ("seq_kv", Skv)))):
+    n = _axis_size(mesh, name, arg)
+    for what, size in dims:
+      if size % n:
+        raise ValueError(f"{what} ({size}) must be divisible by the size of {arg} {name!r} ({n})")
+
+  qkv_spec = PartitionSpec(batch_axis, head_axis, seq_axis, None)
+  lse_spec = PartitionSpec(batch_axis, head_axis, seq_axis)
+  seg_spec = PartitionSpec(batch_axis, seq_axis)
+  pair = isinstance(segment_ids, (tuple, list))
+  if segment_ids is None:
+    seg_in, seg_specs = None, None
+  elif pair:
+    seg_in, seg_specs = tuple(segment_ids), (seg_spec, seg_spec)
+  else:
+    seg_in, seg_specs = segment_ids, seg_spec
+
+  def local(q, k, v, seg):
+    if seq_axis is None:
+      return _api.flash_attention(q, k, v, segment_ids=seg, return_lse=True, **kwargs)
+    return _ring.ring_attention(q, k, v, axis_name=seq_axis, segment_ids=seg, return_lse=True,
+                                **kwargs)
+
+  fn = _compat.shard_map(local, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, seg_specs),
+                         out_specs=(qkv_spec, lse_spec))
+  out, lse = fn(query, key, value, seg_in)
+  return (out, lse) if return_lse else out
+
