@@ -17,7 +17,6 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import flashvjp
-from flashvjp import reference
 from tests import _util
 
 B, H, HKV, D, DV = 2, 4, 2, 16, 8
@@ -60,7 +59,8 @@ def _naive_vjp(q, k, v, dout, dlse, *, causal, segment_ids):
   return (out, lse) + tuple(vjp((dout, jnp.where(jnp.isfinite(lse), dlse, 0.0))))
 
 
-def _ring_program(mesh, *, causal, layout, pair, has_seg, implementation="blockwise"):
+def _ring_program(mesh, *, causal, layout, pair, has_seg, implementation="blockwise",
+                  check_vma=True):
   """jit(shard_map) computing (out, lse, dq, dk, dv) of ring attention for given cotangents."""
   s4, s2 = P(None, None, "sp", None), P(None, None, "sp")
   seg_spec = P(None, "sp")
@@ -76,7 +76,7 @@ def _ring_program(mesh, *, causal, layout, pair, has_seg, implementation="blockw
     return (out, lse) + tuple(vjp((dout, dlse)))
 
   fn = jax.shard_map(local, mesh=mesh, in_specs=(s4, s4, s4, s4, s2, seg_spec, seg_spec),
-                     out_specs=(s4, s2, s4, s4, s4))
+                     out_specs=(s4, s2, s4, s4, s4), check_vma=check_vma)
   return jax.jit(fn)
 
 
@@ -152,6 +152,26 @@ def test_ring_float32_matches_single_device_flash_attention():
       q, k, v, dout, dlse, ids, ids)
   for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
     _util.assert_close(g, r, jnp.float32, name)
+
+
+def test_ring_pallas_interpret_matches_naive():
+  """The ring over the Pallas kernels (interpret mode on CPU).
+
+  check_vma=False: pallas_call's out_shape does not yet say how its outputs vary over
+  manual mesh axes, which shard_map's default check_vma=True requires.
+  """
+  n, seq = 2, 32
+  mesh = _mesh((n,), ("sp",))
+  q, k, v = _util.random_qkv(21, 1, 2, 1, seq, seq, D, D, dtype=jnp.float32)
+  dout = jax.random.normal(jax.random.key(22), (1, 2, seq, D), jnp.float32)
+  dlse = jax.random.normal(jax.random.key(23), (1, 2, seq), jnp.float32)
+  ids = jnp.zeros((1, seq), jnp.int32)
+  prog = _ring_program(mesh, causal=True, layout="zigzag", pair=False, has_seg=False,
+                       implementation="pallas", check_vma=False)
+  got = prog(*(flashvjp.to_zigzag(x, n) for x in (q, k, v, dout, dlse)), ids, ids)
+  ref = _naive_vjp(*_util.as64((q, k, v, dout, dlse)), causal=True, segment_ids=None)
+  for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+    _util.assert_close(flashvjp.from_zigzag(g, n), r, jnp.float32, f"pallas ring {name}")
 
 
 def test_ring_memory_per_device_shrinks_with_devices():
