@@ -22,9 +22,9 @@ Conventions, stated once:
   what a block-sparse kernel executes on the diagonal); backward ``2.5x`` forward (five
   matmuls, including the recomputation of ``q @ k^T``), so forward+backward is ``3.5x``.
   The same count is used for every implementation, so FLOP/s compares times.
-* Matmul rate: median FLOP/s of ``jnp.dot`` on square matrices in the benchmark dtype,
-  measured in the same process before and after the suite (the higher of the two is the
-  reference); attention FLOP/s is reported as a fraction of it.
+* Matmul rate: FLOP/s of ``jnp.dot`` on square matrices in the benchmark dtype, timed in
+  the same round-robin as the attention calls of each shape; attention FLOP/s is reported
+  as a fraction of the rate measured beside it (so load from other users cancels out).
 """
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import flashvjp  # noqa: E402
+from flashvjp._config import default_block_sizes  # noqa: E402
 
 
 def _check_flag_took_effect():
@@ -244,13 +245,18 @@ def time_round_robin(calls: Sequence[tuple], *, repeats: int = 5, max_seconds: f
   return out
 
 
-def matmul_rate(n: int = 2048, dtype="float32", repeats: int = 5) -> float:
-  """Measured FLOP/s of jnp.dot on [n, n] x [n, n] (median of `repeats` after a warm-up)."""
+def matmul_call(n: int = 2048, dtype="float32"):
+  """(compiled jnp.dot, (a, b), flops) for [n, n] x [n, n], to time beside attention."""
   a = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32).astype(dtype)
   b = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.float32).astype(dtype)
-  f = compile_fn(jnp.dot, a, b)
-  (res,) = time_round_robin([(f, (a, b))], repeats=repeats, max_seconds=60.0)
-  return 2.0 * n ** 3 / res["median"]
+  return compile_fn(jnp.dot, a, b), (a, b), 2.0 * n ** 3
+
+
+def matmul_rate(n: int = 2048, dtype="float32", repeats: int = 5) -> float:
+  """Measured FLOP/s of jnp.dot on [n, n] x [n, n] (median of `repeats` after a warm-up)."""
+  f, args, flops = matmul_call(n, dtype)
+  (res,) = time_round_robin([(f, args)], repeats=repeats, max_seconds=60.0)
+  return flops / res["median"]
 
 
 def tile_matmul_rate(heads: int, block: int, head_dim: int, dtype="float32",
@@ -288,7 +294,8 @@ class Result:
   skip_reason: Optional[str] = None  # why time_s is None
   ratio_to_baseline: Optional[float] = None  # time_s / jax.nn's time_s, same round-robin
   flops_per_s: Optional[float] = None
-  matmul_fraction: Optional[float] = None  # flops_per_s / matmul rate
+  matmul_flops_per_s: Optional[float] = None  # timed in the same round-robin
+  matmul_fraction: Optional[float] = None  # flops_per_s / matmul_flops_per_s
 
 
 @dataclasses.dataclass
@@ -350,8 +357,9 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
     impls.append(BASELINE)  # ratios need it
   start = time.perf_counter()
   meta = machine_info()
-  rate_start = matmul_rate(cfg.matmul_n, cfg.dtype)
-  block = cfg.block_q or flashvjp.BlockSizes().block_q
+  mm_fn, mm_args, mm_flops = matmul_call(cfg.matmul_n, cfg.dtype)
+  rates = [mm_flops / time_round_robin([(mm_fn, mm_args)], repeats=cfg.repeats)[0]["median"]]
+  block = cfg.block_q or default_block_sizes("blockwise", jax.default_backend()).block_q
   tile = tile_matmul_rate(cfg.heads, min(block, min(cfg.seqs)), cfg.head_dim, cfg.dtype)
   meta.update(matmul_shape=f"[{cfg.matmul_n}, {cfg.matmul_n}]^2 {cfg.dtype}",
               tile_matmul_flops_per_s=tile,
@@ -394,11 +402,16 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
         inputs_cache.clear()  # one seq at a time
         inputs_cache[seq] = make_inputs(shape)
       calls = [(c, args_for(r.impl, mode, inputs_cache[seq])) for r, c in to_time]
-      timed = time_round_robin(calls, repeats=cfg.repeats, max_seconds=cfg.max_seconds_per_case,
-                               min_seconds=cfg.min_seconds_per_case)
+      calls.append((mm_fn, mm_args))  # the reference rate, under the same load
+      *timed, mm = time_round_robin(calls, repeats=cfg.repeats,
+                                    max_seconds=cfg.max_seconds_per_case,
+                                    min_seconds=cfg.min_seconds_per_case)
+      rates.append(mm_flops / mm["median"])
       for (r, _), t in zip(to_time, timed):
         r.time_s, r.time_min_s, r.runs = t["median"], t["min"], t["runs"]
         r.flops_per_s = flops / r.time_s
+        r.matmul_flops_per_s = rates[-1]
+        r.matmul_fraction = r.flops_per_s / r.matmul_flops_per_s
         last_time[(r.impl, causal, mode)] = (seq, r.time_s)
     base = next(r for r in group if r.impl == BASELINE)
     for r in group:
@@ -407,15 +420,8 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
       results.append(r)
     if progress is not None:
       progress(f"seq {seq} {'causal' if causal else 'full'} {mode}")
-  # The matmul rate is measured before and after; the higher one (the machine when least
-  # loaded) is the reference, so fractions err low rather than high.
-  rate_end = matmul_rate(cfg.matmul_n, cfg.dtype)
-  rate = max(rate_start, rate_end)
-  meta.update(matmul_flops_per_s=rate, matmul_flops_per_s_start=rate_start,
-              matmul_flops_per_s_end=rate_end, seconds=time.perf_counter() - start)
-  for r in results:
-    if r.flops_per_s is not None:
-      r.matmul_fraction = r.flops_per_s / rate
+  meta.update(matmul_flops_per_s=statistics.median(rates), matmul_flops_per_s_min=min(rates),
+              matmul_flops_per_s_max=max(rates), seconds=time.perf_counter() - start)
   return {"meta": meta, "results": [dataclasses.asdict(r) for r in results]}
 
 
@@ -430,7 +436,7 @@ def _fmt_bytes(b):
 def _fmt_time(t):
   if t is None:
     return "skipped"
-  return f"{t * 1e3:.1f} ms" if t < 10 else f"{t:.1f} s"
+  return f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"
 
 
 def _fmt_rate(x):
@@ -473,9 +479,9 @@ def meta_lines(report: dict) -> List[str]:
       f"- machine: {m['platform']} ({m['device']}), {m['nproc']} cores, {m['machine']};"
       f" python {m['python']}, jax {m['jax']}, flashvjp {m['flashvjp']}",
       f"- XLA_FLAGS: `{m['xla_flags']}`",
-      f"- matmul rate: {m['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s ({m['matmul_shape']}, best of"
-      f" {m['matmul_flops_per_s_start'] / 1e9:.1f} before and {m['matmul_flops_per_s_end'] / 1e9:.1f}"
-      " after the run);"
+      f"- matmul rate: {m['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s median ({m['matmul_shape']};"
+      f" {m['matmul_flops_per_s_min'] / 1e9:.1f} to {m['matmul_flops_per_s_max'] / 1e9:.1f} over"
+      " the run: \"% matmul\" uses the rate timed beside each attention call);"
       f" attention-tile matmul {m['tile_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s"
       f" ({m['tile_matmul_shape']})",
       f"- FLOPs: {m['flops_convention']}",
