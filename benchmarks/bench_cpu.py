@@ -8,6 +8,8 @@ targets. Writes benchmarks/results/cpu.md and cpu.json. Conventions: flashvjp/_b
 
     python benchmarks/bench_cpu.py            # the full run, < 10 minutes on 2 cores
     python benchmarks/bench_cpu.py --quick    # seq 1k..4k, no files written (for tuning)
+    python benchmarks/bench_cpu.py --quick --seq 4096 --causal yes \
+        --impl blockwise blockwise:256x512 blockwise:1024x512   # compare block sizes
 """
 from __future__ import annotations
 
@@ -98,12 +100,21 @@ def main(argv=None) -> int:
   p.add_argument("--quick", action="store_true",
                  help="seq 1024..4096 only, and write no files (for tuning)")
   p.add_argument("--seq", type=int, nargs="+", help="override the sequence lengths")
+  p.add_argument("--impl", nargs="+", default=["naive", "blockwise", "jax.nn"],
+                 help="implementations; blockwise:BQxBK compares block sizes in one run"
+                 " (targets are checked on plain 'blockwise')")
+  p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--budget-seconds", type=float, default=420.0,
                  help="after this long, remaining (largest) cases get compiled memory only")
   p.add_argument("--no-write", action="store_true", help="print only; write no files")
   p.add_argument("--out-dir", default=str(RESULTS))
   args = p.parse_args(argv)
+  for name in args.impl:
+    try:
+      _bench.parse_impl(name)
+    except ValueError as e:
+      p.error(str(e))
   try:
     from tqdm.auto import tqdm
   except ImportError:
@@ -111,7 +122,8 @@ def main(argv=None) -> int:
 
   seqs = tuple(args.seq) if args.seq else ((1024, 2048, 4096) if args.quick else SEQS)
   cfg = _bench.SuiteConfig(
-      seqs=seqs, impls=("naive", "blockwise", "jax.nn"), causals=(True, False),
+      seqs=seqs, impls=tuple(args.impl),
+      causals={"both": (True, False), "yes": (True,), "no": (False,)}[args.causal],
       modes=_bench.MODES, batch=1, heads=8, head_dim=64, dtype="float32", repeats=args.repeats,
       # jax.nn / naive fwd+bwd at seq 4096 need 2.1 GiB; at 8192, 8 GiB: memory only there.
       max_time_memory_bytes=3 * _bench.GiB,

@@ -49,6 +49,7 @@ def ensure_cpu_memory_flag() -> bool:
 _FLAG_ADDED_AT_IMPORT = ensure_cpu_memory_flag()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
@@ -122,15 +123,38 @@ class Shape:
     return jnp.dtype(self.dtype)
 
 
+def parse_impl(name: str) -> tuple:
+  """"blockwise" -> ("blockwise", None, None); "blockwise:256x512" -> ("blockwise", 256, 512).
+
+  The ":BQxBK" suffix (blockwise and pallas) benchmarks one block-size choice, so that
+  several can be compared against the same jax.nn timing.
+  """
+  impl, _, blocks = name.partition(":")
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} (optionally"
+                     f" blockwise:BQxBK or pallas:BQxBK), got {name!r}")
+  if not blocks:
+    return impl, None, None
+  bq, _, bk = blocks.partition("x")
+  if impl not in ("blockwise", "pallas") or not (bq.isdigit() and bk.isdigit()):
+    raise ValueError(f"block sizes are written blockwise:BQxBK or pallas:BQxBK (e.g."
+                     f" blockwise:256x512), got {name!r}")
+  if int(bq) <= 0 or int(bk) <= 0:
+    raise ValueError(f"block sizes must be positive, got {name!r}")
+  return impl, int(bq), int(bk)
+
+
 def attention_fn(impl: str, causal: bool, block_q: Optional[int] = None,
                  block_kv: Optional[int] = None) -> Callable:
-  """(q, k, v) -> out for `impl`; "jax.nn" takes and returns [batch, seq, heads, dim]."""
+  """(q, k, v) -> out for `impl` (see parse_impl); "jax.nn" takes [batch, seq, heads, dim].
+
+  Block sizes written in `impl` ("blockwise:256x512") win over block_q / block_kv.
+  """
+  impl, bq, bk = parse_impl(impl)
   if impl == BASELINE:
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                         implementation="xla")
-  if impl not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {impl!r}")
-  blocks = {} if impl == "naive" else dict(block_q=block_q, block_kv=block_kv)
+  blocks = {} if impl == "naive" else dict(block_q=bq or block_q, block_kv=bk or block_kv)
   return lambda q, k, v: flashvjp.flash_attention(q, k, v, causal=causal,
                                                   implementation=impl, **blocks)
 
@@ -152,7 +176,7 @@ def benchmark_fn(impl: str, causal: bool, mode: str, **blocks) -> Callable:
 
 def input_specs(impl: str, shape: Shape, mode: str) -> tuple:
   """ShapeDtypeStructs of the arguments of benchmark_fn(impl, ..., mode)."""
-  if impl == BASELINE:
+  if parse_impl(impl)[0] == BASELINE:
     dims = (shape.batch, shape.seq, shape.heads, shape.head_dim)
   else:
     dims = (shape.batch, shape.heads, shape.seq, shape.head_dim)
@@ -350,9 +374,8 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
   `progress(description)` is called once per finished group (tqdm's update, say).
   """
   for impl in cfg.impls:
-    if impl not in IMPLEMENTATIONS:
-      raise ValueError(f"unknown implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
-  impls = list(cfg.impls)
+    parse_impl(impl)  # a ValueError naming the bad one, before anything runs
+  impls = list(dict.fromkeys(cfg.impls))
   if BASELINE not in impls:
     impls.append(BASELINE)  # ratios need it
   start = time.perf_counter()
@@ -378,8 +401,7 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
     to_time = []
     for impl in impls:
       r = Result(impl, cfg.batch, cfg.heads, seq, cfg.head_dim, cfg.dtype, causal, mode, flops)
-      fn = benchmark_fn(impl, causal, mode, **({} if impl == BASELINE else
-                                               dict(block_q=cfg.block_q, block_kv=cfg.block_kv)))
+      fn = benchmark_fn(impl, causal, mode, block_q=cfg.block_q, block_kv=cfg.block_kv)
       compiled = compile_fn(fn, *input_specs(impl, shape, mode))
       mem = memory_of(compiled)
       r.temp_bytes, r.argument_bytes, r.output_bytes = mem.temp, mem.argument, mem.output
@@ -578,8 +600,10 @@ def add_bench_parser(subparsers):
       " attention FLOP/s and its fraction of a measured matmul rate. Defaults depend on the"
       " platform (CPU: seq 512..4096, float32, about a minute).")
   p.add_argument("--seq", type=int, nargs="+", help="sequence lengths (seq_q = seq_kv)")
-  p.add_argument("--impl", nargs="+", choices=IMPLEMENTATIONS,
-                 help="implementations (jax.nn is always measured: it is the baseline)")
+  p.add_argument("--impl", nargs="+", type=_impl_arg, metavar="IMPL",
+                 help=f"implementations, of {', '.join(IMPLEMENTATIONS)}; blockwise:BQxBK or"
+                 " pallas:BQxBK fixes block sizes, and several can be compared in one run"
+                 " (jax.nn is always measured: it is the baseline)")
   p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
   p.add_argument("--mode", choices=("both",) + MODES, default="both")
   p.add_argument("--batch", type=int)
@@ -603,6 +627,14 @@ def add_bench_parser(subparsers):
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   p.set_defaults(func=run_bench)
   return p
+
+
+def _impl_arg(name: str) -> str:
+  try:
+    parse_impl(name)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from e
+  return name
 
 
 def config_from_args(args) -> SuiteConfig:

@@ -121,3 +121,19 @@ def test_run_bench_writes_json_and_png(tmp_path, capsys):
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
   out = capsys.readouterr().out
   assert "| impl | seq | causal |" in out and "blockwise" in out
+
+
+def test_parse_impl():
+  assert _bench.parse_impl("blockwise") == ("blockwise", None, None)
+  assert _bench.parse_impl("blockwise:256x512") == ("blockwise", 256, 512)
+  assert _bench.parse_impl("jax.nn") == ("jax.nn", None, None)
+  for bad in ("flash", "naive:64x64", "blockwise:256", "blockwise:0x64", "blockwise:ax64"):
+    with pytest.raises(ValueError, match="blockwise"):
+      _bench.parse_impl(bad)
+  # Block sizes in the name reach flash_attention: 4 x 4 blocks of 16 at seq 64 need less
+  # temp memory than one 64 x 64 block.
+  shape = _bench.Shape(batch=1, heads=2, seq=64, head_dim=16)
+  small, big = (_bench.compiled_memory(_bench.benchmark_fn(name, False, "fwd"),
+                                       *_bench.input_specs(name, shape, "fwd"))
+                for name in ("blockwise:16x16", "blockwise:64x64"))
+  assert small.temp < big.temp
