@@ -184,11 +184,15 @@ def input_specs(impl: str, shape: Shape, mode: str) -> tuple:
   return (spec,) * (3 if mode == "fwd" else 4)
 
 
+def _normal(rng, dims, dtype):
+  return jnp.asarray(rng.standard_normal(dims, dtype=np.float32)).astype(dtype)
+
+
 def make_inputs(shape: Shape, seed: int = 0) -> Dict[str, tuple]:
   """Random q, k, v, do in both layouts: {"bhsd": (...), "bshd": (...)}."""
-  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  rng = np.random.default_rng(seed)  # numpy: eager jax.random would compile per shape
   dims = (shape.batch, shape.heads, shape.seq, shape.head_dim)
-  bhsd = tuple(jax.random.normal(kk, dims, jnp.float32).astype(shape.jnp_dtype) for kk in keys)
+  bhsd = tuple(_normal(rng, dims, shape.jnp_dtype) for _ in range(4))
   bshd = tuple(jnp.swapaxes(x, 1, 2) for x in bhsd)
   jax.block_until_ready((bhsd, bshd))
   return {"bhsd": bhsd, "bshd": bshd}
@@ -271,8 +275,8 @@ def time_round_robin(calls: Sequence[tuple], *, repeats: int = 5, max_seconds: f
 
 def matmul_call(n: int = 2048, dtype="float32"):
   """(compiled jnp.dot, (a, b), flops) for [n, n] x [n, n], to time beside attention."""
-  a = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32).astype(dtype)
-  b = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.float32).astype(dtype)
+  rng = np.random.default_rng(1)
+  a, b = _normal(rng, (n, n), dtype), _normal(rng, (n, n), dtype)
   return compile_fn(jnp.dot, a, b), (a, b), 2.0 * n ** 3
 
 
@@ -286,8 +290,8 @@ def matmul_rate(n: int = 2048, dtype="float32", repeats: int = 5) -> float:
 def tile_matmul_rate(heads: int, block: int, head_dim: int, dtype="float32",
                      repeats: int = 5) -> float:
   """Measured FLOP/s of the attention tile product [H, block, D] x [H, block, D]^T."""
-  a = jax.random.normal(jax.random.PRNGKey(1), (heads, block, head_dim), jnp.float32).astype(dtype)
-  b = jax.random.normal(jax.random.PRNGKey(2), (heads, block, head_dim), jnp.float32).astype(dtype)
+  rng = np.random.default_rng(1)
+  a, b = (_normal(rng, (heads, block, head_dim), dtype) for _ in range(2))
   f = compile_fn(lambda x, y: jnp.einsum("hqd,hkd->hqk", x, y,
                                          preferred_element_type=jnp.float32), a, b)
   (res,) = time_round_robin([(f, (a, b))], repeats=repeats, max_seconds=30.0)

@@ -53,8 +53,8 @@ def test_baseline_takes_jax_nn_layout():
   inputs = _bench.make_inputs(shape)
   q, k, v = _bench.args_for("naive", "fwd", inputs)
   qt, kt, vt = _bench.args_for("jax.nn", "fwd", inputs)
-  ours = _bench.benchmark_fn("naive", True, "fwd")(q, k, v)
-  theirs = _bench.benchmark_fn("jax.nn", True, "fwd")(qt, kt, vt)
+  ours = jax.jit(_bench.benchmark_fn("naive", True, "fwd"))(q, k, v)
+  theirs = jax.jit(_bench.benchmark_fn("jax.nn", True, "fwd"))(qt, kt, vt)
   assert jnp.max(jnp.abs(jnp.swapaxes(theirs, 1, 2) - ours)) < 1e-5
 
 
@@ -103,14 +103,15 @@ def test_run_bench_writes_json_and_png(tmp_path, capsys):
   pytest.importorskip("matplotlib")
   js, png = tmp_path / "bench.json", tmp_path / "bench.png"
   with pytest.raises(SystemExit) as exit_info:  # through `python -m flashvjp bench`'s parser
-    cli.main(["bench", "--seq", "32", "64", "--heads", "1", "--head-dim", "16", "--causal", "yes",
+    cli.main(["bench", "--seq", "32", "64", "--impl", "blockwise", "--heads", "1", "--head-dim", "16",
+              "--causal", "yes",
               "--repeats", "1", "--min-seconds", "0", "--matmul-size", "256", "--no-progress",
               "--json", str(js), "--plot", str(png)])
   assert exit_info.value.code == 0
   report = json.loads(js.read_text())
   assert report["meta"]["matmul_flops_per_s"] > 0
   rows = {(r["impl"], r["seq"], r["mode"]): r for r in report["results"]}
-  assert set(rows) == {(i, s, m) for i in ("naive", "blockwise", "jax.nn")
+  assert set(rows) == {(i, s, m) for i in ("blockwise", "jax.nn")
                        for s in (32, 64) for m in _bench.MODES}
   for (impl, seq, mode), r in rows.items():
     assert r["causal"] is True and r["temp_bytes"] >= 0 and r["skip_reason"] is None
