@@ -1,6 +1,224 @@
-"""The shared test base run against the Pallas kernels in interpret mode (CPU)."""
+"""The Pallas kernels (interpret mode on CPU): the shared base plus Pallas-specific structure.
+
+The shared base (tests/attention_base.py) checks every feature against float64
+naive attention. The tests below check what is particular to the kernels: the
+grad is the hand-written kernels (separate forward / backward pallas_calls),
+agreement with the blockwise path to float32 rounding, the dropout keep-mask,
+bitwise determinism, no O(seq^2) or per-query-head K/V arrays, and the limits.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashvjp
+from flashvjp.pallas import _common
+from flashvjp.pallas import _limits
+from tests import _util
 from tests.attention_base import AttentionTests
 
 
 class TestPallasInterpret(AttentionTests):
   IMPLEMENTATION = "pallas"
+
+
+# ---- helpers ---------------------------------------------------------------------
+
+def _subjaxprs(eqn):
+  for v in eqn.params.values():
+    if hasattr(v, "jaxpr") and hasattr(v, "consts"):  # ClosedJaxpr
+      yield v.jaxpr
+    elif hasattr(v, "eqns"):  # Jaxpr
+      yield v
+
+
+def _eqns(jaxpr, into_kernels=True):
+  for e in jaxpr.eqns:
+    yield e
+    if e.primitive.name == "pallas_call" and not into_kernels:
+      continue
+    for sub in _subjaxprs(e):
+      yield from _eqns(sub, into_kernels)
+
+
+def _pallas_call_names(closed_jaxpr):
+  return [str(e.params.get("name", e.params.get("name_and_src_info")))
+          for e in _eqns(closed_jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+
+
+def _count(names, kernel):
+  return sum(1 for n in names if kernel in n)
+
+
+def _pallas(q, k, v, **kw):
+  """Pallas attention under jit (interpret mode is slow op by op)."""
+  kw.setdefault("block_q", 16)
+  kw.setdefault("block_kv", 16)
+  return jax.jit(lambda q, k, v: flashvjp.flash_attention(q, k, v, implementation="pallas", **kw))(
+      q, k, v)
+
+
+# ---- structure ---------------------------------------------------------------------
+
+def test_grad_runs_forward_and_separate_backward_kernels():
+  q, k, v = _util.random_qkv(0, 1, 4, 2, 32, 32, 16)
+  bias = jnp.zeros((1, 4, 1, 32), jnp.float32)
+  loss = lambda q, k, v, bias: _pallas(q, k, v, bias=bias, causal=True).sum()
+  fwd_names = _pallas_call_names(jax.make_jaxpr(loss)(q, k, v, bias))
+  assert fwd_names and all("flashvjp_fwd" in n for n in fwd_names), fwd_names
+  names = _pallas_call_names(jax.make_jaxpr(jax.grad(loss, (0, 1, 2, 3)))(q, k, v, bias))
+  assert _count(names, "flashvjp_fwd") == 1, names
+  assert _count(names, "flashvjp_bwd_dkdv") == 1, names
+  assert _count(names, "flashvjp_bwd_dq") == 1, names
+  assert _count(names, "flashvjp_bwd_dbias") == 1, names
+  # Without a bias there is no dbias kernel.
+  names = _pallas_call_names(jax.make_jaxpr(jax.grad(lambda q: _pallas(q, k, v).sum()))(q))
+  assert _count(names, "flashvjp_bwd_dbias") == 0, names
+  assert _count(names, "flashvjp_bwd_dq") == 1, names
+
+
+def test_no_quadratic_array_and_no_kv_repeat():
+  """Grad with GQA and a batch/head/row-broadcast bias: outside the kernels nothing has
+  B*H*Sq*Skv elements, and no array holds K/V for every query head."""
+  B, H, Hkv, Sq, Skv, D = 2, 4, 1, 48, 64, 16
+  q, k, v = _util.random_qkv(1, B, H, Hkv, Sq, Skv, D)
+  bias = jnp.ones((1, 1, 1, Skv), jnp.float32)
+  loss = lambda q, k, v, bias: _pallas(q, k, v, bias=bias, block_q=16, block_kv=32).sum()
+  jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2, 3)))(q, k, v, bias)
+  kernel_inputs = set()
+  for e in _eqns(jaxpr.jaxpr, into_kernels=False):
+    for var in e.outvars:
+      shape = tuple(getattr(var.aval, "shape", ()))
+      assert int(np.prod(shape)) < B * H * Sq * Skv, f"{e.primitive.name}: O(seq^2) array {shape}"
+      assert shape != (B, H, Skv, D), f"{e.primitive.name}: K/V repeated per query head"
+    if e.primitive.name == "pallas_call":
+      kernel_inputs |= {tuple(x.aval.shape) for x in e.invars}
+  assert (B, Hkv, Skv, D) in kernel_inputs, kernel_inputs
+  assert (B, H, Skv, D) not in kernel_inputs, kernel_inputs
+
+
+@pytest.mark.parametrize("kw", [
+    dict(causal=True, window=(9, 2)),
+    dict(dropout_rate=0.25, dropout_rng=jax.random.key(3), deterministic=False, causal=True),
+], ids=["causal_window", "dropout"])
+def test_matches_blockwise_to_float32_rounding(kw):
+  q, k, v = _util.random_qkv(4, 2, 4, 2, 45, 37, 16, 8)
+  bias = 0.5 * jax.random.normal(jax.random.key(1), (1, 4, 45, 37), jnp.float32)
+
+  def run(impl):
+    def loss(q, k, v, bias):
+      out, lse = flashvjp.flash_attention(q, k, v, bias=bias, implementation=impl, block_q=16,
+                                          block_kv=16, return_lse=True, **kw)
+      return jnp.sum(out * jnp.sin(out)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0)), (out, lse)
+    (_, res), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(q, k, v, bias)
+    return res, grads
+
+  got, ref = run("pallas"), run("blockwise")
+  for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+    g, r = np.asarray(g), np.asarray(r)
+    np.testing.assert_array_equal(np.isfinite(g), np.isfinite(r))
+    f = np.isfinite(r)
+    scale = max(np.abs(r[f]).max(), 1e-30)
+    assert np.abs(g[f] - r[f]).max() <= 2e-6 * scale, np.abs(g[f] - r[f]).max() / scale
+
+
+def test_dropout_keep_mask_is_the_shared_one():
+  """With v = identity the output is the dropped-out probability matrix itself."""
+  B, H, S = 1, 2, 24
+  q, k, _ = _util.random_qkv(5, B, H, H, S, S, 16)
+  v = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32), (B, H, S, S))
+  rng, rate = jax.random.key(42), 0.4
+  want = np.asarray(flashvjp.dropout_mask(rng, (B, H, S, S), rate))
+  for impl in ("pallas", "blockwise"):
+    out = jax.jit(lambda q, k, v, impl=impl: flashvjp.flash_attention(
+        q, k, v, dropout_rate=rate, dropout_rng=rng, deterministic=False, implementation=impl,
+        block_q=16, block_kv=16))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(out) != 0, want, err_msg=impl)
+  assert 0.3 < 1 - want.mean() < 0.5
+
+
+def test_bitwise_deterministic():
+  q, k, v = _util.random_qkv(6, 2, 4, 2, 40, 40, 16)
+  bias = jax.random.normal(jax.random.key(2), (2, 1, 40, 40), jnp.float32)
+  seg = jnp.asarray(np.repeat([[0] * 15 + [1] * 25], 2, axis=0), jnp.int32)
+
+  def make():
+    def loss(q, k, v, bias):
+      out = _pallas(q, k, v, bias=bias, segment_ids=seg, causal=True, dropout_rate=0.1,
+                    dropout_rng=jax.random.key(0), deterministic=False,
+                    score_mod=flashvjp.softcap(3.0))
+      return jnp.sum(out ** 2), out
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))
+
+  a, b = make()(q, k, v, bias), make()(q, k, v, bias)
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_block_skipping_keeps_empty_blocks_exact():
+  """A mask whose kv blocks 1 and 3 are entirely False: skipped blocks change nothing."""
+  q, k, v = _util.random_qkv(7, 1, 2, 2, 32, 64, 16)
+  mask = np.ones((1, 1, 32, 64), bool)
+  mask[..., 16:32] = False
+  mask[..., 48:] = False
+  got = _pallas(q, k, v, mask=jnp.asarray(mask))
+  ref = _pallas(q[..., :, :], k[:, :, np.r_[0:16, 32:48]], v[:, :, np.r_[0:16, 32:48]])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-6)
+
+
+# ---- limits ------------------------------------------------------------------------
+
+def _supports(**kw):
+  args = dict(platform="gpu", interpret=False, query_shape=(1, 2, 128, 64),
+              key_shape=(1, 2, 128, 64), value_shape=(1, 2, 128, 64), dtype=jnp.bfloat16)
+  args.update(kw)
+  return _limits.supports(**args)
+
+
+def test_limits():
+  assert _supports()[0]
+  assert _supports(interpret=True, platform="cpu", dtype=jnp.float64)[0]
+  ok, why = _supports(dtype=jnp.float64)
+  assert not ok and "float64" in why
+  ok, why = _supports(query_shape=(1, 2, 128, 512), key_shape=(1, 2, 128, 512))
+  assert not ok and "256" in why
+  ok, why = _supports(platform="cpu")
+  assert not ok and "interpret" in why
+  ok, why = _supports(platform="tpu")
+  assert not ok and "interpret" in why
+
+
+def test_limits_score_mod_against_triton_rules():
+  from flashvjp import _score_mod
+  fn, consts, _ = _score_mod.convert(flashvjp.softcap(2.0), jnp.float32)
+  assert _supports(has_score_mod=True, score_mod=fn, score_mod_consts=consts)[0]
+  fn, consts, _ = _score_mod.convert(flashvjp.alibi(flashvjp.alibi_slopes(4)), jnp.float32)
+  ok, why = _supports(has_score_mod=True, score_mod=fn, score_mod_consts=consts)
+  assert not ok and "dynamic_slice" in why
+  table = jnp.zeros((3, 7), jnp.float32)
+  fn, consts, _ = _score_mod.convert(flashvjp.relative_position_bias(table, 3), jnp.float32)
+  ok, why = _supports(has_score_mod=True, score_mod=fn, score_mod_consts=consts)
+  assert not ok and "power of 2" in why
+
+
+def test_pallas_on_cpu_without_interpret_is_a_clear_error():
+  q, k, v = _util.random_qkv(0, 1, 1, 1, 8, 8, 8)
+  if jax.default_backend() != "cpu":
+    pytest.skip("checks the CPU error")
+  with pytest.raises(ValueError, match="interpret"):
+    flashvjp.flash_attention(q, k, v, implementation="pallas", interpret=False)
+
+
+def test_geometry_is_triton_shaped():
+  for block, seq, want in ((1, 100, 16), (48, 100, 64), (128, 37, 64), (64, 1000, 64)):
+    assert _common.effective_block(block, seq) == want
+  assert [_common.padded_head_dim(d) for d in (1, 8, 16, 40, 64, 96, 256)] == \
+      [16, 16, 16, 64, 64, 128, 256]
+
+
+def test_head_dim_padding_forward():
+  """Head dims that are not powers of 2 (padded to 128 in-kernel) against naive."""
+  q, k, v = _util.random_qkv(8, 1, 2, 1, 20, 24, 72, 40)
+  got = _pallas(q, k, v, causal=True)
+  ref = flashvjp.flash_attention(*_util.as64((q, k, v)), causal=True, implementation="naive")
+  _util.assert_close(got, ref, jnp.float32)

@@ -28,8 +28,8 @@ MAX_HEAD_DIM = 256
 class Geometry:
   """Static sizes of one kernel launch.
 
-  Sequence lengths are padded to whole blocks and head dims to what the lowering
-  needs (a power of two >= 16 for Triton; unpadded in interpret mode). Padding
+  Sequence lengths are padded to whole blocks and head dims to what the Triton
+  lowering needs (a power of two >= 16; the same in interpret mode). Padding
   is masked by the mask model (positions >= seq_q / seq_kv never attend) and
   zero-padded head dims contribute nothing to the dot products.
   """
@@ -67,16 +67,18 @@ class Geometry:
     return self.nk * self.bk
 
 
-def effective_block(block: int, seq: int, interpret: bool) -> int:
-  """The block the kernels use: min(block, seq); rounded to a power of 2 >= 16 for Triton."""
-  b = min(block, seq)
-  if interpret:
-    return b
-  return max(MIN_TRITON_DIM, _compat.next_power_of_2(b))
+def effective_block(block: int, seq: int) -> int:
+  """The block the kernels use: min(block, seq) rounded up to a power of 2 >= 16.
+
+  Triton needs power-of-2 tiles with dims >= 16 for its dots. Interpret mode uses
+  the same geometry, so that the CPU tests run exactly the shapes the GPU runs.
+  """
+  return max(MIN_TRITON_DIM, _compat.next_power_of_2(min(block, seq)))
 
 
-def padded_head_dim(d: int, interpret: bool) -> int:
-  return d if interpret else max(MIN_TRITON_DIM, _compat.next_power_of_2(d))
+def padded_head_dim(d: int) -> int:
+  """Head dim padded (with zeros) to a power of 2 >= 16."""
+  return max(MIN_TRITON_DIM, _compat.next_power_of_2(d))
 
 
 def geometry(cfg: AttentionConfig, q_shape, k_shape, v_shape, block_q, block_kv) -> Geometry:
@@ -84,9 +86,8 @@ def geometry(cfg: AttentionConfig, q_shape, k_shape, v_shape, block_q, block_kv)
   Hkv, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
   return Geometry(
       B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=Dv,
-      bq=effective_block(block_q, Sq, cfg.interpret),
-      bk=effective_block(block_kv, Skv, cfg.interpret),
-      Dp=padded_head_dim(D, cfg.interpret), Dvp=padded_head_dim(Dv, cfg.interpret))
+      bq=effective_block(block_q, Sq), bk=effective_block(block_kv, Skv),
+      Dp=padded_head_dim(D), Dvp=padded_head_dim(Dv))
 
 
 def mask_spec(cfg: AttentionConfig) -> _mask.MaskSpec:
