@@ -591,7 +591,7 @@ def default_config(platform: str) -> SuiteConfig:
   return SuiteConfig(seqs=(1024, 2048, 4096, 8192, 16384), impls=tuple(impls), batch=4, heads=16,
                      head_dim=128, dtype="bfloat16", repeats=10,
                      max_time_memory_bytes=32 * GiB, max_call_seconds=2.0,
-                     max_seconds_per_case=5.0, matmul_n=8192)
+                     max_seconds_per_case=5.0, max_suite_seconds=300.0, matmul_n=8192)
 
 
 def add_bench_parser(subparsers):
