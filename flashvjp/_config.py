@@ -40,9 +40,11 @@ class BlockSizes:
     return (self.block_q_dq or self.block_q, self.block_kv_dq or self.block_kv)
 
 
-# Tuned defaults. Blockwise on CPU: big blocks amortise loop overhead; 512x512
-# float32 score tiles (1 MiB per head) keep fwd+bwd temp memory linear and small.
-BLOCKWISE_DEFAULT = BlockSizes(block_q=512, block_kv=512)
+# Tuned defaults. Blockwise on this 2-core CPU (B=1, H=8, D=64, float32, seq 4096,
+# fwd+bwd, measured 2026-12-02): 128x128 tiles stay in cache and skip the most masked
+# area: causal 1.21 s (512x512: 2.21 s), non-causal 2.63 s (512x512: 3.20 s); temp
+# memory 10.8 MiB (512x512: 30.3 MiB). Per-iteration loop overhead is small next to that.
+BLOCKWISE_DEFAULT = BlockSizes(block_q=128, block_kv=128)
 PALLAS_GPU_DEFAULT = BlockSizes(block_q=128, block_kv=64)
 PALLAS_INTERPRET_DEFAULT = BlockSizes(block_q=64, block_kv=64)
 
