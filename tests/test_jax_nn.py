@@ -277,3 +277,18 @@ def test_explain_reports_the_path_for_the_drop_in():
   out_naive = flashvjp.dot_product_attention(q, k, v, is_causal=True, implementation="naive")
   out_bw = flashvjp.dot_product_attention(q, k, v, is_causal=True, implementation="blockwise")
   assert_close(out_bw, out_naive, F32, "blockwise vs naive")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_matches_jax_nn_float64(dtype):
+  """Half-precision inputs: output and gradients in the input dtype, within TOL[dtype]."""
+  q, k, v, bias, _, ct = _inputs(9, dtype=dtype)
+  kw = dict(is_causal=True, key_value_seq_lengths=jnp.asarray([S, S - 4], jnp.int32))
+  out, grads = _loss_and_grads(flashvjp.dot_product_attention, q, k, v, bias, ct, kw)
+  ref_in = [x.astype(jnp.float64) for x in (q, k, v, bias, ct)]
+  ref_out, ref_grads = _loss_and_grads(
+      lambda *a, **k_: jax.nn.dot_product_attention(*a, implementation="xla", **k_),
+      *ref_in, kw)
+  assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+  assert_close(out, ref_out, dtype, "out")
+  assert_close(grads, ref_grads, dtype, "grads")
