@@ -34,6 +34,11 @@ from flashvjp.pallas import _compat
 from flashvjp.pallas import forward as F
 
 
+def _i32(x):
+  """Loop bounds as int32 (with jax_enable_x64 a Python int would make int64 loop indices)."""
+  return jnp.asarray(x, jnp.int32)
+
+
 def _tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, masked, n_diff):
   """Backward math of one [bq, bk] tile.
 
@@ -118,7 +123,7 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, masked):
     return lax.fori_loop(lo, hi, q_body, carry)
 
   init = (jnp.zeros((g.bk, g.Dp), acc), jnp.zeros((g.bk, g.Dvp), acc))
-  dk, dv = lax.fori_loop(0, g.G, group_body, init)
+  dk, dv = lax.fori_loop(_i32(0), _i32(g.G), group_body, init)
   r["dk"][...] = dk.astype(r["dk"].dtype)
   r["dv"][...] = dv.astype(r["dv"].dtype)
 
@@ -249,8 +254,8 @@ def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, masked, bias_shape
   spec = C.mask_spec(cfg)
 
   def bh_body(t_bh, accum):
-    b = pb if Bb != 1 else t_bh // nh
-    h = ph if Hb != 1 else t_bh % nh
+    b = pb if Bb != 1 else (t_bh // nh if nh != 1 else t_bh)
+    h = ph if Hb != 1 else (t_bh % nh if nh != 1 else t_bh)
 
     def i_body(i, accum):
       lo, hi = spec.kv_block_range(i, g.bq, g.bk, g.nk)
@@ -286,11 +291,11 @@ def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, masked, bias_shape
 
       return lax.fori_loop(lo, hi, j_body, accum)
 
-    i_lo, i_hi = (pi, pi + 1) if Sqb != 1 else (0, g.nq)
+    i_lo, i_hi = (pi, pi + 1) if Sqb != 1 else (_i32(0), _i32(g.nq))
     return lax.fori_loop(i_lo, i_hi, i_body, accum)
 
   init = jnp.zeros(r["dbias"].shape, acc)
-  r["dbias"][...] = lax.fori_loop(0, nb * nh, bh_body, init).astype(r["dbias"].dtype)
+  r["dbias"][...] = lax.fori_loop(_i32(0), _i32(nb * nh), bh_body, init).astype(r["dbias"].dtype)
 
 
 def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, table,
