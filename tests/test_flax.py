@@ -208,3 +208,21 @@ def test_attention_fn_signature_and_errors():
   p = module.init(jax.random.key(0), _x(0))
   with pytest.raises(ValueError, match="module is set"):
     module.apply(p, _x(0), sow_weights=True)
+
+
+def test_make_attention_fn_window_and_score_mod_match_explicit_forms():
+  """The factory's window equals Flax's default with the same band as a dense mask, and its
+  score_mod equals flash_attention on the transposed inputs (independently computed)."""
+  kq, kk, kv = jax.random.split(jax.random.key(9), 3)
+  q = jax.random.normal(kq, (BATCH, L, HEADS, 8), F64)
+  k = jax.random.normal(kk, (BATCH, L, HEADS, 8), F64)
+  v = jax.random.normal(kv, (BATCH, L, HEADS, 8), F64)
+  pos = jnp.arange(L)
+  band = (pos[None, :] >= pos[:, None] - 2) & (pos[None, :] <= pos[:, None] + 1)
+  got = jax.jit(flashvjp.flax.make_attention_fn(window=(2, 1)))(q, k, v)
+  assert_close(got, nn.dot_product_attention(q, k, v, mask=band[None, None]), F64, "window")
+  cap = 1.5
+  got = jax.jit(flashvjp.flax.make_attention_fn(score_mod=flashvjp.softcap(cap)))(q, k, v)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(8.0)
+  ref = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(cap * jnp.tanh(s / cap), axis=-1), v)
+  assert_close(got, ref, F64, "softcap")
