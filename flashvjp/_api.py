@@ -166,7 +166,10 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       value_shape=value.shape, dtype=query.dtype, has_score_mod=score_mod is not None,
       has_dropout=dropout_active, score_mod=sm_fn, score_mod_consts=consts)
   defaults = default_block_sizes(decision.implementation, _dispatch.platform())
-  blocks = BlockSizes(block_q or defaults.block_q, block_kv or defaults.block_kv)
+  if block_q is None and block_kv is None:
+    blocks = defaults  # includes the tuned backward block sizes
+  else:
+    blocks = BlockSizes(block_q or defaults.block_q, block_kv or defaults.block_kv)
   cfg = AttentionConfig(
       scale=float(scale), causal=bool(causal), window=window, seq_q=Sq, seq_kv=Skv,
       dropout_rate=float(dropout_rate) if dropout_active else 0.0, blocks=blocks,

@@ -45,7 +45,11 @@ class BlockSizes:
 # area: causal 1.21 s (512x512: 2.21 s), non-causal 2.63 s (512x512: 3.20 s); temp
 # memory 10.8 MiB (512x512: 30.3 MiB). Per-iteration loop overhead is small next to that.
 BLOCKWISE_DEFAULT = BlockSizes(block_q=128, block_kv=128)
-PALLAS_GPU_DEFAULT = BlockSizes(block_q=128, block_kv=64)
+# Pallas on GPU: forward 128x64 tiles; backward 64x64 (the dK/dV and dQ kernels keep two
+# [64, head_dim] float32 accumulators in registers). Untuned: benchmarks/gpu_check.py
+# sweeps alternatives. Head dims > 128 shrink them further (flashvjp.pallas._common).
+PALLAS_GPU_DEFAULT = BlockSizes(block_q=128, block_kv=64, block_q_dkv=64, block_kv_dkv=64,
+                                block_q_dq=64, block_kv_dq=64)
 PALLAS_INTERPRET_DEFAULT = BlockSizes(block_q=64, block_kv=64)
 
 

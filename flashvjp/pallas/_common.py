@@ -81,13 +81,28 @@ def padded_head_dim(d: int) -> int:
   return max(MIN_TRITON_DIM, _compat.next_power_of_2(d))
 
 
-def geometry(cfg: AttentionConfig, q_shape, k_shape, v_shape, block_q, block_kv) -> Geometry:
+# Head dims above 128 shrink the blocks: the accumulators ([rows, head_dim] float32)
+# live in registers under Triton. "rows" is bq in the forward / dQ kernels and bk in
+# the dK/dV kernel.
+LARGE_HEAD_DIM = 128
+LARGE_HEAD_BLOCK = 64
+LARGE_HEAD_ACC_ROWS = 32
+
+
+def geometry(cfg: AttentionConfig, q_shape, k_shape, v_shape, block_q, block_kv,
+             role: str = "fwd") -> Geometry:
+  """Geometry of one kernel; `role` ("fwd", "dkdv" or "dq") picks the accumulator rows."""
   B, H, Sq, D = q_shape
   Hkv, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
-  return Geometry(
-      B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=Dv,
-      bq=effective_block(block_q, Sq), bk=effective_block(block_kv, Skv),
-      Dp=padded_head_dim(D), Dvp=padded_head_dim(Dv))
+  Dp, Dvp = padded_head_dim(D), padded_head_dim(Dv)
+  bq, bk = effective_block(block_q, Sq), effective_block(block_kv, Skv)
+  if max(Dp, Dvp) > LARGE_HEAD_DIM:
+    bq, bk = min(bq, LARGE_HEAD_BLOCK), min(bk, LARGE_HEAD_BLOCK)
+    if role == "dkdv":
+      bk = min(bk, LARGE_HEAD_ACC_ROWS)
+    else:
+      bq = min(bq, LARGE_HEAD_ACC_ROWS if role == "dq" else LARGE_HEAD_BLOCK)
+  return Geometry(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=Dv, bq=bq, bk=bk, Dp=Dp, Dvp=Dvp)
 
 
 def mask_spec(cfg: AttentionConfig) -> _mask.MaskSpec:

@@ -350,7 +350,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   has_seg, has_mask = q_seg is not None, mask is not None
 
   # dK / dV (and dbias, which shares its blocks).
-  g = C.geometry(cfg, q.shape, k.shape, v.shape, bq_dkv, bk_dkv)
+  g = C.geometry(cfg, q.shape, k.shape, v.shape, bq_dkv, bk_dkv, role="dkdv")
   masked = C.needs_mask(cfg, g, has_seg, has_mask)
   delta_p, lse_p = _preprocess(out, lse, dout, dlse, g, acc)
   qp, dop = C.pad_seq_head(q, g.Sqp, g.Dp), C.pad_seq_head(dout, g.Sqp, g.Dvp)
@@ -370,7 +370,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
 
   # dQ (and the score_mod consts' grads).
-  g = C.geometry(cfg, q.shape, k.shape, v.shape, bq_dq, bk_dq)
+  g = C.geometry(cfg, q.shape, k.shape, v.shape, bq_dq, bk_dq, role="dq")
   masked = C.needs_mask(cfg, g, has_seg, has_mask)
   delta_p, lse_p = _preprocess(out, lse, dout, dlse, g, acc)
   dop = C.pad_seq_head(dout, g.Sqp, g.Dvp)
