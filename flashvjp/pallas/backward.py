@@ -84,6 +84,7 @@ def _group5(x, g: C.Geometry):
 
 
 def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, masked):
+  masked_any = masked
   r = dict(zip(names + ["dk", "dv"], refs))
   acc = C.acc_dtype(r["q"].dtype)
   b, hk, j = _compat.program_id(0), _compat.program_id(1), _compat.program_id(2)
@@ -91,6 +92,8 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, masked):
   consts = tuple(r[f"const{n}"][...] for n in range(n_consts))
   kv_seg = r["kv_seg"][...] if "kv_seg" in r else None
   lo, hi = C.mask_spec(cfg).q_block_range(j, g.bq, g.bk, g.nq)
+  elementwise = "q_seg" in r or "mask" in r
+  full = None if elementwise else C.full_q_blocks(cfg, g, j)
 
   def lead(name, gi):
     return (gi if r[name].shape[0] != 1 else 0,)
@@ -98,7 +101,7 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, masked):
   def group_body(gi, carry):
     h = hk * g.G + gi
 
-    def q_body(i, carry):
+    def q_body(i, carry, masked):
       def compute(carry):
         dk, dv = carry
         rows = _compat.ds(i * g.bq, g.bq)
@@ -120,7 +123,12 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, masked):
       table = r["table"][lead("table", gi) + (i,)] if "table" in r else None
       return C.maybe_skip(table, compute, carry)
 
-    return lax.fori_loop(lo, hi, q_body, carry)
+    def run(start, stop, masked, carry):
+      return lax.fori_loop(start, stop, functools.partial(q_body, masked=masked), carry)
+
+    if not masked_any:
+      return run(lo, hi, False, carry)
+    return C.split_loop(run, lo, hi, full, carry)
 
   init = (jnp.zeros((g.bk, g.Dp), acc), jnp.zeros((g.bk, g.Dvp), acc))
   dk, dv = lax.fori_loop(_i32(0), _i32(g.G), group_body, init)
@@ -181,6 +189,7 @@ def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_s
 # ---- dQ (+ score_mod dconsts partials) ----------------------------------------
 
 def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, n_diff, masked):
+  masked_any = masked
   r = dict(zip(names + ["dq"] + [f"dconst{n}" for n in range(n_diff)], refs))
   acc = C.acc_dtype(r["q"].dtype)
   b, h, i = _compat.program_id(0), _compat.program_id(1), _compat.program_id(2)
@@ -189,7 +198,7 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, n_diff, masked):
   consts = tuple(r[f"const{n}"][...] for n in range(n_consts))
   lo, hi = C.mask_spec(cfg).kv_block_range(i, g.bq, g.bk, g.nk)
 
-  def body(j, carry):
+  def body(j, carry, masked):
     def compute(carry):
       dq, dcs = carry
       t = F.load_tile_inputs(r, g, b, h, i, j)
@@ -205,8 +214,17 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, n_diff, masked):
     table = r["table"][j] if "table" in r else None
     return C.maybe_skip(table, compute, carry)
 
+  def run(start, stop, masked, carry):
+    return lax.fori_loop(start, stop, functools.partial(body, masked=masked), carry)
+
   dc0 = tuple(jnp.zeros(r[f"dconst{n}"].shape, r[f"dconst{n}"].dtype) for n in range(n_diff))
-  dq, dcs = lax.fori_loop(lo, hi, body, (jnp.zeros((g.bq, g.Dp), acc), dc0))
+  init = (jnp.zeros((g.bq, g.Dp), acc), dc0)
+  if not masked_any:
+    dq, dcs = run(lo, hi, False, init)
+  else:
+    elementwise = "q_seg" in r or "mask" in r
+    full = None if elementwise else C.full_kv_blocks(cfg, g, i)
+    dq, dcs = C.split_loop(run, lo, hi, full, init)
   r["dq"][...] = dq.astype(r["dq"].dtype)
   for n, d in enumerate(dcs):
     r[f"dconst{n}"][...] = d

@@ -110,7 +110,7 @@ def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
   consts = tuple(r[f"const{n}"][...] for n in range(n_consts))
   lo, hi = C.mask_spec(cfg).kv_block_range(i, g.bq, g.bk, g.nk)
 
-  def body(j, carry):
+  def body(j, carry, masked):
     def compute(carry):
       m, l, o = carry
       t = load_tile_inputs(r, g, b, h, i, j)
@@ -130,9 +130,17 @@ def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
     table = r["table"][j] if "table" in r else None
     return C.maybe_skip(table, compute, carry)
 
+  def run(start, stop, masked, carry):
+    return lax.fori_loop(start, stop, functools.partial(body, masked=masked), carry)
+
   init = (jnp.full((g.bq,), -jnp.inf, acc), jnp.zeros((g.bq,), acc),
           jnp.zeros((g.bq, g.Dvp), acc))
-  m, l, o = lax.fori_loop(lo, hi, body, init)
+  if not masked:
+    m, l, o = run(lo, hi, False, init)
+  else:
+    elementwise = "q_seg" in r or "mask" in r
+    full = None if elementwise else C.full_kv_blocks(cfg, g, i)
+    m, l, o = C.split_loop(run, lo, hi, full, init)
   empty = l == 0.0
   o = o / jnp.where(empty, 1.0, l)[:, None]
   r["out"][...] = o.astype(r["out"].dtype)
