@@ -168,10 +168,9 @@ def check_case(name, dims, kw, smoke):
 
   cpu = jax.devices("cpu")[0]
   to64 = lambda x: None if x is None else jax.device_put(jnp.asarray(x, jnp.float64), cpu)
-  loss_ref, _ = _loss_fn("naive", {n: (jax.device_put(x, cpu) if isinstance(x, jax.Array)
-                                       and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-                                       else x) for n, x in kw.items()},
-                         False, to64(w_out), to64(w_lse))
+  kw_cpu = jax.tree_util.tree_map(
+      lambda x: jax.device_put(x, cpu) if isinstance(x, jax.Array) else x, kw)
+  loss_ref, _ = _loss_fn("naive", kw_cpu, False, to64(w_out), to64(w_lse))
   with jax.default_device(cpu):
     (_, (out_r, lse_r)), grads_r = jax.jit(jax.value_and_grad(loss_ref, argnums=argnums,
                                                               has_aux=True))(

@@ -28,11 +28,11 @@ _TRITON_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 # casts and selects (the Triton lowering has rules for these on tiles). Anything
 # reading an array at a computed position (gather, dynamic_slice) has no rule.
 _TRITON_SCORE_MOD_PRIMITIVES = frozenset("""
-abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type cos cosh
-div erf erf_inv exp exp2 expm1 floor integer_pow is_finite log log1p logistic max min mul ne eq
-ge gt le lt neg nextafter not or pow rem round rsqrt select_n shift_left shift_right_arithmetic
-shift_right_logical sign sin sinh sqrt square sub tan tanh xor broadcast_in_dim squeeze reshape
-copy copy_p pjit jit custom_jvp_call stop_gradient
+abs acos acosh add add_any and asin asinh atan atan2 atanh bitcast_convert_type cbrt ceil clamp
+clz cond convert_element_type cos cosh div eq erf_inv exp exp2 expm1 floor ge gt integer_pow
+is_finite le log log1p log2 logistic lt max min mul ne neg nextafter not or population_count pow
+rem rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
+sub tan tanh xor broadcast_in_dim squeeze reshape jit custom_jvp_call stop_gradient
 """.split())
 
 
