@@ -7,7 +7,8 @@ Run on a GPU machine (jax with CUDA; chex; no package registry needed)::
 1. Correctness: every feature, forward + lse + gradients of the compiled Pallas
    kernels (interpret=False) against naive attention in float64 on the host CPU,
    with the library's tolerance table (flashvjp._check.TOL); bitwise determinism;
-   and the dispatcher's refusal of a score_mod that cannot lower (ALiBi's gather).
+   and the dispatcher's refusal of a score_mod that cannot lower (a relative-position
+   table indexed by kv - q is a gather).
 2. Timing (bfloat16, head_dim 64 and 128, seq 1k..16k, causal and not, batch*heads
    sized to fill the GPU): forward and forward+backward for flashvjp pallas,
    jax.nn.dot_product_attention(implementation="cudnn") and ("xla"), and
@@ -124,6 +125,8 @@ def correctness_cases(smoke):
       ("bias full (grad)", {}, dict(bias=bias((2, 4, S, S2)))),
       ("bias [1,H,1,Skv] (grad)", {}, dict(bias=bias((1, 4, 1, S2)))),
       ("softcap score_mod", {}, dict(score_mod=flashvjp.softcap(5.0))),
+      ("alibi score_mod (slopes[h] per head)", {}, dict(causal=True,
+                                                       score_mod=flashvjp.alibi(flashvjp.alibi_slopes(4)))),
       ("dropout", {}, drop),
       ("combo", {}, dict(causal=True, segment_ids=(jnp.asarray(seg_q), jnp.asarray(seg_kv)),
                          mask=jnp.asarray(mask), bias=bias((1, 4, S, S2)),
@@ -204,14 +207,15 @@ def run_correctness(run: Run):
           flush=True)
     run.data["correctness"].append(row)
     run.save()
-  # The dispatcher must refuse what cannot lower (ALiBi indexes slopes by head: a gather).
+  # The dispatcher must refuse what cannot lower (a table indexed by kv - q: a gather).
   if run.smoke:
-    run.data["skipped"].append("alibi refusal: a GPU-only check (interpret mode runs ALiBi)")
+    run.data["skipped"].append("relative-bias refusal: a GPU-only check (interpret runs it)")
     return
-  row = dict(case="alibi refused on Triton (ValueError for 'pallas', blockwise for None)")
+  row = dict(case="relative_position_bias refused on Triton (ValueError for 'pallas', "
+                  "blockwise for None)")
   try:
     q, k, v, *_ = _inputs(0, 1, 4, 4, 64, 64, 64, 64, jnp.bfloat16)
-    sm = flashvjp.alibi(flashvjp.alibi_slopes(4))
+    sm = flashvjp.relative_position_bias(jnp.zeros((4, 9), jnp.float32), 4)
     decision = flashvjp.explain(q, k, v, score_mod=sm)
     refused = False
     try:

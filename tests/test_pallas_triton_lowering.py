@@ -42,7 +42,7 @@ def _abstract_h100(monkeypatch):
 
 def _export_grad(dtype=jnp.bfloat16, B=2, H=4, Hkv=2, Sq=128, Skv=128, D=64, Dv=None,
                  bias_shape=None, mask_shape=None, segments=False, causal=False, window=None,
-                 score_mod=None, dropout_rate=0.0, blocks=(64, 32)):
+                 score_mod=None, dropout_rate=0.0, blocks=(64, 32), score_mod_of=None):
   """Export value_and_grad of the Pallas path for CUDA; returns the StableHLO text."""
   Dv = D if Dv is None else Dv
   q = jax.ShapeDtypeStruct((B, H, Sq, D), dtype)
@@ -54,25 +54,29 @@ def _export_grad(dtype=jnp.bfloat16, B=2, H=4, Hkv=2, Sq=128, Skv=128, D=64, Dv=
   if segments:
     q_seg = jnp.asarray(np.repeat(np.arange(Sq)[None] * 3 // Sq, B, 0), jnp.int32)
     kv_seg = jnp.asarray(np.repeat(np.arange(Skv)[None] * 3 // Skv, B, 0), jnp.int32)
-  fn, consts, n_diff = None, (), 0
-  if score_mod is not None:
-    fn, consts, n_diff = _score_mod.convert(score_mod, jnp.float32)
   seed = _dropout.seed_from_key(jax.random.key(0)) if dropout_rate else None
-  cfg = _config.AttentionConfig(
-      scale=D ** -0.5, causal=causal, window=window, seq_q=Sq, seq_kv=Skv,
-      dropout_rate=dropout_rate, blocks=_config.BlockSizes(*blocks), score_mod=fn,
-      num_diff_consts=n_diff, interpret=False, implementation="pallas")
+  # score_mod_of = (factory, array): the score_mod closes over a differentiated array.
+  sm_arg = None if score_mod_of is None else score_mod_of[1]
 
-  def loss(q, k, v, bias):
+  def loss(q, k, v, bias, sm_arg):
+    fn, consts, n_diff = None, (), 0
+    sm = score_mod if score_mod_of is None else score_mod_of[0](sm_arg)
+    if sm is not None:
+      fn, consts, n_diff = _score_mod.convert(sm, jnp.float32)
+    cfg = _config.AttentionConfig(
+        scale=D ** -0.5, causal=causal, window=window, seq_q=Sq, seq_kv=Skv,
+        dropout_rate=dropout_rate, blocks=_config.BlockSizes(*blocks), score_mod=fn,
+        num_diff_consts=n_diff, interpret=False, implementation="pallas")
     out, lse = _vjp.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
                               tuple(consts[:n_diff]), tuple(consts[n_diff:]))
     return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
 
-  f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2) if bias is None else (0, 1, 2, 3)))
+  argnums = (0, 1, 2) + (() if bias is None else (3,)) + (() if sm_arg is None else (4,))
+  f = jax.jit(jax.value_and_grad(loss, argnums=argnums))
   exp = export.export(
       f, platforms=["cuda"],
       disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-          q, k, v, bias)
+          q, k, v, bias, sm_arg)
   return exp.mlir_module()
 
 
@@ -96,11 +100,14 @@ CASES = {
                   bias_shape=(2, 1, 128, 128), dropout_rate=0.1,
                   score_mod=flashvjp.softcap(20.0)),
     "head_dim_256": dict(D=256, blocks=(32, 32)),
+    # ALiBi: slopes[h] is precomputed per head outside the kernels; grads flow to the slopes.
+    "alibi_grad": dict(causal=True, score_mod_of=(flashvjp.alibi, flashvjp.alibi_slopes(4))),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_lowers_to_triton(name):
+  """fwd, dK/dV and dQ kernels (+ dbias with a bias) lower to Triton IR."""
   text = _export_grad(**CASES[name])
   n_kernels = text.count("__gpu$xla.gpu.triton")
   want = 4 if "bias_shape" in CASES[name] else 3  # fwd, dkdv, dq (+ dbias)

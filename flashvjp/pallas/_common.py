@@ -7,7 +7,7 @@ block tables) or inside a kernel body on one [block_q, block_kv] tile.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +145,95 @@ def hoist_score_mod(cfg: AttentionConfig, consts, acc):
     return out
 
   return dataclasses.replace(cfg, score_mod=fn), consts + hidden
+
+
+@dataclasses.dataclass
+class HeadSplit:
+  """A score_mod split into a per-(batch, head) part (run by XLA) and a per-tile part.
+
+  Everything in the score_mod that depends only on (b, h) and the closed-over
+  arrays (ALiBi's ``slopes[h]``, a per-head temperature) is computed outside the
+  kernels for every (b, h): the "residuals". The kernels load the residuals of
+  their (b, h) and apply only the per-tile part, which then has no gather for
+  Triton to choke on. Gradients to the closed-over arrays flow back through the
+  per-head part with `jax.vjp` (`to_consts`).
+
+  Attributes:
+    cfg: the config with score_mod = tile part ``(s, b, h, q, kv, *residuals) -> s``.
+    arrays: residuals [B, H, *shape] (scalars stored [B, H, 1]); float ones first.
+    scalar: per residual, whether it is a scalar (loaded with ``ref[0]``).
+    n_diff: leading residuals that carry gradients (0 unless consts are differentiable).
+    to_consts: d(residuals[:n_diff]) [B, H, *shape] -> grads of the differentiable consts.
+  """
+
+  cfg: AttentionConfig
+  arrays: tuple = ()
+  scalar: tuple = ()
+  n_diff: int = 0
+  to_consts: Optional[Callable] = None
+
+
+def split_score_mod_jaxprs(fn, consts, acc):
+  """(known(b, h, *consts) -> residuals, tile(s, b, h, q, kv, *residuals) -> s, residual avals).
+
+  Residuals are ordered float first.
+  """
+  s = jax.ShapeDtypeStruct((), acc)
+  i = jax.ShapeDtypeStruct((), jnp.int32)
+  cs = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in consts]
+  closed = jax.make_jaxpr(fn)(s, i, i, i, i, *cs)
+  unknowns = [True, False, False, True, True] + [False] * len(cs)
+  known, unknown, res_avals = _compat.partial_eval(closed, unknowns)
+  perm = ([n for n, a in enumerate(res_avals) if jnp.issubdtype(a.dtype, jnp.inexact)]
+          + [n for n, a in enumerate(res_avals) if not jnp.issubdtype(a.dtype, jnp.inexact)])
+  known_f, unknown_f = _compat.jaxpr_as_fun(known), _compat.jaxpr_as_fun(unknown)
+
+  def known_fn(b, h, *cs_):
+    out = known_f(b, h, *cs_)
+    return tuple(out[k] for k in perm)
+
+  def tile_fn(s_, b, h, q, kv, *res):
+    del b, h  # folded into the residuals
+    orig = [None] * len(perm)
+    for new, old in enumerate(perm):
+      orig[old] = res[new]
+    (out,) = unknown_f(*orig, s_, q, kv)
+    return out
+
+  return known_fn, tile_fn, tuple(res_avals[k] for k in perm), unknown
+
+
+def split_per_head(cfg: AttentionConfig, consts, acc, B: int, H: int, grads: bool) -> HeadSplit:
+  """Split cfg.score_mod (after `hoist_score_mod`) into residual arrays and a tile function."""
+  if cfg.score_mod is None:
+    return HeadSplit(cfg)
+  consts = tuple(consts)
+  known_fn, tile_fn, res_avals, _ = split_score_mod_jaxprs(cfg.score_mod, consts, acc)
+  n_user = cfg.num_diff_consts
+  diff, fixed = consts[:n_user], consts[n_user:]
+  bs, hs = jnp.arange(B, dtype=jnp.int32), jnp.arange(H, dtype=jnp.int32)
+
+  def per_head(diff_):
+    f = lambda b, h: known_fn(b, h, *diff_, *fixed)
+    return jax.vmap(jax.vmap(f, (None, 0)), (0, None))(bs, hs)
+
+  n_float = sum(1 for a in res_avals if jnp.issubdtype(a.dtype, jnp.inexact))
+  n_diff = n_float if (n_user and grads) else 0
+  res = tuple(per_head(diff))
+  to_consts = None
+  if n_diff:
+    _, vjp = jax.vjp(lambda d: tuple(per_head(d)[:n_diff]), tuple(diff))
+    to_consts = lambda dres: vjp(tuple(x.astype(r.dtype) for x, r in zip(dres, res)))[0]
+  scalar = tuple(r.ndim == 2 for r in res)
+  arrays = tuple(r[..., None] if sc else r for r, sc in zip(res, scalar))
+  new_cfg = dataclasses.replace(cfg, score_mod=tile_fn, num_diff_consts=n_diff)
+  return HeadSplit(new_cfg, arrays, scalar, n_diff, to_consts)
+
+
+def load_head_consts(refs, scalar, lead=()):
+  """Load the residuals of one (b, h): `lead` indexes the leading dims of each ref."""
+  return tuple(ref[tuple(lead) + (0,)] if sc else ref[tuple(lead) + (slice(None),) * (ref.ndim - len(lead))]
+               for ref, sc in zip(refs, scalar))
 
 
 # ---- input preparation (outside the kernels) -----------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import jax
+import jax.extend  # noqa: F401  (jax.extend.core)
 from jax.experimental import pallas as pl
 
 try:  # Triton params are importable on CPU-only installs too; guard for slim builds.
@@ -74,8 +75,26 @@ def eval_jaxpr(jaxpr, consts, *args):
   return jax.core.eval_jaxpr(jaxpr, consts, *args)
 
 
+def jaxpr_as_fun(closed_jaxpr):
+  """A Python callable evaluating a ClosedJaxpr (``jax.extend.core.jaxpr_as_fun``)."""
+  return jax.extend.core.jaxpr_as_fun(closed_jaxpr)
+
+
+def partial_eval(closed_jaxpr, unknowns):
+  """Split a ClosedJaxpr by data dependence on the `unknowns` inputs.
+
+  Returns (known, unknown, residual avals): known(*known inputs) -> residuals;
+  unknown(*residuals, *unknown inputs) -> outputs (all outputs are unknown).
+  ``partial_eval_jaxpr_nounits`` is private but has this signature in jax 0.10-0.12.
+  """
+  from jax._src.interpreters import partial_eval as pe
+  known, unknown, _, res_avals = pe.partial_eval_jaxpr_nounits(
+      closed_jaxpr, list(unknowns), instantiate=True)
+  return known, unknown, res_avals
+
+
 def next_power_of_2(n: int) -> int:
   return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
-__all__ = ["block_spec", "compiler_params", "ds", "eval_jaxpr", "next_power_of_2", "pallas_call", "program_id"]
+__all__ = ["block_spec", "compiler_params", "ds", "eval_jaxpr", "jaxpr_as_fun", "partial_eval", "next_power_of_2", "pallas_call", "program_id"]

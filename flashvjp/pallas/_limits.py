@@ -8,10 +8,10 @@ up to 256, every feature.
 
 Triton (GPU, compiled): float16, bfloat16 and float32 (no float64), head dims up
 to 256 (padded to a power of two >= 16), sequence blocks rounded to powers of two
->= 16. A score_mod must lower to Triton: no gather / dynamic indexing into arrays
-(checked on its jaxpr when the dispatcher passes the score_mod; see
-`score_mod_lowering_problem`), and the arrays it closes over must have power-of-2
-sizes (Triton loads whole tensors only in power-of-2 sizes).
+>= 16. A score_mod's per-position part must lower to Triton: no gather / dynamic
+indexing by q_idx or kv_idx (per-head indexing such as ALiBi's ``slopes[h]`` is
+precomputed outside the kernels and is fine); checked on its jaxpr when the
+dispatcher passes the score_mod (`score_mod_lowering_problem`).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flashvjp.pallas import _common
 from flashvjp.pallas._common import MAX_HEAD_DIM
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -43,24 +44,39 @@ def _dtype_name(dtype) -> str:
 def score_mod_lowering_problem(score_mod, consts, acc_dtype=jnp.float32):
   """Why a (closure-converted, scalar) score_mod cannot lower to Triton, or None.
 
+  The kernels run only the score_mod's per-tile part: what depends on (b, h) and
+  the closed-over arrays alone (ALiBi's ``slopes[h]``) is precomputed per head by
+  XLA (`flashvjp.pallas._common.split_per_head`). So only the per-tile part must
+  use primitives the Triton lowering can apply to a tile, and the per-head values it
+  reads must have power-of-2 sizes.
+
   Args:
     score_mod: fn(s, b, h, q_idx, kv_idx, *consts) -> s on scalars.
     consts: the arrays it takes after the indices.
   """
-  s = jax.ShapeDtypeStruct((), acc_dtype)
-  i = jax.ShapeDtypeStruct((), jnp.int32)
-  cs = [jax.ShapeDtypeStruct(np.shape(c), jnp.result_type(c)) for c in consts]
-  closed = jax.make_jaxpr(score_mod)(s, i, i, i, i, *cs)
-  for c in list(consts) + list(closed.consts):
-    size = int(np.prod(np.shape(c)))
-    if size & (size - 1):
-      return (f"score_mod reads an array of shape {np.shape(c)}: the Triton lowering loads only"
-              " tensors whose size is a power of 2")
-  bad = sorted({e.primitive.name for e in _all_eqns(closed.jaxpr)}
-               - _TRITON_SCORE_MOD_PRIMITIVES)
+  cfg_fn = score_mod
+  closed = jax.make_jaxpr(cfg_fn)(
+      jax.ShapeDtypeStruct((), acc_dtype), *([jax.ShapeDtypeStruct((), jnp.int32)] * 4),
+      *[jax.ShapeDtypeStruct(np.shape(c), jnp.result_type(c)) for c in consts])
+  hidden = tuple(closed.consts)
+  if hidden:  # concrete arrays closed over: they become inputs, as in the kernels
+    n = len(consts)
+    jaxpr = closed.jaxpr
+
+    def cfg_fn(s, b, h, q, kv, *cs):
+      return jax.core.eval_jaxpr(jaxpr, cs[n:], s, b, h, q, kv, *cs[:n])[0]
+    consts = tuple(consts) + hidden
+  _, _, res_avals, tile = _common.split_score_mod_jaxprs(cfg_fn, consts, acc_dtype)
+  bad = sorted({e.primitive.name for e in _all_eqns(tile.jaxpr)} - _TRITON_SCORE_MOD_PRIMITIVES)
   if bad:
-    return (f"score_mod uses {', '.join(bad)}, which the Pallas Triton lowering cannot apply"
-            " to a tile (e.g. indexing a table by h or by the relative position is a gather)")
+    return (f"score_mod uses {', '.join(bad)} on per-position values, which the Pallas Triton"
+            " lowering cannot apply to a tile (e.g. indexing a table by the relative position"
+            " kv_idx - q_idx is a gather)")
+  for a in res_avals:
+    size = int(np.prod(a.shape))
+    if size & (size - 1):
+      return (f"score_mod reads a per-head value of shape {a.shape} inside the kernel: the"
+              " Triton lowering loads only tensors whose size is a power of 2")
   return None
 
 

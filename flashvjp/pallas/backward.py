@@ -83,13 +83,13 @@ def _group5(x, g: C.Geometry):
   return x.reshape((x.shape[0], g.Hkv, g.G) + x.shape[2:])
 
 
-def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, masked):
+def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked):
   masked_any = masked
   r = dict(zip(names + ["dk", "dv"], refs))
   acc = C.acc_dtype(r["q"].dtype)
   b, hk, j = _compat.program_id(0), _compat.program_id(1), _compat.program_id(2)
   k, v = r["k"][...], r["v"][...]
-  consts = tuple(r[f"const{n}"][...] for n in range(n_consts))
+  const_refs = [r[f"const{n}"] for n in range(n_consts)]  # [G, ...] per-head residuals
   kv_seg = r["kv_seg"][...] if "kv_seg" in r else None
   lo, hi = C.mask_spec(cfg).q_block_range(j, g.bq, g.bk, g.nq)
   elementwise = "q_seg" in r or "mask" in r
@@ -100,6 +100,7 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, masked):
 
   def group_body(gi, carry):
     h = hk * g.G + gi
+    consts = C.load_head_consts(const_refs, scalar, (gi,))
 
     def q_body(i, carry, masked):
       def compute(carry):
@@ -137,7 +138,7 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, masked):
 
 
 def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, table,
-          seed, consts, masked, acc):
+          seed, consts, scalar, masked, acc):
   G = g.G
   ins = F._Inputs()
   ins.add("q", qp.reshape(g.B, g.Hkv, G, g.Sqp, g.Dp),
@@ -169,10 +170,13 @@ def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_s
         lambda b, h, j: (b if tb != 1 else 0, h if th != 1 else 0, 0, j, 0)))
   if cfg.dropout_active:
     ins.add("seed", seed, F._full_spec(seed))
-  for n, c in enumerate(consts):
-    ins.add(f"const{n}", c, F._full_spec(c))
+  for n, c in enumerate(consts):  # per-(b, h) residuals [B, H, ...] -> [B, Hkv, G, ...]
+    c5 = c.reshape((g.B, g.Hkv, G) + c.shape[2:])
+    nd = c.ndim - 2
+    ins.add(f"const{n}", c5, _compat.block_spec(
+        (None, None, G) + c.shape[2:], functools.partial(lambda nd, b, h, j: (b, h, 0) + (0,) * nd, nd)))
   kernel = functools.partial(_dkdv_kernel, cfg=cfg, g=g, names=ins.names,
-                             n_consts=len(consts), masked=masked)
+                             n_consts=len(consts), scalar=scalar, masked=masked)
   return _compat.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), acc),
@@ -188,14 +192,14 @@ def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_s
 
 # ---- dQ (+ score_mod dconsts partials) ----------------------------------------
 
-def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, n_diff, masked):
+def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, n_diff, masked):
   masked_any = masked
   r = dict(zip(names + ["dq"] + [f"dconst{n}" for n in range(n_diff)], refs))
   acc = C.acc_dtype(r["q"].dtype)
   b, h, i = _compat.program_id(0), _compat.program_id(1), _compat.program_id(2)
   q, do = r["q"][...], r["do"][...]
   lse, delta = r["lse"][...], r["delta"][...]
-  consts = tuple(r[f"const{n}"][...] for n in range(n_consts))
+  consts = C.load_head_consts([r[f"const{n}"] for n in range(n_consts)], scalar)
   lo, hi = C.mask_spec(cfg).kv_block_range(i, g.bq, g.bk, g.nk)
 
   def body(j, carry, masked):
@@ -217,7 +221,7 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, n_diff, masked):
   def run(start, stop, masked, carry):
     return lax.fori_loop(start, stop, functools.partial(body, masked=masked), carry)
 
-  dc0 = tuple(jnp.zeros(r[f"dconst{n}"].shape, r[f"dconst{n}"].dtype) for n in range(n_diff))
+  dc0 = tuple(jnp.zeros(jnp.shape(consts[n]), r[f"dconst{n}"].dtype) for n in range(n_diff))
   init = (jnp.zeros((g.bq, g.Dp), acc), dc0)
   if not masked_any:
     dq, dcs = run(lo, hi, False, init)
@@ -227,46 +231,44 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, n_diff, masked):
     dq, dcs = C.split_loop(run, lo, hi, full, init)
   r["dq"][...] = dq.astype(r["dq"].dtype)
   for n, d in enumerate(dcs):
-    r[f"dconst{n}"][...] = d
+    r[f"dconst{n}"][...] = jnp.reshape(d, r[f"dconst{n}"].shape)
 
 
-def _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, dop, lse_p, delta_p, masked,
-        acc, n_diff):
+def _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop, lse_p, delta_p,
+        masked, acc, n_diff):
   ins = F.kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
   ins.add("do", dop, _compat.block_spec((None, None, g.bq, g.Dvp), lambda b, h, i: (b, h, i, 0)))
   for name, x in (("lse", lse_p), ("delta", delta_p)):
     ins.add(name, x, _compat.block_spec((None, None, g.bq), lambda b, h, i: (b, h, i)))
   out_shape = [jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dp), acc)]
   out_specs = [_compat.block_spec((None, None, g.bq, g.Dp), lambda b, h, i: (b, h, i, 0))]
-  for c in consts[:n_diff]:
-    c = jnp.asarray(c)
-    nd = c.ndim
-    out_shape.append(jax.ShapeDtypeStruct((g.B, g.H, g.nq) + c.shape,
-                                          jnp.promote_types(c.dtype, acc)))
+  for c in consts[:n_diff]:  # one partial d(residual) per program: [B, H, nq, ...]
+    rest = c.shape[2:]
+    nd = len(rest)
+    out_shape.append(jax.ShapeDtypeStruct((g.B, g.H, g.nq) + rest, jnp.promote_types(c.dtype, acc)))
     out_specs.append(_compat.block_spec(
-        (None, None, None) + c.shape,
-        functools.partial(lambda nd, b, h, i: (b, h, i) + (0,) * nd, nd)))
+        (None, None, None) + rest, functools.partial(lambda nd, b, h, i: (b, h, i) + (0,) * nd, nd)))
   kernel = functools.partial(_dq_kernel, cfg=cfg, g=g, names=ins.names, n_consts=len(consts),
-                             n_diff=n_diff, masked=masked)
+                             scalar=scalar, n_diff=n_diff, masked=masked)
   outs = _compat.pallas_call(
       kernel, out_shape=tuple(out_shape), grid=(g.B, g.H, g.nq), in_specs=ins.specs,
       out_specs=tuple(out_specs), interpret=cfg.interpret, name="flashvjp_bwd_dq",
       num_warps=C.num_warps(g), num_stages=2,
   )(*ins.arrays)
   dq, partials = outs[0], outs[1:]
-  dconsts = tuple(p.sum(axis=(0, 1, 2)) for p in partials)
-  return dq, dconsts
+  dres = tuple(p.sum(axis=2) for p in partials)  # [B, H, ...]
+  return dq, dres
 
 
 # ---- dbias ----------------------------------------------------------------------
 
-def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, masked, bias_shape):
+def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, bias_shape):
   r = dict(zip(names + ["dbias"], refs))
   acc = C.acc_dtype(r["q"].dtype)
   Bb, Hb, Sqb, Skb = bias_shape
   pb, ph, pi, pj = (_compat.program_id(a) for a in range(4))
   bias_tile = r["bias"][...]
-  consts = tuple(r[f"const{n}"][...] for n in range(n_consts))
+  const_refs = [r[f"const{n}"] for n in range(n_consts)]  # [B, H, ...] per-head residuals
   nb = g.B if Bb == 1 else 1
   nh = g.H if Hb == 1 else 1
   spec = C.mask_spec(cfg)
@@ -274,6 +276,7 @@ def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, masked, bias_shape
   def bh_body(t_bh, accum):
     b = pb if Bb != 1 else (t_bh // nh if nh != 1 else t_bh)
     h = ph if Hb != 1 else (t_bh % nh if nh != 1 else t_bh)
+    consts = C.load_head_consts(const_refs, scalar, (b, h))
 
     def i_body(i, accum):
       lo, hi = spec.kv_block_range(i, g.bq, g.bk, g.nk)
@@ -317,7 +320,7 @@ def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, masked, bias_shape
 
 
 def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, table,
-           seed, consts, masked, acc):
+           seed, consts, scalar, masked, acc):
   ins = F._Inputs()
   Bb, Hb, Sqb, Skb = bias_p.shape
   bq, bk = (g.bq if Sqb != 1 else 1), (g.bk if Skb != 1 else 1)
@@ -332,7 +335,7 @@ def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_
   for n, c in enumerate(consts):
     ins.add(f"const{n}", c, F._full_spec(c))
   kernel = functools.partial(_dbias_kernel, cfg=cfg, g=g, names=ins.names, n_consts=len(consts),
-                             masked=masked, bias_shape=bias_p.shape)
+                             scalar=scalar, masked=masked, bias_shape=bias_p.shape)
   grid = (Bb, Hb, g.nq if Sqb != 1 else 1, g.nk if Skb != 1 else 1)
   return _compat.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct(bias_p.shape, acc), grid=grid, in_specs=ins.specs,
@@ -361,10 +364,12 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   bq_dkv, bk_dkv = cfg.blocks.dkv
   bq_dq, bk_dq = cfg.blocks.dq
   acc = C.acc_dtype(q.dtype)
-  n_user_consts = len(consts)
+  n_user_diff = cfg.num_diff_consts
+  user_consts = tuple(consts)
   cfg, consts = C.hoist_score_mod(cfg, consts, acc)
-  consts = tuple(jnp.asarray(c) for c in consts)
-  n_diff = cfg.num_diff_consts
+  split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), acc, q.shape[0],
+                           q.shape[1], grads=True)
+  cfg, consts, scalar, n_diff = split.cfg, split.arrays, split.scalar, split.n_diff
   has_seg, has_mask = q_seg is not None, mask is not None
 
   # dK / dV (and dbias, which shares its blocks).
@@ -378,13 +383,13 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   q_seg_p, kv_seg_p = C.pad_segments(q_seg, kv_seg, g)
   table = C.block_table(q_seg_p, kv_seg_p, mask_b, g)
   dk, dv = _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p,
-                 table, seed, consts, masked, acc)
+                 table, seed, consts, scalar, masked, acc)
   dk = dk[:, :, : g.Skv, : g.D].astype(k.dtype)
   dv = dv[:, :, : g.Skv, : g.Dv].astype(v.dtype)
   dbias = None
   if bias is not None:
     dbias = _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p,
-                   table, seed, consts, masked, acc)
+                   table, seed, consts, scalar, masked, acc)
     dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
 
   # dQ (and the score_mod consts' grads).
@@ -392,9 +397,13 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   masked = C.needs_mask(cfg, g, has_seg, has_mask)
   delta_p, lse_p = _preprocess(out, lse, dout, dlse, g, acc)
   dop = C.pad_seq_head(dout, g.Sqp, g.Dvp)
-  dq, dconsts = _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, dop, lse_p,
-                    delta_p, masked, acc, n_diff)
+  dq, dres = _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop, lse_p,
+                 delta_p, masked, acc, n_diff)
   dq = dq[:, :, : g.Sq, : g.D].astype(q.dtype)
-  dconsts = tuple(d.astype(jnp.result_type(c)) for d, c in zip(dconsts, consts[:n_diff]))
-  del n_user_consts
+  if n_diff:
+    dres = tuple(d[..., 0] if sc else d for d, sc in zip(dres, scalar))
+    dconsts = tuple(split.to_consts(dres))
+  else:  # differentiable consts that the scores do not depend on
+    dconsts = tuple(jnp.zeros(jnp.shape(c), jnp.result_type(c)) for c in user_consts[:n_user_diff])
+  dconsts = tuple(d.astype(jnp.result_type(c)) for d, c in zip(dconsts, user_consts[:n_user_diff]))
   return dq, dk, dv, dbias, dconsts

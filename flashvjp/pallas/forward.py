@@ -43,7 +43,8 @@ def kernel_inputs(cfg: AttentionConfig, g: C.Geometry, q, k, v, bias, mask, q_se
                   consts):
   """Padded inputs and specs for a kernel with grid (batch, head, q block).
 
-  Shared by the forward and the dQ kernel. Returns (_Inputs, padded mask or None).
+  Shared by the forward and the dQ kernel. `consts` are the per-(b, h) score_mod
+  residuals of `_common.split_per_head`.
   """
   G = g.G
   ins = _Inputs()
@@ -73,8 +74,10 @@ def kernel_inputs(cfg: AttentionConfig, g: C.Geometry, q, k, v, bias, mask, q_se
         lambda b, h, i: (b if tb != 1 else 0, h if th != 1 else 0, i, 0)))
   if cfg.dropout_active:
     ins.add("seed", seed, _full_spec(seed))
-  for n, c in enumerate(consts):
-    ins.add(f"const{n}", jnp.asarray(c), _full_spec(jnp.asarray(c)))
+  for n, c in enumerate(consts):  # per-(b, h) score_mod residuals [B, H, ...]
+    nd = c.ndim - 2
+    ins.add(f"const{n}", c, _compat.block_spec(
+        (None, None) + c.shape[2:], functools.partial(lambda nd, b, h, i: (b, h) + (0,) * nd, nd)))
   return ins
 
 
@@ -102,12 +105,12 @@ def load_tile_inputs(r, g: C.Geometry, b, h, i, j):
   return t
 
 
-def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts, masked):
+def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts, scalar, masked):
   r = dict(zip(names + ["out", "lse"], refs))
   acc = C.acc_dtype(r["q"].dtype)
   b, h, i = _compat.program_id(0), _compat.program_id(1), _compat.program_id(2)
   q = r["q"][...]
-  consts = tuple(r[f"const{n}"][...] for n in range(n_consts))
+  consts = C.load_head_consts([r[f"const{n}"] for n in range(n_consts)], scalar)
   lo, hi = C.mask_spec(cfg).kv_block_range(i, g.bq, g.bk, g.nk)
 
   def body(j, carry, masked):
@@ -163,10 +166,12 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   g = C.geometry(cfg, q.shape, k.shape, v.shape, cfg.blocks.block_q, cfg.blocks.block_kv)
   acc = C.acc_dtype(q.dtype)
   cfg, consts = C.hoist_score_mod(cfg, consts, acc)
-  ins = kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
+  split = C.split_per_head(cfg, consts, acc, g.B, g.H, grads=False)
+  cfg = split.cfg
+  ins = kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, split.arrays)
   masked = C.needs_mask(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_forward_kernel, cfg=cfg, g=g, names=ins.names,
-                             n_consts=len(consts), masked=masked)
+                             n_consts=len(split.arrays), scalar=split.scalar, masked=masked)
   out, lse = _compat.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dvp), q.dtype),
