@@ -15,12 +15,15 @@ from flashvjp._config import AttentionConfig
 
 def _backend(name: str):
   if name == "blockwise":
-    from flashvjp import blockwise
-    return blockwise
-  if name == "pallas":
-    from flashvjp import pallas
-    return pallas
-  raise ValueError(f"no custom_vjp backend named {name!r}")
+    from flashvjp import blockwise as backend
+  elif name == "pallas":
+    from flashvjp import pallas as backend
+  else:
+    raise ValueError(f"no custom_vjp backend named {name!r}")
+  # Under jit with inputs sharded over batch/heads, each device runs the backend on its
+  # own slice, with no collective (a custom_partitioning rule; a no-op on one device).
+  from flashvjp.distributed import _partition
+  return _partition.wrap(backend)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

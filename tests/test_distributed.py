@@ -134,6 +134,41 @@ def test_ring_matches_naive(n, causal, layout, segments, seq, dtype):
   assert _collectives(compiled) == {"collective-permute"}, _collectives(compiled)
 
 
+@pytest.mark.parametrize("layout,bias_shape", [("zigzag", (B, H, 32, 32)), ("contiguous", (1, H, 1, 32))])
+def test_ring_bias_matches_naive(layout, bias_shape):
+  """A bias (local rows x all columns) and its gradient, which stays on its device."""
+  n, seq = 4, 32
+  mesh = _mesh((n,), ("sp",))
+  q, k, v = _util.random_qkv(31, B, H, HKV, seq, seq, D, DV, dtype=jnp.float64)
+  bias = jax.random.normal(jax.random.key(32), bias_shape, jnp.float64)
+  dout = jax.random.normal(jax.random.key(33), (B, H, seq, DV), jnp.float64)
+
+  def ref_f(q, k, v, bias):
+    return flashvjp.flash_attention(q, k, v, bias=bias, causal=True, implementation="naive")
+  out, vjp = jax.vjp(ref_f, q, k, v, bias)
+  ref = (out,) + tuple(vjp(dout))
+
+  zz = layout == "zigzag"
+  to = lambda x, a=2: flashvjp.to_zigzag(x, n, a) if zz and x.shape[a] != 1 else x
+  back = lambda x, a=2: flashvjp.from_zigzag(x, n, a) if zz and x.shape[a] != 1 else x
+  s4 = P(None, None, "sp", None)
+  b_spec = P(None, None, "sp" if bias_shape[2] != 1 else None, None)
+
+  def local(q, k, v, bias, dout):
+    f = lambda q, k, v, bias: flashvjp.ring_attention(
+        q, k, v, bias=bias, axis_name="sp", causal=True, layout=layout, block_q=BLOCK,
+        block_kv=BLOCK)
+    out, vjp = jax.vjp(f, q, k, v, bias)
+    return (out,) + tuple(vjp(dout))
+
+  prog = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(s4, s4, s4, b_spec, s4),
+                               out_specs=(s4, s4, s4, s4, b_spec)))
+  got = prog(to(q), to(k), to(v), to(to(bias), 3), to(dout))
+  got = [back(x) for x in got[:4]] + [back(back(got[4]), 3)]
+  for name, g, r in zip(("out", "dq", "dk", "dv", "dbias"), got, ref):
+    _util.assert_close(g, r, jnp.float64, f"{name} ({layout}, bias {bias_shape})")
+
+
 def test_ring_float32_matches_single_device_flash_attention():
   """Same dtype on both sides: the ring is a re-association of the single-device sums."""
   n, seq = 4, 64
@@ -193,25 +228,25 @@ def test_ring_memory_per_device_shrinks_with_devices():
 
 # ---- batch / head sharding -------------------------------------------------------------
 
-_SEGMENT_TABLE_XFAIL = pytest.mark.xfail(
-    strict=True, reason="blockwise's block-skip table reduces over batch ([nq, nk] `any`), which"
-    " XLA turns into an all-reduce under batch sharding; sharded_attention (shard_map) has none")
+@pytest.mark.parametrize("spec,segments,implementation", [
+    (P("b"), True, "blockwise"), (P("b", "h"), False, "blockwise"), (P("b", "h"), True, "pallas")])
+def test_jit_batch_head_sharding_has_no_collectives(spec, segments, implementation):
+  """flash_attention under plain jit, inputs sharded over batch/heads: no collective at all.
 
-
-@pytest.mark.parametrize("spec,segments", [(P("b"), False), (P("b", "h"), False),
-                                           pytest.param(P("b"), True, marks=_SEGMENT_TABLE_XFAIL)])
-def test_jit_batch_head_sharding_has_no_collectives(spec, segments):
-  """XLA's SPMD partitioner splits the blockwise path over batch/heads by itself."""
+  The backends' custom_partitioning rule (flashvjp/distributed/_partition.py) keeps each
+  kernel on its own slice: XLA cannot partition a pallas_call by itself (it would
+  all-gather), and would all-reduce the blockwise block-skip table over the batch.
+  """
   mesh = _mesh((2, 4), ("b", "h"))
   seq = 40
   q, k, v = _util.random_qkv(3, 4, 8, 4, seq, seq, D, DV, dtype=jnp.float32)
   ids = jnp.asarray(np.repeat(_segments(seq, [[9, 30]])[:1], 4, 0))
   dout = jax.random.normal(jax.random.key(4), (4, 8, seq, DV), jnp.float32)
 
-  def f(q, k, v, dout, ids):
+  def f(q, k, v, dout, ids, impl=implementation):
     def att(q, k, v):
       return flashvjp.flash_attention(q, k, v, causal=True, segment_ids=ids if segments else None,
-                                      implementation="blockwise", block_q=16, block_kv=16)
+                                      implementation=impl, block_q=16, block_kv=16)
     out, vjp = jax.vjp(att, q, k, v)
     return (out,) + tuple(vjp(dout))
 
@@ -221,8 +256,46 @@ def test_jit_batch_head_sharding_has_no_collectives(spec, segments):
       q, k, v, dout, ids).compile()
   assert _collectives(compiled) == set(), _collectives(compiled)
   got = compiled(q, k, v, dout, ids)
-  ref = f(*_util.as64((q, k, v, dout)), ids)
-  _util.assert_close(got, ref, jnp.float32, f"sharded {spec}")
+  ref = f(*_util.as64((q, k, v, dout)), ids, impl="naive")
+  _util.assert_close(got, ref, jnp.float32, f"sharded {spec} {implementation}")
+
+
+@pytest.mark.parametrize("case", ["bias_mask", "alibi_dropout", "seq_sharded"])
+def test_jit_partitioning_keeps_every_feature_exact(case):
+  """Sharded plain-jit programs equal naive attention for the features the rule touches.
+
+  bias/mask follow q's batch/head sharding (no collective); score_mod and dropout read
+  global (b, h) indices and are left to XLA's own partitioning; a sequence-sharded input
+  is gathered along the sequence (the ring is the way to avoid that).
+  """
+  mesh = _mesh((2, 4), ("b", "h"))
+  seq = 24
+  q, k, v = _util.random_qkv(6, 2, 8, 4, seq, seq, D, DV, dtype=jnp.float32)
+  kw, spec = {}, P("b", "h")
+  if case == "bias_mask":
+    kw = dict(bias=jax.random.normal(jax.random.key(8), (2, 8, seq, seq), jnp.float32),
+              mask=jnp.asarray(np.random.default_rng(8).random((1, 8, 1, seq)) > 0.3))
+  elif case == "alibi_dropout":
+    kw = dict(score_mod=flashvjp.alibi(flashvjp.alibi_slopes(8)), dropout_rate=0.25,
+              dropout_rng=jax.random.key(9), deterministic=False)
+  else:
+    spec = P("b", None, "h")
+
+  def f(q, k, v, impl):
+    att = lambda q, k, v: flashvjp.flash_attention(q, k, v, causal=True, implementation=impl,
+                                                   block_q=8, block_kv=8, **kw)
+    out, vjp = jax.vjp(att, q, k, v)
+    return (out,) + tuple(vjp(out))
+
+  sh = NamedSharding(mesh, spec)
+  compiled = jax.jit(lambda q, k, v: f(q, k, v, "blockwise"), in_shardings=(sh, sh, sh)).lower(
+      q, k, v).compile()
+  if case == "bias_mask":
+    assert _collectives(compiled) == set(), _collectives(compiled)
+  if case == "seq_sharded":
+    assert "all-gather" in _collectives(compiled)
+  ref = f(*_util.as64((q, k, v)), "naive")
+  _util.assert_close(compiled(q, k, v), ref, jnp.float32, case)
 
 
 def test_sharded_attention_batch_heads_and_ring():
@@ -243,13 +316,17 @@ def test_sharded_attention_batch_heads_and_ring():
   _util.assert_close((out, lse), (ref_out, ref_lse), jnp.float64, "batch x heads")
 
   mesh = _mesh((2, 4), ("b", "sp"))
+  bias = jax.random.normal(jax.random.key(6), (1, 4, seq, seq), jnp.float64)
+  ref_out, ref_lse = flashvjp.flash_attention(q, k, v, causal=True, segment_ids=ids, bias=bias,
+                                              return_lse=True, implementation="naive")
   qz, kz, vz = (flashvjp.to_zigzag(x, 4) for x in (q, k, v))
-  out, lse = jax.jit(lambda q, k, v, ids: flashvjp.sharded_attention(
+  bz = flashvjp.to_zigzag(flashvjp.to_zigzag(bias, 4, 2), 4, 3)
+  out, lse = jax.jit(lambda q, k, v, ids, bias: flashvjp.sharded_attention(
       q, k, v, mesh=mesh, batch_axis="b", seq_axis="sp", segment_ids=ids, causal=True,
-      layout="zigzag", return_lse=True, block_q=BLOCK, block_kv=BLOCK))(
-          qz, kz, vz, flashvjp.to_zigzag(ids, 4, 1))
+      bias=bias, layout="zigzag", return_lse=True, block_q=BLOCK, block_kv=BLOCK))(
+          qz, kz, vz, flashvjp.to_zigzag(ids, 4, 1), bz)
   _util.assert_close((flashvjp.from_zigzag(out, 4), flashvjp.from_zigzag(lse, 4)),
-                     (ref_out, ref_lse), jnp.float64, "batch x ring")
+                     (ref_out, ref_lse), jnp.float64, "batch x ring, bias")
 
 
 # ---- helpers and errors ------------------------------------------------------------
@@ -299,8 +376,10 @@ def test_ring_errors():
 def test_sharded_attention_errors():
   mesh = _mesh((2, 4), ("b", "h"))
   q = jnp.zeros((2, 4, 8, 4))
-  with pytest.raises(TypeError, match="bias"):
-    flashvjp.sharded_attention(q, q, q, mesh=mesh, batch_axis="b", bias=jnp.zeros((8, 8)))
+  with pytest.raises(TypeError, match="score_mod"):
+    flashvjp.sharded_attention(q, q, q, mesh=mesh, batch_axis="b", score_mod=flashvjp.softcap(5.0))
+  with pytest.raises(TypeError, match="mask"):
+    flashvjp.sharded_attention(q, q, q, mesh=mesh, seq_axis="h", mask=jnp.ones((8, 8), bool))
   with pytest.raises(ValueError, match="num_kv_heads \\(2\\) must be divisible"):
     flashvjp.sharded_attention(q, q[:, :2], q[:, :2], mesh=mesh, head_axis="h")
   with pytest.raises(ValueError, match="not an axis of the mesh"):

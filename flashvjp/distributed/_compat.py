@@ -50,3 +50,15 @@ def match_varying(x, ref):
   if not missing:
     return x
   return lax.pcast(x, tuple(missing), to="varying")
+
+
+def sum_to_match(ct, primal):
+  """A cotangent summed over the manual axes over which it varies but its primal does not.
+
+  An input replicated over an axis (a broadcast bias) is used by every device of it;
+  its gradient is the sum of the devices' contributions.
+  """
+  extra = varying_axes(ct) - varying_axes(primal)
+  if not extra:
+    return ct
+  return lax.psum(ct, tuple(extra))

@@ -3,7 +3,7 @@
 Room: distributed / ring. Calls the backends' forward and hand-written backward
 (flashvjp.blockwise, flashvjp.pallas) on (local queries, kv chunk in hand); never
 autodiff through a forward. Reads the API's validation, the config and the
-custom_vjp's backend table; the kernels know nothing about rings.
+backend modules; the kernels know nothing about rings.
 
 Each of the P devices on `axis_name` holds one sequence chunk of q, k, v. At step
 s = 0 .. P-1 device i holds the kv chunk of device j = (i - s) mod P, sends it on to
@@ -34,7 +34,6 @@ import numpy as np
 from jax import lax
 
 from flashvjp import _api
-from flashvjp import _vjp
 from flashvjp._config import AttentionConfig
 from flashvjp.distributed import _compat
 
@@ -79,6 +78,17 @@ class _RingSpec:
     return self.cfg
 
 
+def _backend(name: str):
+  """The backend module itself (per chunk, inside shard_map: no partitioning wrapper)."""
+  if name == "blockwise":
+    from flashvjp import blockwise
+    return blockwise
+  if name == "pallas":
+    from flashvjp import pallas
+    return pallas
+  raise ValueError(f"ring_attention has no backend named {name!r}")
+
+
 def _shift(tree, spec: _RingSpec):
   """Send every leaf from device i to device i + 1 on the ring."""
   n = spec.axis_size
@@ -109,49 +119,79 @@ def _pad_back(x, axis, value):
 
 # ---- one (local q) x (kv chunk) pair ------------------------------------------------
 
-def _chunk_forward(spec: _RingSpec, case, q, q_seg, chunk):
-  """(out [B, H, Sl, Dv] acc dtype, lse [B, H, Sl]) of local q against the kv chunk."""
+def _bias_half(bias, case):
+  """The bias block of a half-chunk case (broadcast dims stay as they are)."""
+  if bias is None:
+    return None
+  if case == _KV_FRONT and bias.shape[3] != 1:
+    return _halves(bias, 3)[0]
+  if case == _Q_BACK and bias.shape[2] != 1:
+    return _halves(bias, 2)[1]
+  return bias
+
+
+def _chunk_forward(spec: _RingSpec, case, q, q_seg, chunk, bias):
+  """(out [B, H, Sl, Dv] acc dtype, lse [B, H, Sl]) of local q against the kv chunk.
+
+  bias: None or the rank-4 bias block of (local q, this chunk), dims 1 where broadcast.
+  """
   k, v, kv_seg = chunk
   cfg = spec.cfg_for(case)
   acc = jnp.promote_types(q.dtype, jnp.float32)
-  fwd = _vjp._backend(cfg.implementation).forward
+  fwd = _backend(cfg.implementation).forward
   if case == _SKIP:
     B, H, Sl, _ = q.shape
     o = jnp.zeros((B, H, Sl, v.shape[3]), acc)
     return o, jnp.full((B, H, Sl), -jnp.inf, acc)
+  bias = _bias_half(bias, case)
   if case in (_FULL, _DIAG):
-    o, lse = fwd(cfg, q, k, v, None, None, q_seg, kv_seg, None, ())
+    o, lse = fwd(cfg, q, k, v, bias, None, q_seg, kv_seg, None, ())
   elif case == _KV_FRONT:
     kf, vf = _halves(k, 2)[0], _halves(v, 2)[0]
-    o, lse = fwd(cfg, q, kf, vf, None, None, q_seg, _seg_half(kv_seg, True), None, ())
+    o, lse = fwd(cfg, q, kf, vf, bias, None, q_seg, _seg_half(kv_seg, True), None, ())
   else:  # _Q_BACK
-    o, lse = fwd(cfg, _halves(q, 2)[1], k, v, None, None, _seg_half(q_seg, False), kv_seg,
+    o, lse = fwd(cfg, _halves(q, 2)[1], k, v, bias, None, _seg_half(q_seg, False), kv_seg,
                  None, ())
     o, lse = _pad_front(o, 2, 0), _pad_front(lse, 2, -jnp.inf)
   return o.astype(acc), lse.astype(acc)
 
 
-def _chunk_backward(spec: _RingSpec, case, q, q_seg, chunk, out, lse, dout, dlse):
-  """(dq [B, H, Sl, D], dk, dv [chunk shapes]) in the accumulation dtype."""
+def _chunk_backward(spec: _RingSpec, case, q, q_seg, chunk, bias, out, lse, dout, dlse):
+  """(dq [B, H, Sl, D], dk, dv [chunk shapes], dbias [bias block shape] or None), acc dtype."""
   k, v, kv_seg = chunk
   cfg = spec.cfg_for(case)
   acc = jnp.promote_types(q.dtype, jnp.float32)
-  bwd = _vjp._backend(cfg.implementation).backward
+  bwd = _backend(cfg.implementation).backward
+  zeros = lambda x: None if x is None else jnp.zeros(x.shape, acc)
   if case == _SKIP:
-    return (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
+    return zeros(q), zeros(k), zeros(v), zeros(bias)
+  bias_c = _bias_half(bias, case)
   if case in (_FULL, _DIAG):
-    dq, dk, dv, _, _ = bwd(cfg, q, k, v, None, None, q_seg, kv_seg, None, (), out, lse, dout, dlse)
+    dq, dk, dv, db, _ = bwd(cfg, q, k, v, bias_c, None, q_seg, kv_seg, None, (), out, lse, dout,
+                            dlse)
   elif case == _KV_FRONT:
     kf, vf = _halves(k, 2)[0], _halves(v, 2)[0]
-    dq, dk, dv, _, _ = bwd(cfg, q, kf, vf, None, None, q_seg, _seg_half(kv_seg, True), None, (),
-                           out, lse, dout, dlse)
+    dq, dk, dv, db, _ = bwd(cfg, q, kf, vf, bias_c, None, q_seg, _seg_half(kv_seg, True), None,
+                            (), out, lse, dout, dlse)
     dk, dv = _pad_back(dk, 2, 0), _pad_back(dv, 2, 0)
+    if db is not None and bias.shape[3] != 1:
+      db = _pad_back(db, 3, 0)
   else:  # _Q_BACK
     back = lambda x: _halves(x, 2)[1]
-    dq, dk, dv, _, _ = bwd(cfg, back(q), k, v, None, None, _seg_half(q_seg, False), kv_seg, None,
-                           (), back(out), back(lse), back(dout), back(dlse))
+    dq, dk, dv, db, _ = bwd(cfg, back(q), k, v, bias_c, None, _seg_half(q_seg, False), kv_seg,
+                            None, (), back(out), back(lse), back(dout), back(dlse))
     dq = _pad_front(dq, 2, 0)
-  return dq.astype(acc), dk.astype(acc), dv.astype(acc)
+    if db is not None and bias.shape[2] != 1:
+      db = _pad_front(db, 2, 0)
+  db = None if db is None else db.astype(acc)
+  return dq.astype(acc), dk.astype(acc), dv.astype(acc), db
+
+
+def _bias_cols(bias, j, width):
+  """Columns of kv chunk j (width `width`) of the local bias rows; broadcast kv dim as is."""
+  if bias is None or bias.shape[3] == 1:
+    return bias
+  return lax.dynamic_slice_in_dim(bias, j * width, width, axis=3)
 
 
 def _switch(spec: _RingSpec, i, s, branch_fn, ref, *operands):
@@ -177,9 +217,10 @@ def _merge(o, lse, o_c, lse_c):
 
 # ---- the ring, forward and backward ------------------------------------------------
 
-def _ring_forward(spec: _RingSpec, q, k, v, q_seg, kv_seg):
+def _ring_forward(spec: _RingSpec, q, k, v, bias, q_seg, kv_seg):
   acc = jnp.promote_types(q.dtype, jnp.float32)
   B, H, Sl, _ = q.shape
+  n, Skv = spec.axis_size, k.shape[2]
   i = lax.axis_index(spec.axis_name)
   o0 = _compat.match_varying(jnp.zeros((B, H, Sl, v.shape[3]), acc), q)
   lse0 = _compat.match_varying(jnp.full((B, H, Sl), -jnp.inf, acc), q)
@@ -187,46 +228,59 @@ def _ring_forward(spec: _RingSpec, q, k, v, q_seg, kv_seg):
   def step(s, carry):
     chunk, o, lse = carry
     nxt = _shift(chunk, spec)  # issued first: the transfer overlaps this step's compute
-    o_c, lse_c = _switch(spec, i, s, functools.partial(_chunk_forward, spec), q, q, q_seg, chunk)
+    bias_c = _bias_cols(bias, (i - s) % n, Skv)
+    o_c, lse_c = _switch(spec, i, s, functools.partial(_chunk_forward, spec), q, q, q_seg, chunk,
+                         bias_c)
     o, lse = _merge(o, lse, o_c, lse_c)
     return nxt, o, lse
 
-  _, o, lse = lax.fori_loop(0, spec.axis_size, step, ((k, v, kv_seg), o0, lse0))
+  _, o, lse = lax.fori_loop(0, n, step, ((k, v, kv_seg), o0, lse0))
   return o.astype(q.dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(spec: _RingSpec, q, k, v, q_seg, kv_seg):
-  return _ring_forward(spec, q, k, v, q_seg, kv_seg)
+def _ring(spec: _RingSpec, q, k, v, bias, q_seg, kv_seg):
+  return _ring_forward(spec, q, k, v, bias, q_seg, kv_seg)
 
 
-def _ring_fwd(spec, q, k, v, q_seg, kv_seg):
-  out, lse = _ring_forward(spec, q, k, v, q_seg, kv_seg)
-  return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+def _ring_fwd(spec, q, k, v, bias, q_seg, kv_seg):
+  out, lse = _ring_forward(spec, q, k, v, bias, q_seg, kv_seg)
+  return (out, lse), (q, k, v, bias, q_seg, kv_seg, out, lse)
 
 
 def _ring_bwd(spec, res, cts):
-  q, k, v, q_seg, kv_seg, out, lse = res
+  q, k, v, bias, q_seg, kv_seg, out, lse = res
   dout, dlse = cts
   acc = jnp.promote_types(q.dtype, jnp.float32)
   dlse = jnp.zeros(lse.shape, acc) if dlse is None else dlse
+  n, Skv = spec.axis_size, k.shape[2]
   i = lax.axis_index(spec.axis_name)
-  zeros = lambda x: _compat.match_varying(jnp.zeros(x.shape, acc), q)
+  zeros = lambda x: None if x is None else _compat.match_varying(jnp.zeros(x.shape, acc), q)
 
   def step(s, carry):
-    chunk, dkv, dq = carry  # dkv: the dK/dV accumulators of the chunk in hand
+    chunk, dkv, dq, dbias = carry  # dkv: the dK/dV accumulators of the chunk in hand
     nxt = _shift(chunk, spec)
-    dq_c, dk_c, dv_c = _switch(
+    j = (i - s) % n
+    dq_c, dk_c, dv_c, db_c = _switch(
         spec, i, s,
         lambda case, *ops: _chunk_backward(spec, case, *ops),
-        q, q, q_seg, chunk, out, lse, dout, dlse)
+        q, q, q_seg, chunk, _bias_cols(bias, j, Skv), out, lse, dout, dlse)
     dkv = _shift((dkv[0] + dk_c, dkv[1] + dv_c), spec)  # travels on with its chunk
-    return nxt, dkv, dq + dq_c
+    if dbias is not None:  # stays home: the bias rows are local, its columns follow chunk j
+      if bias.shape[3] == 1:
+        dbias = dbias + db_c
+      else:
+        cur = lax.dynamic_slice_in_dim(dbias, j * Skv, Skv, axis=3)
+        dbias = lax.dynamic_update_slice_in_dim(dbias, cur + db_c, j * Skv, axis=3)
+    return nxt, dkv, dq + dq_c, dbias
 
-  init = ((k, v, kv_seg), (zeros(k), zeros(v)), zeros(q))
-  _, (dk, dv), dq = lax.fori_loop(0, spec.axis_size, step, init)
+  init = ((k, v, kv_seg), (zeros(k), zeros(v)), zeros(q), zeros(bias))
+  _, (dk, dv), dq, dbias = lax.fori_loop(0, n, step, init)
   # After P hops every accumulator is back on the device that owns its chunk.
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None)
+  grads = (dq, dk, dv) + (() if bias is None else (dbias,))
+  grads = tuple(_compat.sum_to_match(g.astype(x.dtype), x) for g, x in zip(grads, (q, k, v, bias)))
+  dq, dk, dv = grads[:3]
+  return (dq, dk, dv, grads[3] if bias is not None else None, None, None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -235,7 +289,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # ---- public API ----------------------------------------------------------------------
 
 def ring_attention(query, key, value, *, axis_name, causal: bool = False, segment_ids=None,
-                   scale: Optional[float] = None, layout: str = "contiguous",
+                   bias=None, scale: Optional[float] = None, layout: str = "contiguous",
                    return_lse: bool = False, implementation: Optional[str] = None,
                    block_q: Optional[int] = None, block_kv: Optional[int] = None,
                    interpret: Optional[bool] = None):
@@ -258,6 +312,10 @@ def ring_attention(query, key, value, *, axis_name, causal: bool = False, segmen
     segment_ids: local int [batch, seq_local], or a pair (q_ids [batch, seq_local],
       kv_ids [batch, seq_local_kv]), laid out like the sequence (zigzag-permuted for
       ``layout="zigzag"``).
+    bias: float, broadcastable to [batch, num_heads, seq_local, seq_kv_global]: the local
+      query rows against every key (columns in the sequence's layout, so zigzag-permuted
+      along both seq axes for ``layout="zigzag"``); differentiable. Stays on its device:
+      each step reads the columns of the chunk in hand.
     scale: default 1 / sqrt(head_dim).
     layout: "contiguous" or "zigzag" (device d holds global chunks d and 2P-1-d of
       2P equal chunks; see `to_zigzag`). Only causal attention depends on it.
@@ -284,6 +342,9 @@ def ring_attention(query, key, value, *, axis_name, causal: bool = False, segmen
       deterministic=True, implementation=implementation, block_q=block_q, block_kv=block_kv,
       interpret=interpret)
   q, k, v, _, _, q_seg, kv_seg, _, _ = arrays
+  if bias is not None:
+    target = (q.shape[0], q.shape[1], q.shape[2], n * k.shape[2])
+    bias = _api._pair_rank4("bias", bias, target, want_bool=False)
   if causal and q.shape[2] != k.shape[2]:
     raise ValueError("causal ring_attention needs equal local seq lengths (the same global chunking"
                      f" of q and kv), got query seq {q.shape[2]} and key seq {k.shape[2]}")
@@ -291,7 +352,7 @@ def ring_attention(query, key, value, *, axis_name, causal: bool = False, segmen
     raise ValueError("layout='zigzag' needs an even local seq length (two chunks per device),"
                      f" got {q.shape[2]}")
   spec = _RingSpec(cfg=cfg, axis_name=axis_name, axis_size=n, causal=bool(causal), layout=layout)
-  out, lse = _ring(spec, q, k, v, q_seg, kv_seg)
+  out, lse = _ring(spec, q, k, v, bias, q_seg, kv_seg)
   return (out, lse) if return_lse else out
 
 

@@ -1,10 +1,9 @@
 """Batch / head / sequence sharding of attention over a mesh, with one shard_map.
 
 Room: distributed / sharding. Batch and head sharding need no communication at all:
-every device runs `flash_attention` on its own slice (this is also what XLA does by
-itself with the blockwise path under jit; the explicit shard_map makes it hold for
-Pallas kernels too, which XLA cannot partition). Sequence sharding runs
-`ring_attention` over the sequence axis.
+every device runs `flash_attention` on its own slice (as `flash_attention` under jit with
+batch/head-sharded inputs also does, through the backends' partitioning rule in
+_partition.py). Sequence sharding runs `ring_attention` over the sequence axis.
 """
 from __future__ import annotations
 
@@ -17,9 +16,9 @@ from flashvjp.distributed import _compat
 from flashvjp.distributed import _ring
 
 # flash_attention arguments whose meaning does not depend on where a slice sits.
-_LOCAL_KWARGS = ("causal", "window", "scale", "implementation", "block_q", "block_kv",
-                 "interpret")
-_RING_KWARGS = ("causal", "scale", "layout", "implementation", "block_q", "block_kv",
+_LOCAL_KWARGS = ("causal", "window", "scale", "bias", "mask", "implementation", "block_q",
+                 "block_kv", "interpret")
+_RING_KWARGS = ("causal", "scale", "bias", "layout", "implementation", "block_q", "block_kv",
                 "interpret")
 
 
@@ -60,10 +59,11 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Optional[Has
     segment_ids: as in `flash_attention`; with `seq_axis` and layout="zigzag" it must be
       zigzag-permuted like the sequence.
     return_lse: also return lse [batch, num_heads, seq_q].
-    **kwargs: without seq_axis: causal, window, scale, implementation, block_q, block_kv,
-      interpret. With seq_axis: causal, scale, layout ("contiguous" or "zigzag"; the
-      arrays must already be in that order, see `to_zigzag`), implementation, block_q,
-      block_kv, interpret.
+    **kwargs: without seq_axis: causal, window, scale, bias, mask, implementation, block_q,
+      block_kv, interpret. With seq_axis: causal, scale, bias, layout ("contiguous" or
+      "zigzag"; the arrays, bias included, must already be in that order, see
+      `to_zigzag`), implementation, block_q, block_kv, interpret. bias and mask are
+      broadcastable to [batch, num_heads, seq_q, seq_kv] and sharded like the queries.
 
   Returns:
     out [batch, num_heads, seq_q, head_dim_v] (global, sharded as above), or (out, lse).
@@ -76,8 +76,8 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Optional[Has
     raise TypeError(
         f"sharded_attention got arguments {unknown} it cannot shard"
         f" ({'with' if seq_axis is not None else 'without'} seq_axis it accepts {list(allowed)});"
-        " bias, mask, score_mod and dropout see global indices: call flash_attention under jit"
-        " (XLA partitions the blockwise path) or shard_map yourself")
+        " score_mod and dropout see global (b, h) indices: call flash_attention under jit"
+        " with sharded inputs (it partitions over batch/heads) or shard_map yourself")
   used = [a for a in (batch_axis, head_axis, seq_axis) if a is not None]
   flat = [n for a in used for n in (a if isinstance(a, tuple) else (a,))]
   if len(set(flat)) != len(flat):
@@ -105,14 +105,27 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Optional[Has
   else:
     seg_in, seg_specs = segment_ids, seg_spec
 
-  def local(q, k, v, seg):
-    if seq_axis is None:
-      return _api.flash_attention(q, k, v, segment_ids=seg, return_lse=True, **kwargs)
-    return _ring.ring_attention(q, k, v, axis_name=seq_axis, segment_ids=seg, return_lse=True,
-                                **kwargs)
+  # bias / mask [batch, heads, seq_q, seq_kv] (dims 1 or full): rows follow the queries,
+  # the kv dim stays whole (the ring reads the columns of the chunk in hand).
+  pairs = {}
+  for name in ("bias", "mask"):
+    if kwargs.get(name) is not None:
+      x = _api._pair_rank4(name, kwargs.pop(name), (B, H, Sq, Skv), want_bool=name == "mask")
+      axes = (batch_axis, head_axis, seq_axis, None)
+      pairs[name] = (x, PartitionSpec(*[a if n != 1 else None for a, n in zip(axes, x.shape)]))
+    else:
+      kwargs.pop(name, None)
+  names = tuple(pairs)
 
-  fn = _compat.shard_map(local, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, seg_specs),
-                         out_specs=(qkv_spec, lse_spec))
-  out, lse = fn(query, key, value, seg_in)
+  def local(q, k, v, seg, *pair_arrays):
+    kw = dict(kwargs, **dict(zip(names, pair_arrays)))
+    if seq_axis is None:
+      return _api.flash_attention(q, k, v, segment_ids=seg, return_lse=True, **kw)
+    return _ring.ring_attention(q, k, v, axis_name=seq_axis, segment_ids=seg, return_lse=True,
+                                **kw)
+
+  in_specs = (qkv_spec, qkv_spec, qkv_spec, seg_specs) + tuple(pairs[n][1] for n in names)
+  fn = _compat.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(qkv_spec, lse_spec))
+  out, lse = fn(query, key, value, seg_in, *(pairs[n][0] for n in names))
   return (out, lse) if return_lse else out
 
