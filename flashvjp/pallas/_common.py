@@ -118,33 +118,38 @@ def needs_mask(cfg: AttentionConfig, g: Geometry, has_seg: bool, has_mask: bool)
           or g.Sqp != g.Sq or g.Skvp != g.Skv)
 
 
-def hoist_score_mod(cfg: AttentionConfig, consts, acc):
-  """Make every array the score_mod reads an explicit kernel input.
+def hoist_constants(fn, consts, acc):
+  """(fn', consts'): every array the scalar `fn` reads becomes an explicit argument.
 
   `jax.closure_convert` hoists only closed-over tracers; a concrete array (an ALiBi
   slope vector built outside any transformation) stays closed over, and a Pallas
-  kernel may not capture array constants. We trace the scalar score_mod once and
-  append its remaining constants to `consts` (after the user's: the first
+  kernel may not capture array constants. We trace `fn` once on scalars and append
+  its remaining constants to `consts` (after the given ones, so the first
   cfg.num_diff_consts stay the differentiable ones).
-
-  Returns (cfg with the rewritten score_mod, consts + hoisted constants).
   """
   consts = tuple(consts)
-  if cfg.score_mod is None:
-    return cfg, consts
-  s = jnp.zeros((), acc)
-  i = jnp.zeros((), jnp.int32)
-  closed = jax.make_jaxpr(cfg.score_mod)(s, i, i, i, i, *consts)
+  s = jax.ShapeDtypeStruct((), acc)
+  i = jax.ShapeDtypeStruct((), jnp.int32)
+  cs = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in consts]
+  closed = jax.make_jaxpr(fn)(s, i, i, i, i, *cs)
   hidden = tuple(jnp.asarray(c) for c in closed.consts)
   if not hidden:
-    return cfg, consts
+    return fn, consts
   jaxpr, n = closed.jaxpr, len(consts)
 
-  def fn(s_, b, h, q, kv, *cs):
-    (out,) = _compat.eval_jaxpr(jaxpr, cs[n:], s_, b, h, q, kv, *cs[:n])
+  def hoisted(s_, b, h, q, kv, *args):
+    (out,) = _compat.eval_jaxpr(jaxpr, args[n:], s_, b, h, q, kv, *args[:n])
     return out
 
-  return dataclasses.replace(cfg, score_mod=fn), consts + hidden
+  return hoisted, consts + hidden
+
+
+def hoist_score_mod(cfg: AttentionConfig, consts, acc):
+  """`hoist_constants` on cfg.score_mod: returns (cfg with the new score_mod, consts)."""
+  if cfg.score_mod is None:
+    return cfg, tuple(consts)
+  fn, consts = hoist_constants(cfg.score_mod, consts, acc)
+  return dataclasses.replace(cfg, score_mod=fn), consts
 
 
 @dataclasses.dataclass

@@ -37,10 +37,6 @@ sub tan tanh xor broadcast_in_dim squeeze reshape jit custom_jvp_call stop_gradi
 """.split())
 
 
-def _dtype_name(dtype) -> str:
-  return jnp.dtype(dtype).name
-
-
 def score_mod_lowering_problem(score_mod, consts, acc_dtype=jnp.float32):
   """Why a (closure-converted, scalar) score_mod cannot lower to Triton, or None.
 
@@ -54,19 +50,8 @@ def score_mod_lowering_problem(score_mod, consts, acc_dtype=jnp.float32):
     score_mod: fn(s, b, h, q_idx, kv_idx, *consts) -> s on scalars.
     consts: the arrays it takes after the indices.
   """
-  cfg_fn = score_mod
-  closed = jax.make_jaxpr(cfg_fn)(
-      jax.ShapeDtypeStruct((), acc_dtype), *([jax.ShapeDtypeStruct((), jnp.int32)] * 4),
-      *[jax.ShapeDtypeStruct(np.shape(c), jnp.result_type(c)) for c in consts])
-  hidden = tuple(closed.consts)
-  if hidden:  # concrete arrays closed over: they become inputs, as in the kernels
-    n = len(consts)
-    jaxpr = closed.jaxpr
-
-    def cfg_fn(s, b, h, q, kv, *cs):
-      return jax.core.eval_jaxpr(jaxpr, cs[n:], s, b, h, q, kv, *cs[:n])[0]
-    consts = tuple(consts) + hidden
-  _, _, res_avals, tile = _common.split_score_mod_jaxprs(cfg_fn, consts, acc_dtype)
+  fn, consts = _common.hoist_constants(score_mod, consts, acc_dtype)
+  _, _, res_avals, tile = _common.split_score_mod_jaxprs(fn, consts, acc_dtype)
   bad = sorted({e.primitive.name for e in _all_eqns(tile.jaxpr)} - _TRITON_SCORE_MOD_PRIMITIVES)
   if bad:
     return (f"score_mod uses {', '.join(bad)} on per-position values, which the Pallas Triton"
