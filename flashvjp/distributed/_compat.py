@@ -1,22 +1,15 @@
 """The one place where JAX version differences of the distributed code live.
 
 Room: distributed / compat. Supported: jax 0.10.2 - 0.12 (``jax.shard_map`` with
-``check_vma``; the varying-manual-axes type is ``manual_axis_type.varying`` there and
-``vma`` in some releases).
+``check_vma``, ``lax.axis_size``, ``lax.pcast``). The varying-manual-axes set of a type is
+``aval.manual_axis_type.varying`` there and ``aval.vma`` in other releases.
 """
 from __future__ import annotations
 
 import jax
 from jax import lax
 
-if hasattr(jax, "shard_map"):
-  shard_map = jax.shard_map
-else:  # older jax: only the experimental module (check_rep instead of check_vma)
-  from jax.experimental.shard_map import shard_map as _old_shard_map
-
-  def shard_map(f, *, mesh, in_specs, out_specs, check_vma=True):
-    return _old_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                          check_rep=check_vma)
+shard_map = jax.shard_map  # jax >= 0.10 (pyproject); earlier: jax.experimental.shard_map
 
 
 def axis_size(axis_name) -> int:

@@ -10,7 +10,8 @@ s = 0 .. P-1 device i holds the kv chunk of device j = (i - s) mod P, sends it o
 device i + 1 (the send is issued before the compute so that XLA can overlap them),
 and merges (out_c, lse_c) of its queries against that chunk into its running
 (out, lse) through logsumexp. The backward rings again: dQ stays home, dK/dV
-accumulators travel with their chunk and, after P hops, arrive at its owner.
+accumulators travel with their chunk and, after P hops, arrive at its owner. (The loop
+body is uniform, so the last step's K/V send is unused: 1/P extra traffic, overlapped.)
 
 Causal masking in global positions, per (query chunk, kv chunk) pair::
 
