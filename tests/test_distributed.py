@@ -315,6 +315,20 @@ def test_sharded_attention_batch_heads_and_ring():
   out, lse = compiled(q, k, v, ids)
   _util.assert_close((out, lse), (ref_out, ref_lse), jnp.float64, "batch x heads")
 
+  # The Pallas kernels (interpret mode) through the same wrapper, with gradients.
+  def loss(q, k, v):
+    out = flashvjp.sharded_attention(q, k, v, mesh=mesh, batch_axis="b", head_axis="h",
+                                     causal=True, segment_ids=ids, implementation="pallas")
+    return (out ** 2).sum()
+
+  def ref_loss(q, k, v):
+    out = flashvjp.flash_attention(q, k, v, causal=True, segment_ids=ids, implementation="naive")
+    return (out ** 2).sum()
+  q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+  got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q32, k32, v32)
+  ref = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
+  _util.assert_close(got, ref, jnp.float32, "batch x heads, pallas grads")
+
   mesh = _mesh((2, 4), ("b", "sp"))
   bias = jax.random.normal(jax.random.key(6), (1, 4, seq, seq), jnp.float64)
   ref_out, ref_lse = flashvjp.flash_attention(q, k, v, causal=True, segment_ids=ids, bias=bias,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Hashable, Optional
 
+import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from flashvjp import _api
@@ -125,7 +126,17 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Optional[Has
                                 **kw)
 
   in_specs = (qkv_spec, qkv_spec, qkv_spec, seg_specs) + tuple(pairs[n][1] for n in names)
-  fn = _compat.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(qkv_spec, lse_spec))
+  # The Pallas kernels do not yet declare how their outputs vary over manual mesh axes,
+  # which shard_map's check_vma requires; without the check, shard_map's own transpose sums
+  # the cotangents of replicated inputs (tests/test_distributed.py checks the gradients).
+  nb, nh, ns = (_axis_size(mesh, a, "") for a in (batch_axis, head_axis, seq_axis))
+  local_shape = lambda x, n_heads: jax.ShapeDtypeStruct(
+      (x.shape[0] // nb, x.shape[1] // n_heads, x.shape[2] // ns, x.shape[3]), x.dtype)
+  decision = _api.explain(local_shape(query, nh), local_shape(key, nh), local_shape(value, nh),
+                          implementation=kwargs.get("implementation"),
+                          interpret=kwargs.get("interpret"))
+  fn = _compat.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(qkv_spec, lse_spec),
+                         check_vma=decision.implementation != "pallas")
   out, lse = fn(query, key, value, seg_in, *(pairs[n][0] for n in names))
   return (out, lse) if return_lse else out
 
