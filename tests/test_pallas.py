@@ -225,3 +225,17 @@ def test_head_dim_padding_forward():
   got = _pallas(q, k, v, causal=True)
   ref = flashvjp.flash_attention(*_util.as64((q, k, v)), causal=True, implementation="naive")
   _util.assert_close(got, ref, jnp.float32)
+
+
+# ---- transformations (the composition tests of tests/test_composition.py, on the kernels) ----
+
+from tests import test_composition as _composition  # noqa: E402
+
+
+@pytest.mark.parametrize("check", [_composition.test_jit_and_value_and_grad,
+                                   _composition.test_vmap_over_extra_axis,
+                                   _composition.test_remat,
+                                   _composition.test_scan_over_layers],
+                         ids=["jit_grad", "vmap", "remat", "scan"])
+def test_composition(check):
+  check("pallas")
