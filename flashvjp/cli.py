@@ -38,6 +38,8 @@ def _check(args) -> int:
         f" tolerance {check.TOL[dtype]:g} x max|ref|")
   if "pallas" not in impls:
     print(f"pallas: not checked ({'--skip-pallas' if ok else why})")
+  elif _dispatch.platform() == "cpu":
+    print("pallas: the kernels run in interpret mode on this CPU (how CI tests every kernel line)")
   rows = check.run(impls, dtype=dtype)
   head = f"{'implementation':<15}{'feature':<16}{'out':>10}{'dq':>10}{'dk':>10}{'dv':>10}  result"
   print(head)
