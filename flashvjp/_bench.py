@@ -23,8 +23,10 @@ Conventions, stated once:
   matmuls, including the recomputation of ``q @ k^T``), so forward+backward is ``3.5x``.
   The same count is used for every implementation, so FLOP/s compares times.
 * Matmul rate: FLOP/s of ``jnp.dot`` on square matrices in the benchmark dtype, timed in
-  the same round-robin as the attention calls of each shape; attention FLOP/s is reported
-  as a fraction of the rate measured beside it (so load from other users cancels out).
+  the same round-robin as the attention calls of each shape, so that it samples the load
+  over the whole run; attention FLOP/s is reported as a fraction of the median of those
+  rates. (Not of the rate beside each call: beside multi-GiB naive/jax.nn calls the
+  matmul reads up to 2x slower even on an idle machine, which would flatter the fraction.)
 """
 from __future__ import annotations
 
@@ -322,8 +324,8 @@ class Result:
   skip_reason: Optional[str] = None  # why time_s is None
   ratio_to_baseline: Optional[float] = None  # time_s / jax.nn's time_s, same round-robin
   flops_per_s: Optional[float] = None
-  matmul_flops_per_s: Optional[float] = None  # timed in the same round-robin
-  matmul_fraction: Optional[float] = None  # flops_per_s / matmul_flops_per_s
+  matmul_flops_per_s: Optional[float] = None  # timed in the same round-robin (for reference)
+  matmul_fraction: Optional[float] = None  # flops_per_s / the run's median matmul rate
 
 
 @dataclasses.dataclass
@@ -437,7 +439,6 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
         r.time_s, r.time_min_s, r.runs = t["median"], t["min"], t["runs"]
         r.flops_per_s = flops / r.time_s
         r.matmul_flops_per_s = rates[-1]
-        r.matmul_fraction = r.flops_per_s / r.matmul_flops_per_s
         last_time[(r.impl, causal, mode)] = (seq, r.time_s)
     base = next(r for r in group if r.impl == BASELINE)
     for r in group:
@@ -446,8 +447,12 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
       results.append(r)
     if progress is not None:
       progress(f"seq {seq} {'causal' if causal else 'full'} {mode}")
-  meta.update(matmul_flops_per_s=statistics.median(rates), matmul_flops_per_s_min=min(rates),
+  rate = statistics.median(rates)
+  meta.update(matmul_flops_per_s=rate, matmul_flops_per_s_min=min(rates),
               matmul_flops_per_s_max=max(rates), seconds=time.perf_counter() - start)
+  for r in results:
+    if r.flops_per_s is not None:
+      r.matmul_fraction = r.flops_per_s / rate
   return {"meta": meta, "results": [dataclasses.asdict(r) for r in results]}
 
 
@@ -507,7 +512,7 @@ def meta_lines(report: dict) -> List[str]:
       f"- XLA_FLAGS: `{m['xla_flags']}`",
       f"- matmul rate: {m['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s median ({m['matmul_shape']};"
       f" {m['matmul_flops_per_s_min'] / 1e9:.1f} to {m['matmul_flops_per_s_max'] / 1e9:.1f} over"
-      " the run: \"% matmul\" uses the rate timed beside each attention call);"
+      " the run; \"% matmul\" is of the median);"
       f" attention-tile matmul {m['tile_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s"
       f" ({m['tile_matmul_shape']})",
       f"- FLOPs: {m['flops_convention']}",
