@@ -281,7 +281,7 @@ def pallas_flash_attention(query, key, value, *, mask=None, score_mod=None, drop
 
 
 def memory_efficient_attention(query, key, value, *, mask=None, score_mod=None, dropout_rng=None,
-                               dropout_rate=0.0, deterministic=True, block_size=128):
+                               dropout_rate=0.0, deterministic=True, block_size=256):
   """Seed-compatible name: the blockwise pure-JAX path with square blocks of `block_size`."""
   return flash_attention(
       query, key, value, mask=mask, score_mod=score_mod, dropout_rng=dropout_rng,

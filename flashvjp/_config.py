@@ -40,11 +40,12 @@ class BlockSizes:
     return (self.block_q_dq or self.block_q, self.block_kv_dq or self.block_kv)
 
 
-# Tuned defaults. Blockwise on this 2-core CPU (B=1, H=8, D=64, float32, seq 4096,
-# fwd+bwd, measured 2026-12-02): 128x128 tiles stay in cache and skip the most masked
-# area: causal 1.21 s (512x512: 2.21 s), non-causal 2.63 s (512x512: 3.20 s); temp
-# memory 10.8 MiB (512x512: 30.3 MiB). Per-iteration loop overhead is small next to that.
-BLOCKWISE_DEFAULT = BlockSizes(block_q=128, block_kv=128)
+# Tuned defaults. Blockwise on this 2-core CPU, measured on an idle machine in one run
+# (benchmarks/bench_cpu.py --quick --seq 4096 --impl blockwise:BQxBK; B=1, H=8, D=64,
+# float32, fwd+bwd, 2026-12-02): 256x256 causal 448 ms / full 832 ms; 128x128 698 / 1230;
+# 512x512 514 / 801 (and twice the temp memory: 30 vs 16 MiB). 256x256 tiles keep the
+# matmuls efficient while skipping most of the causal triangle.
+BLOCKWISE_DEFAULT = BlockSizes(block_q=256, block_kv=256)
 # Pallas on GPU: forward 128x64 tiles; backward 64x64 (the dK/dV and dQ kernels keep two
 # [64, head_dim] float32 accumulators in registers). Untuned: benchmarks/gpu_check.py
 # sweeps alternatives. Head dims > 128 shrink them further (flashvjp.pallas._common).
