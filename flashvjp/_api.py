@@ -93,20 +93,21 @@ def _check_segments(segment_ids, B, Sq, Skv):
   return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
 
 
-def _check_window(window):
+def _check_window(window, name="window"):
+  """A (left, right) pair of non-negative ints or None (unbounded side); None means no window."""
   if window is None:
     return None
   if not isinstance(window, (tuple, list)) or len(window) != 2:
-    raise ValueError(f"window must be a pair (left, right) of ints or None, got {window!r}")
+    raise ValueError(f"{name} must be a pair (left, right) of ints or None, got {window!r}")
   out = []
   for side, w in zip(("left", "right"), window):
     if w is None:
       out.append(None)
       continue
     if not isinstance(w, numbers.Integral) or isinstance(w, bool):
-      raise TypeError(f"window {side} must be an int or None, got {w!r}")
+      raise TypeError(f"{name} {side} must be an int or None, got {w!r}")
     if w < 0:
-      raise ValueError(f"window {side} must be >= 0, got {w}")
+      raise ValueError(f"{name} {side} must be >= 0, got {w}")
     out.append(int(w))
   return tuple(out)
 

@@ -45,17 +45,7 @@ def _window_pair(local_window_size):
   if not isinstance(local_window_size, (tuple, list)) or len(local_window_size) != 2:
     raise ValueError("local_window_size must be an int or a pair (left, right) of ints,"
                      f" got {local_window_size!r}")
-  out = []
-  for side, w in zip(("left", "right"), local_window_size):
-    if w is None:  # flashvjp extension: an unbounded side
-      out.append(None)
-      continue
-    if not isinstance(w, numbers.Integral) or isinstance(w, bool):
-      raise TypeError(f"local_window_size {side} must be an int, got {w!r}")
-    if w < 0:
-      raise ValueError(f"local_window_size {side} must be >= 0, got {w}")
-    out.append(int(w))
-  return tuple(out)
+  return _api._check_window(local_window_size, name="local_window_size")
 
 
 def _lengths(name, lengths, batch):
