@@ -103,6 +103,35 @@ class MaskSpec:
     hi_b = jnp.clip(hi_b, 0, num_q_blocks)
     return jnp.minimum(lo_b, hi_b), hi_b
 
+  # ---- block classification: blocks that need no elementwise mask -----------
+  # Causal, window and kv padding remove a contiguous band of block pairs; blocks
+  # strictly inside the allowed band need no elementwise mask (FlashAttention's
+  # "diagonal blocks only"). Segment ids and dense masks are elementwise everywhere.
+  # Query padding is not considered: padded rows are sliced off in the forward and
+  # have lse = +inf (so p = 0) in the backward.
+
+  def full_kv_block_range(self, q_block, block_q, block_kv):
+    """[lo, hi) of kv blocks whose every pair with q block `q_block` is allowed."""
+    lim = jnp.asarray(self.seq_kv, jnp.int32)  # kv positions < lim are real (not padding)
+    if self.right is not None:  # kv <= q + right for the block's first q
+      lim = jnp.minimum(lim, q_block * block_q + self.right + 1)
+    hi = jnp.maximum(lim, 0) // block_kv
+    lo = jnp.asarray(0, jnp.int32)
+    if self.left is not None:  # kv >= q - left for the block's last q
+      lo = _cdiv_nonneg((q_block + 1) * block_q - 1 - self.left, block_kv)
+    return lo, hi
+
+  def full_q_block_range(self, kv_block, block_q, block_kv, num_q_blocks):
+    """[lo, hi) of q blocks all of whose pairs with kv block `kv_block` are allowed."""
+    hi = jnp.asarray(num_q_blocks, jnp.int32)
+    lo = jnp.asarray(0, jnp.int32)
+    if self.right is not None:  # last kv <= first q + right
+      lo = _cdiv_nonneg((kv_block + 1) * block_kv - 1 - self.right, block_q)
+    if self.left is not None:  # first kv >= last q - left
+      hi = jnp.maximum(kv_block * block_kv + self.left + 1, 0) // block_q
+    # A kv block reaching into the padding needs the mask for every q block.
+    return lo, jnp.where((kv_block + 1) * block_kv > self.seq_kv, lo, hi)
+
   def visited_fraction(self, block_q, block_kv) -> float:
     """Fraction of (q block, kv block) pairs inside the static bounds (for FLOP counts)."""
     nq = -(-self.seq_q // block_q)
@@ -148,6 +177,25 @@ def block_any_table(q_seg, kv_seg, mask, block_q, block_kv, num_q_blocks, num_kv
     m = jnp.broadcast_to(m, (Bm, Hm, num_q_blocks, num_kv_blocks))
     table = m if table is None else (table & m)
   return table
+
+
+def _cdiv_nonneg(x, b):
+  return (jnp.maximum(x, 0) + b - 1) // b
+
+
+def split_loop(run, lo, hi, full, carry):
+  """`run(start, stop, masked, carry)` over [lo, hi): unmasked inside `full`, masked outside.
+
+  `full` is a [lo, hi) block range from `full_kv_block_range` / `full_q_block_range`, or
+  None when every block needs the elementwise mask (segment ids, dense mask).
+  """
+  if full is None:
+    return run(lo, hi, True, carry)
+  f_lo = jnp.clip(full[0], lo, hi)
+  f_hi = jnp.clip(full[1], f_lo, hi)
+  carry = run(lo, f_lo, True, carry)
+  carry = run(f_lo, f_hi, False, carry)
+  return run(f_hi, hi, True, carry)
 
 
 def pad_axis(x, axis, size, mode="constant", keep_broadcast=True):

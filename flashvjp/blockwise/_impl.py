@@ -9,6 +9,8 @@ block and add dQ into a carried O(seq) accumulator. GQA works on
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -87,10 +89,6 @@ class _Layout:
     ki = (j * self.bk + jnp.arange(self.bk, dtype=jnp.int32)).reshape(1, 1, 1, 1, self.bk)
     return b, h, qi, ki
 
-  def needs_mask(self, has_seg, has_mask):
-    return (self.spec.causal or self.spec.window is not None or has_seg or has_mask
-            or self.Sqp != self.Sq or self.Skvp != self.Skv)
-
   def allowed(self, i, j, q_seg, kv_seg, mask5):
     _, _, qi, ki = self.indices(i, j)
     qs = ks = None
@@ -150,7 +148,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   bias5, mask5 = L.pair5(L.pad_pair(bias)), L.pair5(mask_p)
   q_seg, kv_seg = L.segs(q_seg, kv_seg)
   table = L.block_table(q_seg, kv_seg, mask_p)
-  masked = L.needs_mask(q_seg is not None, mask is not None)
+  elementwise = q_seg is not None or mask is not None
   acc = L.acc
   shape_r = (L.B, L.Hkv, L.G, L.bq)
   z0 = _carry_zero(acc, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
@@ -159,7 +157,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     q_blk = L.q_tile(q5, i)
     lo, hi = L.spec.kv_block_range(i, L.bq, L.bk, L.nk)
 
-    def body(j, carry):
+    def body(j, carry, masked):
       def compute(carry):
         m, l, o = carry
         s = L.scores(q_blk, L.kv_tile(kp, j), bias5, i, j)
@@ -180,9 +178,13 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
         return m_new, l, o
       return _maybe_skip(table, i, j, compute, carry)
 
+    def run(start, stop, masked, carry):
+      return lax.fori_loop(start, stop, functools.partial(body, masked=masked), carry)
+
     init = (jnp.full(shape_r, -jnp.inf, acc) + z0, jnp.zeros(shape_r, acc) + z0,
             jnp.zeros(shape_r + (L.Dv,), acc) + z0)
-    m, l, o = lax.fori_loop(lo, hi, body, init)
+    full = None if elementwise else L.spec.full_kv_block_range(i, L.bq, L.bk)
+    m, l, o = _mask.split_loop(run, lo, hi, full, init)
     empty = l == 0.0
     o = o / jnp.where(empty, 1.0, l)[..., None]
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
@@ -207,7 +209,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   bias5, mask5 = L.pair5(bias_p), L.pair5(mask_p)
   q_seg, kv_seg = L.segs(q_seg, kv_seg)
   table = L.block_table(q_seg, kv_seg, mask_p)
-  masked = L.needs_mask(q_seg is not None, mask is not None)
+  elementwise = q_seg is not None or mask is not None
   n_diff = cfg.num_diff_consts
   diff_consts, fixed_consts = tuple(consts[:n_diff]), tuple(consts[n_diff:])
 
@@ -229,7 +231,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     k_blk, v_blk = L.kv_tile(kp, j), L.kv_tile(vp, j)
     lo, hi = L.spec.q_block_range(j, L.bq, L.bk, L.nq)
 
-    def body(i, inner):
+    def body(i, inner, masked):
       def compute(inner):
         dk_j, dv_j, dq, dbias, dconsts = inner
         q_blk, do_blk = L.q_tile(q5, i), L.q_tile(do5, i)
@@ -266,7 +268,11 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
 
     init = (jnp.zeros((L.B, L.Hkv, L.bk, L.D), acc) + z0,
             jnp.zeros((L.B, L.Hkv, L.bk, L.Dv), acc) + z0, dq, dbias, dconsts)
-    dk_j, dv_j, dq, dbias, dconsts = lax.fori_loop(lo, hi, body, init)
+    def run(start, stop, masked, carry):
+      return lax.fori_loop(start, stop, functools.partial(body, masked=masked), carry)
+
+    full = None if elementwise else L.spec.full_q_block_range(j, L.bq, L.bk, L.nq)
+    dk_j, dv_j, dq, dbias, dconsts = _mask.split_loop(run, lo, hi, full, init)
     return (dq, dbias, dconsts), (dk_j, dv_j)
 
   z0 = _carry_zero(acc, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse)

@@ -369,54 +369,19 @@ def maybe_skip(table_value, compute, carry):
   return lax.cond(table_value != 0, compute, lambda c: c, carry)
 
 
-# ---- masked / unmasked loop split ------------------------------------------------
-# Causal, window and kv padding remove a contiguous band of block pairs; blocks
-# strictly inside the allowed band need no elementwise mask (FlashAttention's
-# "diagonal blocks only"). Segment ids and dense masks are elementwise everywhere.
-
-def _cdiv_nonneg(x, b):
-  return (jnp.maximum(x, 0) + b - 1) // b
-
+# ---- masked / unmasked loop split (the mask model's block classification) ----------
 
 def full_kv_blocks(cfg: AttentionConfig, g: Geometry, i):
   """[lo, hi) of kv blocks every (q, kv) pair of q block i allows by causal/window/padding."""
-  spec = mask_spec(cfg)
-  lim = jnp.asarray(g.Skv, jnp.int32)  # kv positions < lim: real (not padding)
-  if spec.right is not None:  # kv <= q + right for the block's first q
-    lim = jnp.minimum(lim, i * g.bq + spec.right + 1)
-  hi = jnp.maximum(lim, 0) // g.bk
-  lo = jnp.asarray(0, jnp.int32)
-  if spec.left is not None:  # kv >= q - left for the block's last q
-    lo = _cdiv_nonneg((i + 1) * g.bq - 1 - spec.left, g.bk)
-  return lo, hi
+  return mask_spec(cfg).full_kv_block_range(i, g.bq, g.bk)
 
 
 def full_q_blocks(cfg: AttentionConfig, g: Geometry, j):
   """[lo, hi) of q blocks all of whose (q, kv) pairs with kv block j are allowed."""
-  spec = mask_spec(cfg)
-  hi = jnp.asarray(g.nq, jnp.int32)
-  lo = jnp.asarray(0, jnp.int32)
-  if spec.right is not None:  # last kv <= first q + right
-    lo = _cdiv_nonneg((j + 1) * g.bk - 1 - spec.right, g.bq)
-  if spec.left is not None:  # first kv >= last q - left
-    hi = jnp.maximum(j * g.bk + spec.left + 1, 0) // g.bq
-  # A kv block reaching into the padding needs the mask for every q block.
-  hi = jnp.where((j + 1) * g.bk > g.Skv, lo, hi)
-  return lo, hi
+  return mask_spec(cfg).full_q_block_range(j, g.bq, g.bk, g.nq)
 
 
-def split_loop(run, lo, hi, full, carry):
-  """`run(start, stop, masked, carry)` over [lo, hi): unmasked inside `full`, masked outside.
-
-  `full` is None when every block needs the mask (segment ids, dense mask).
-  """
-  if full is None:
-    return run(lo, hi, True, carry)
-  f_lo = jnp.clip(full[0], lo, hi)
-  f_hi = jnp.clip(full[1], f_lo, hi)
-  carry = run(lo, f_lo, True, carry)
-  carry = run(f_lo, f_hi, False, carry)
-  return run(f_hi, hi, True, carry)
+split_loop = _mask.split_loop
 
 
 def num_warps(g: Geometry) -> int:
