@@ -166,7 +166,7 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       implementation, interpret=interpret, query_shape=query.shape, key_shape=key.shape,
       value_shape=value.shape, dtype=query.dtype, has_score_mod=score_mod is not None,
       has_dropout=dropout_active, score_mod=sm_fn, score_mod_consts=consts)
-  defaults = default_block_sizes(decision.implementation, _dispatch.platform())
+  defaults = default_block_sizes(decision.implementation, decision.interpret)
   if block_q is None and block_kv is None:
     blocks = defaults  # includes the tuned backward block sizes
   else:
@@ -226,7 +226,8 @@ def flash_attention(
     dropout_rng: PRNG key; required when dropout is active.
     deterministic: True disables dropout.
     return_lse: also return lse float32 [batch, num_heads, seq_q] (differentiable).
-    implementation: None (choose), "pallas", "blockwise" or "naive". See `explain`.
+    implementation: None (choose), "pallas" (this platform's kernels), "pallas_triton",
+      "pallas_tpu", "blockwise" or "naive". See `explain`.
     block_q, block_kv: block sizes (None: tuned defaults); any positive size works.
     interpret: Pallas interpret mode; None means exactly when the platform is CPU.
 

@@ -388,7 +388,7 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
   meta = machine_info()
   mm_fn, mm_args, mm_flops = matmul_call(cfg.matmul_n, cfg.dtype)
   rates = [mm_flops / time_round_robin([(mm_fn, mm_args)], repeats=cfg.repeats)[0]["median"]]
-  block = cfg.block_q or default_block_sizes("blockwise", jax.default_backend()).block_q
+  block = cfg.block_q or default_block_sizes("blockwise", False).block_q
   tile = tile_matmul_rate(cfg.heads, min(block, min(cfg.seqs)), cfg.head_dim, cfg.dtype)
   meta.update(matmul_shape=f"[{cfg.matmul_n}, {cfg.matmul_n}]^2 {cfg.dtype}",
               tile_matmul_flops_per_s=tile,
@@ -591,7 +591,7 @@ def default_config(platform: str) -> SuiteConfig:
                        max_seconds_per_case=5.0, max_suite_seconds=90.0)
   impls = ["naive", "blockwise", BASELINE]
   probe = jax.ShapeDtypeStruct((1, 16, 4096, 128), jnp.bfloat16)
-  if flashvjp.explain(probe, probe, probe, causal=True).implementation == "pallas":
+  if flashvjp.explain(probe, probe, probe, causal=True).is_pallas:
     impls.insert(0, "pallas")
   return SuiteConfig(seqs=(1024, 2048, 4096, 8192, 16384), impls=tuple(impls), batch=4, heads=16,
                      head_dim=128, dtype="bfloat16", repeats=10,

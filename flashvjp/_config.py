@@ -54,9 +54,16 @@ PALLAS_GPU_DEFAULT = BlockSizes(block_q=128, block_kv=64, block_q_dkv=64, block_
 PALLAS_INTERPRET_DEFAULT = BlockSizes(block_q=64, block_kv=64)
 
 
-def default_block_sizes(implementation: str, platform: str) -> BlockSizes:
-  if implementation == "pallas":
-    return PALLAS_GPU_DEFAULT if platform == "gpu" else PALLAS_INTERPRET_DEFAULT
+def default_block_sizes(implementation: str, interpret: bool) -> BlockSizes:
+  """Default blocks of a concrete implementation ("pallas_triton", "blockwise", ...).
+
+  Compiled Pallas-Triton kernels get the GPU table whatever the host (an export for
+  CUDA on a CPU host compiles what a GPU would); interpret mode gets small blocks.
+  """
+  if implementation == "pallas_triton":
+    return PALLAS_INTERPRET_DEFAULT if interpret else PALLAS_GPU_DEFAULT
+  if implementation == "pallas_tpu":
+    return PALLAS_INTERPRET_DEFAULT
   return BLOCKWISE_DEFAULT
 
 
@@ -84,7 +91,7 @@ class AttentionConfig:
   score_mod: Optional[Callable] = None
   num_diff_consts: int = 0  # the first num_diff_consts score_mod consts are differentiable
   interpret: bool = False
-  implementation: str = "blockwise"
+  implementation: str = "blockwise"  # one of flashvjp._dispatch.CONCRETE
 
   @property
   def dropout_active(self) -> bool:

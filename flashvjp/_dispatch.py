@@ -2,6 +2,14 @@
 
 Room: dispatch. Never catches exceptions to choose; the decision is a value
 (`Decision`) that `flashvjp.explain` returns and that is logged at debug level.
+
+Names a user may pass (`REQUESTABLE`): None (choose), "pallas" (this platform's
+kernel family: Triton on GPU, Mosaic on TPU, Triton in interpret mode on CPU),
+"pallas_triton" / "pallas_tpu" (one family: compiled on its own platform,
+interpret mode elsewhere unless ``interpret=False`` is passed, which lowers the
+compiled kernels, e.g. for ``jax.export(..., platforms=["cuda"])`` on a CPU host),
+"blockwise" and "naive". A `Decision.implementation` is always concrete: one of
+`CONCRETE`.
 """
 from __future__ import annotations
 
@@ -10,17 +18,32 @@ import dataclasses
 import jax
 from absl import logging
 
-IMPLEMENTATIONS = ("pallas", "blockwise", "naive")
+REQUESTABLE = ("pallas", "pallas_triton", "pallas_tpu", "blockwise", "naive")
+CONCRETE = ("pallas_triton", "pallas_tpu", "blockwise", "naive")
+# Backward compatibility: the old name of the tuple of accepted names.
+IMPLEMENTATIONS = REQUESTABLE
+
+_GPU = ("gpu", "cuda", "rocm")
+_FAMILY_PLATFORM = {"pallas_triton": "gpu", "pallas_tpu": "tpu"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-  implementation: str  # "pallas", "blockwise" or "naive"
+  implementation: str  # one of CONCRETE
   interpret: bool  # Pallas interpret mode
   reason: str
 
+  @property
+  def is_pallas(self) -> bool:
+    return self.implementation.startswith("pallas")
+
+  @property
+  def family(self):
+    """"triton", "tpu" or None (not a Pallas path)."""
+    return self.implementation.split("_", 1)[1] if self.is_pallas else None
+
   def __str__(self):
-    mode = " (interpret mode)" if self.implementation == "pallas" and self.interpret else ""
+    mode = " (interpret mode)" if self.is_pallas and self.interpret else ""
     return f"{self.implementation}{mode}: {self.reason}"
 
 
@@ -28,35 +51,68 @@ def platform() -> str:
   return jax.default_backend()
 
 
+def _home(plat: str) -> str:
+  return "gpu" if plat in _GPU else plat
+
+
+def family_for_platform(plat: str) -> str:
+  """The kernel family "pallas" means on `plat` (Triton on GPU and CPU, Mosaic on TPU)."""
+  return "pallas_tpu" if _home(plat) == "tpu" else "pallas_triton"
+
+
+def _limits(family: str):
+  if family == "pallas_tpu":
+    from flashvjp.pallas.tpu import _limits as lim  # the Mosaic-TPU limits, encoded once
+  else:
+    from flashvjp.pallas.triton import _limits as lim  # the Triton limits, encoded once
+  return lim
+
+
 def decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype,
            has_score_mod=False, has_dropout=False, score_mod=None,
            score_mod_consts=()) -> Decision:
-  """Choose the implementation. Raises ValueError for "pallas" on an unsupported input."""
+  """Choose the implementation. Raises ValueError for a named Pallas family on an unsupported input."""
   plat = platform()
-  interp = (plat == "cpu") if interpret is None else bool(interpret)
   if requested == "naive":
     return Decision("naive", False, "requested: the reference, differentiated by autodiff")
   if requested == "blockwise":
     return Decision("blockwise", False, "requested: pure-JAX blockwise forward and backward")
-  from flashvjp.pallas import _limits  # the lowering limits, encoded once
-  ok, why = _limits.supports(platform=plat, interpret=interp, query_shape=query_shape,
-                             key_shape=key_shape, value_shape=value_shape, dtype=dtype,
-                             has_score_mod=has_score_mod, has_dropout=has_dropout,
-                             score_mod=score_mod, score_mod_consts=score_mod_consts)
-  if requested == "pallas":
+  family = family_for_platform(plat) if requested in (None, "pallas") else requested
+  native = _home(plat) == _FAMILY_PLATFORM[family]
+  interp = (not native) if interpret is None else bool(interpret)
+
+  def ask():
+    return _limits(family).supports(
+        platform=plat, interpret=interp, query_shape=query_shape, key_shape=key_shape,
+        value_shape=value_shape, dtype=dtype, has_score_mod=has_score_mod,
+        has_dropout=has_dropout, score_mod=score_mod, score_mod_consts=score_mod_consts)
+
+  if requested == "pallas" and not native and not interp:
+    raise ValueError(
+        f"implementation='pallas' with interpret=False on platform {plat!r}: this platform's"
+        " kernels run only in interpret mode here; pass interpret=True (or None), or name the"
+        " family (implementation='pallas_triton' / 'pallas_tpu') to lower its compiled kernels"
+        " for their platform (jax.export)")
+  if requested is not None:
+    ok, why = ask()
     if not ok:
-      raise ValueError(f"implementation='pallas' cannot run this input: {why}")
-    return Decision("pallas", interp, f"requested; {why}")
+      raise ValueError(f"implementation={requested!r} cannot run this input: {why}")
+    if not interp and not native:
+      why += (f" (compiled kernels requested with interpret=False on a {plat!r} host: they only"
+              f" run when lowered for {_FAMILY_PLATFORM[family]}, e.g. by jax.export)")
+    return Decision(family, interp, f"requested; {why}")
   # requested is None: Pallas where it compiles natively, blockwise elsewhere.
-  if plat not in ("gpu", "cuda", "rocm"):
+  if not native:
     return Decision("blockwise", False,
                     f"platform is {plat!r}: Pallas would only run in interpret mode there,"
                     " the blockwise pure-JAX path is the fast one")
   if interp:
-    return Decision("blockwise", False, "interpret=True requested on a GPU: using blockwise")
+    return Decision("blockwise", False,
+                    f"interpret=True requested on {plat!r}: using blockwise")
+  ok, why = ask()
   if not ok:
     return Decision("blockwise", False, f"Pallas kernels do not support this input: {why}")
-  return Decision("pallas", False, f"platform is {plat!r} and {why}")
+  return Decision(family, False, f"platform is {plat!r} and {why}")
 
 
 def log(decision: Decision) -> None:

@@ -16,8 +16,10 @@ from flashvjp._config import AttentionConfig
 def _backend(name: str):
   if name == "blockwise":
     from flashvjp import blockwise as backend
-  elif name == "pallas":
-    from flashvjp import pallas as backend
+  elif name == "pallas_triton":
+    from flashvjp.pallas import triton as backend
+  elif name == "pallas_tpu":
+    from flashvjp.pallas import tpu as backend
   else:
     raise ValueError(f"no custom_vjp backend named {name!r}")
   # Under jit with inputs sharded over batch/heads, each device runs the backend on its

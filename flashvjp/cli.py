@@ -24,7 +24,7 @@ def _check(args) -> int:
   x = jax.ShapeDtypeStruct((1, 4, 70, 32), jnp.float32)
   impls = ["blockwise"]
   try_pallas = flashvjp.explain(x, x, x, implementation=None)
-  from flashvjp.pallas import _limits
+  from flashvjp.pallas.triton import _limits
   ok, why = _limits.supports(platform=_dispatch.platform(), interpret=_dispatch.platform() == "cpu",
                              query_shape=x.shape, key_shape=x.shape, value_shape=x.shape,
                              dtype=x.dtype, has_score_mod=True, has_dropout=True)

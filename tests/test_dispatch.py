@@ -46,3 +46,32 @@ def test_the_named_backend_really_runs(monkeypatch):
   q = jnp.zeros((1, 2, 16, 8), jnp.float32)
   flashvjp.flash_attention(q, q, q, implementation="blockwise")
   assert calls
+
+
+# ---- kernel families ---------------------------------------------------------------
+
+def test_pallas_means_this_platforms_family(monkeypatch):
+  """"pallas" is Triton on GPU (and CPU, in interpret mode), Mosaic on TPU."""
+  monkeypatch.setattr(_dispatch, "platform", lambda: "gpu")
+  assert flashvjp.explain(x, x, x, implementation="pallas").implementation == "pallas_triton"
+  monkeypatch.setattr(_dispatch, "platform", lambda: "cpu")
+  d = flashvjp.explain(x, x, x, implementation="pallas")
+  assert (d.implementation, d.interpret, d.family) == ("pallas_triton", True, "triton")
+
+
+def test_named_family_runs_interpreted_off_its_platform():
+  if _dispatch.platform() != "cpu":
+    pytest.skip("CPU dispatch rule")
+  d = flashvjp.explain(x, x, x, implementation="pallas_triton")
+  assert d.implementation == "pallas_triton" and d.interpret
+
+
+def test_named_family_with_interpret_false_lowers_the_compiled_kernels():
+  """How a CPU host exports the GPU path (jax.export(..., platforms=["cuda"])): visible."""
+  if _dispatch.platform() != "cpu":
+    pytest.skip("CPU dispatch rule")
+  d = flashvjp.explain(x, x, x, implementation="pallas_triton", interpret=False)
+  assert d.implementation == "pallas_triton" and not d.interpret
+  assert "jax.export" in d.reason
+  with pytest.raises(ValueError, match="interpret=False"):
+    flashvjp.explain(x, x, x, implementation="pallas", interpret=False)

@@ -229,7 +229,7 @@ def test_ring_memory_per_device_shrinks_with_devices():
 # ---- batch / head sharding -------------------------------------------------------------
 
 @pytest.mark.parametrize("spec,segments,implementation", [
-    (P("b"), True, "blockwise"), (P("b", "h"), False, "blockwise"), (P("b", "h"), True, "pallas")])
+    (P("b"), True, "blockwise"), (P("b", "h"), False, "blockwise"), (P("b", "h"), True, "pallas_triton")])
 def test_jit_batch_head_sharding_has_no_collectives(spec, segments, implementation):
   """flash_attention under plain jit, inputs sharded over batch/heads: no collective at all.
 

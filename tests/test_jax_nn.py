@@ -273,7 +273,7 @@ def test_explain_reports_the_path_for_the_drop_in():
   """The drop-in runs the same dispatch as flash_attention (observable via explain)."""
   q, k, v, *_ = _inputs(0)
   d = flashvjp.explain(jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
-  assert d.implementation in ("blockwise", "pallas")
+  assert d.implementation in ("blockwise", "pallas_triton")
   out_naive = flashvjp.dot_product_attention(q, k, v, is_causal=True, implementation="naive")
   out_bw = flashvjp.dot_product_attention(q, k, v, is_causal=True, implementation="blockwise")
   assert_close(out_bw, out_naive, F32, "blockwise vs naive")

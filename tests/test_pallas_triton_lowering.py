@@ -66,7 +66,7 @@ def _export_grad(dtype=jnp.bfloat16, B=2, H=4, Hkv=2, Sq=128, Skv=128, D=64, Dv=
     cfg = _config.AttentionConfig(
         scale=D ** -0.5, causal=causal, window=window, seq_q=Sq, seq_kv=Skv,
         dropout_rate=dropout_rate, blocks=_config.BlockSizes(*blocks), score_mod=fn,
-        num_diff_consts=n_diff, interpret=False, implementation="pallas")
+        num_diff_consts=n_diff, interpret=False, implementation="pallas_triton")
     out, lse = _vjp.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
                               tuple(consts[:n_diff]), tuple(consts[n_diff:]))
     return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)

@@ -84,9 +84,12 @@ def _backend(name: str):
   if name == "blockwise":
     from flashvjp import blockwise
     return blockwise
-  if name == "pallas":
-    from flashvjp import pallas
-    return pallas
+  if name == "pallas_triton":
+    from flashvjp.pallas import triton
+    return triton
+  if name == "pallas_tpu":
+    from flashvjp.pallas import tpu
+    return tpu
   raise ValueError(f"ring_attention has no backend named {name!r}")
 
 

@@ -136,7 +136,7 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Optional[Has
                           implementation=kwargs.get("implementation"),
                           interpret=kwargs.get("interpret"))
   fn = _compat.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(qkv_spec, lse_spec),
-                         check_vma=decision.implementation != "pallas")
+                         check_vma=not decision.is_pallas)
   out, lse = fn(query, key, value, seg_in, *(pairs[n][0] for n in names))
   return (out, lse) if return_lse else out
 

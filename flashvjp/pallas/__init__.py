@@ -1,9 +1,9 @@
-"""Pallas kernels: forward that saves logsumexp, FlashAttention-2 backward (dK/dV and dQ kernels).
+"""Pallas kernels: shared pieces here, one folder per kernel family.
 
-Room: Pallas backend. `forward` / `backward` have the same interface as
-`flashvjp.blockwise` and are called by the one custom_vjp in `flashvjp._vjp`.
+Room: Pallas backends. `_common` (geometry, padding, score_mod split, per-tile
+math) and `_compat` (Pallas API spellings across jax versions) are shared;
+`triton/` holds the GPU kernels and `tpu/` the Mosaic-TPU kernels, each with the
+same roles (forward, backward, lowering limits). Each family's `forward` /
+`backward` have the interface of `flashvjp.blockwise` and are called by the one
+custom_vjp in `flashvjp._vjp`.
 """
-from flashvjp.pallas.backward import backward
-from flashvjp.pallas.forward import forward
-
-__all__ = ["forward", "backward"]

@@ -22,7 +22,6 @@ import numpy as np
 from flashvjp.pallas import _common
 from flashvjp.pallas._common import MAX_HEAD_DIM
 
-_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _INTERPRET_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 _TRITON_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 # Primitives a scalar score_mod may use under Triton: elementwise math, comparisons,
@@ -98,9 +97,9 @@ def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
     if not any(dt == jnp.dtype(d) for d in _INTERPRET_DTYPES):
       return False, f"dtype {dt.name} is not float16/bfloat16/float32/float64"
     return True, f"Pallas kernels in interpret mode on {platform!r}"
-  if platform not in _GPU_PLATFORMS:
-    return False, (f"the Pallas kernels are written for the Triton (GPU) backend; on platform"
-                   f" {platform!r} they run only in interpret mode (interpret=True)")
+  # Compiled (interpret=False) off a GPU is allowed when asked for by name: the kernels
+  # then lower for CUDA (jax.export(..., platforms=["cuda"]) on a CPU host); `_dispatch`
+  # says so in the decision's reason.
   if not any(dt == jnp.dtype(d) for d in _TRITON_DTYPES):
     return False, f"dtype {dt.name}: the Triton kernels support float16, bfloat16 and float32"
   if has_score_mod and score_mod is not None:

@@ -31,7 +31,7 @@ from jax import lax
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas import _compat
-from flashvjp.pallas import forward as F
+from flashvjp.pallas.triton import forward as F
 
 
 def _i32(x):
