@@ -13,7 +13,7 @@ import pytest
 
 import flashvjp
 from flashvjp.pallas import _common
-from flashvjp.pallas import _limits
+from flashvjp.pallas.triton import _limits
 from tests import _util
 from tests.attention_base import AttentionTests
 
