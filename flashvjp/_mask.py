@@ -22,10 +22,12 @@ A position is allowed when every given condition allows it:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +179,99 @@ def block_any_table(q_seg, kv_seg, mask, block_q, block_kv, num_q_blocks, num_kv
     m = jnp.broadcast_to(m, (Bm, Hm, num_q_blocks, num_kv_blocks))
     table = m if table is None else (table & m)
   return table
+
+
+# ---- block classification and compacted block lists ------------------------------
+# Each (q block, kv block) pair is EMPTY (no position may attend: skipped, no copy, no
+# matmul), PARTIAL (some may: the elementwise mask is applied) or FULL (every position
+# may: no mask). Kernels loop over compacted per-row lists of the non-empty blocks
+# (splash attention's data_next, FlexAttention's kv_num_blocks + kv_indices), so an
+# empty block costs nothing and the loop has no branch around its loads.
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+class BlockLists(NamedTuple):
+  """Compacted per-row block lists, int32. Rows are q blocks (by="q") or kv blocks (by="kv").
+
+  For row r of leading index (b', h') (B', H' are 1 where nothing varies along
+  batch / heads): ``partial[b', h', r, :num_partial[b', h', r]]`` are the column
+  blocks that need the elementwise mask, in increasing order, and ``full[...,
+  :num_full]`` those that need none. Entries past the count repeat the last valid
+  index (0 for an empty list), so an idle pipelined step re-fetches the same block.
+  """
+
+  num_partial: jax.Array  # [B', H', n_rows]
+  partial: jax.Array  # [B', H', n_rows, n_cols]
+  num_full: jax.Array  # [B', H', n_rows]
+  full: jax.Array  # [B', H', n_rows, n_cols]
+
+
+def block_classes(spec: MaskSpec, q_seg, kv_seg, mask, block_q, block_kv, num_q_blocks,
+                  num_kv_blocks):
+  """int8 [B', H', nq, nk]: EMPTY / PARTIAL / FULL per (q block, kv block).
+
+  Inputs are padded to whole blocks: q_seg [B, nq*bq] and kv_seg [B, nk*bk] int
+  (or None; padding repeats the edge id), mask bool rank 4 with dims 1 or full
+  (or None; padding False). Causal, window and sequence padding come from `spec`
+  (exact); segment ids decide by id-range overlap (exact for sorted ids, as packed
+  documents are; conservative otherwise: a block may be visited and masked); the
+  dense mask by any / all over the block. Query padding does not make a block
+  partial (padded rows are sliced off in the forward and get p = 0 backward).
+  """
+  nq, nk = num_q_blocks, num_kv_blocks
+  i = jnp.arange(nq, dtype=jnp.int32)[:, None]
+  j = jnp.arange(nk, dtype=jnp.int32)[None, :]
+  lo, hi = spec.kv_block_range(i, block_q, block_kv, nk)
+  f_lo, f_hi = spec.full_kv_block_range(i, block_q, block_kv)
+  some = (j >= lo) & (j < hi)
+  every = some & (j >= f_lo) & (j < f_hi)
+  some, every = some[None, None], every[None, None]  # [1, 1, nq, nk]
+  if q_seg is not None:
+    B = q_seg.shape[0]
+    qb = q_seg.reshape(B, nq, block_q)
+    kb = kv_seg.reshape(B, nk, block_kv)
+    qmin, qmax = qb.min(-1)[:, :, None], qb.max(-1)[:, :, None]
+    kmin, kmax = kb.min(-1)[:, None, :], kb.max(-1)[:, None, :]
+    some = some & ((qmin <= kmax) & (kmin <= qmax))[:, None]
+    every = every & ((qmin == qmax) & (kmin == kmax) & (qmin == kmin))[:, None]
+  if mask is not None:
+    Bm, Hm, Sq, Sk = mask.shape
+    mq, mk = (nq, block_q) if Sq != 1 else (1, 1)
+    kq, kk = (nk, block_kv) if Sk != 1 else (1, 1)
+    m = mask.reshape(Bm, Hm, mq, mk, kq, kk)
+    some = some & m.any(axis=(3, 5))
+    every = every & m.all(axis=(3, 5))
+  cls = jnp.where(every, FULL, jnp.where(some, PARTIAL, EMPTY)).astype(jnp.int8)
+  return cls
+
+
+def _compact(selected):
+  """(count [...], indices [..., n]) of the True entries of `selected` [..., n], padded."""
+  count = jnp.sum(selected, axis=-1, dtype=jnp.int32)
+  order = jnp.argsort(jnp.logical_not(selected), axis=-1, stable=True).astype(jnp.int32)
+  last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
+  last = jnp.where(count[..., None] > 0, last, 0)
+  pos = lax.broadcasted_iota(jnp.int32, order.shape, order.ndim - 1)
+  return count, jnp.where(pos < count[..., None], order, last)
+
+
+def block_lists(spec: MaskSpec, q_seg, kv_seg, mask, block_q, block_kv, num_q_blocks,
+                num_kv_blocks, *, by: str = "q") -> BlockLists:
+  """Compacted lists of the non-empty blocks per row (see `BlockLists`, `block_classes`).
+
+  by="q": per q block, its kv blocks (forward, dQ). by="kv": per kv block, its q
+  blocks (dK/dV).
+  """
+  if by not in ("q", "kv"):
+    raise ValueError(f"by must be 'q' or 'kv', got {by!r}")
+  cls = block_classes(spec, q_seg, kv_seg, mask, block_q, block_kv, num_q_blocks,
+                      num_kv_blocks)
+  if by == "kv":
+    cls = jnp.swapaxes(cls, -1, -2)
+  num_partial, partial = _compact(cls == PARTIAL)
+  num_full, full = _compact(cls == FULL)
+  return BlockLists(num_partial, partial, num_full, full)
 
 
 def _cdiv_nonneg(x, b):
