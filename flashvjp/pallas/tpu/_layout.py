@@ -1,0 +1,288 @@
+"""TPU geometry, block visiting lists and the per-tile math of the Mosaic-TPU kernels.
+
+Room: Pallas-TPU backend (shared part). Runs outside the kernels (padding, lists,
+lane layouts) or inside a kernel body on one [block_q, block_kv] tile.
+
+Layout rules (Mosaic): the last two dims of every block are multiples of (8, 128) or
+equal to the array's. Hence:
+
+* head dims are zero-padded to a multiple of 128 lanes;
+* block_q is rounded up to a multiple of 8 (sublanes), block_kv to a multiple of 128
+  (kv positions are the lanes of a [block_q, block_kv] score tile);
+* per-row vectors (lse, delta, q segment ids) travel lane-broadcast as [.., S, 128]
+  (read as a [block_q, 1] column), kv segment ids sublane-broadcast as [B, 8, Skv]
+  (read as a [1, block_kv] row), as in JAX's TPU flash / splash attention;
+* small per-(batch, head) scalars (score_mod residuals, the dropout seed) and the
+  block lists live in SMEM.
+
+Block sparsity: each kernel's innermost ("arbitrary") grid axis walks a compacted
+per-row list of the non-empty blocks (`flashvjp._mask.block_lists`, merged here
+into one increasing visiting order with a per-entry "needs the elementwise mask"
+bit). The lists are scalar-prefetched, the K/V (or Q) index maps read them, and
+entries past a row's count repeat the last block, so an idle step issues neither a
+DMA nor a matmul. The axis is as long as the longest row allowed by the static
+causal / window bounds (`static_width`), never the full kv length for local masks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from flashvjp import _mask
+from flashvjp import _score_mod
+from flashvjp._config import AttentionConfig
+from flashvjp.pallas import _common as C
+
+LANES = 128
+SUBLANES = 8
+MAX_HEAD_DIM = C.MAX_HEAD_DIM
+
+
+def round_up(x: int, m: int) -> int:
+  return -(-int(x) // m) * m
+
+
+def geometry(q_shape, k_shape, v_shape, block_q, block_kv) -> C.Geometry:
+  """Static sizes of one TPU kernel: (8, 128)-legal blocks, 128-lane head dims."""
+  B, H, Sq, D = q_shape
+  Hkv, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
+  bq = round_up(min(block_q, Sq), SUBLANES)
+  bk = round_up(min(block_kv, Skv), LANES)
+  return C.Geometry(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=Dv, bq=bq, bk=bk,
+                    Dp=round_up(D, LANES), Dvp=round_up(Dv, LANES))
+
+
+# ---- block visiting lists ----------------------------------------------------------
+
+def _static_ranges(spec: _mask.MaskSpec, g: C.Geometry, by: str):
+  """Per row (q block for by="q", kv block for by="kv"): (lo, hi) column block bounds
+  from causal / window alone, as Python ints (the same formulas as MaskSpec.*_range)."""
+  out = []
+  if by == "q":
+    for i in range(g.nq):
+      lo, hi = 0, g.Skv
+      if spec.right is not None:
+        hi = min(hi, max((i + 1) * g.bq + spec.right, 0))
+      if spec.left is not None:
+        lo = max(0, i * g.bq - spec.left)
+      hb = min(max(-(-hi // g.bk), 0), g.nk)
+      out.append((min(lo // g.bk, hb), hb))
+  else:
+    for j in range(g.nk):
+      lo, hi = 0, g.Sq
+      if spec.right is not None:
+        lo = max(0, j * g.bk - spec.right)
+      if spec.left is not None:
+        hi = min(hi, max((j + 1) * g.bk + spec.left, 0))
+      hb = min(max(-(-hi // g.bq), 0), g.nq)
+      out.append((min(lo // g.bq, hb), hb))
+  return out
+
+
+def static_width(cfg: AttentionConfig, g: C.Geometry, by: str) -> int:
+  """Length of the list axis: the most blocks any row visits under causal / window."""
+  return max(1, max(hi - lo for lo, hi in _static_ranges(C.mask_spec(cfg), g, by)))
+
+
+def static_tiles(cfg: AttentionConfig, g: C.Geometry, by: str = "q") -> int:
+  """(row, column) block pairs inside the static bounds, per (batch, head)."""
+  return sum(max(hi - lo, 0) for lo, hi in _static_ranges(C.mask_spec(cfg), g, by))
+
+
+@dataclasses.dataclass(frozen=True)
+class Lists:
+  """Static layout of the flat SMEM block lists (arrays travel as scalar-prefetch args).
+
+  counts: int32 [Bl * Hl * R]; entries: int32 [Bl * Hl * R * W], entry = 2 * block +
+  needs_mask. Bl / Hl / R are 1 when the lists do not vary along batch / heads / rows.
+  """
+
+  Bl: int
+  Hl: int
+  R: int
+  W: int
+
+  def row(self, b, h, r):
+    bb = b if self.Bl != 1 else 0
+    hh = h if self.Hl != 1 else 0
+    rr = r if self.R != 1 else 0
+    return (bb * self.Hl + hh) * self.R + rr
+
+  def entry(self, ent_ref, b, h, r, s):
+    return ent_ref[self.row(b, h, r) * self.W + s]
+
+
+def visit_lists(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p, by: str):
+  """(Lists, counts, entries): one increasing visiting order per row, partial and full merged.
+
+  q_seg_p / kv_seg_p: padded int32 segment ids (or None); mask_p: padded bool mask (or None).
+  """
+  spec = C.mask_spec(cfg)
+  # `_mask.block_lists`, on classes broadcast to every (q block, kv block): where nothing
+  # varies along the rows, block_classes returns a size-1 row dim, which by="kv" would
+  # turn into a size-1 column dim.
+  cls = _mask.block_classes(spec, q_seg_p, kv_seg_p, mask_p, g.bq, g.bk, g.nq, g.nk)
+  cls = jnp.broadcast_to(cls, cls.shape[:2] + (g.nq, g.nk))
+  if by == "kv":
+    cls = jnp.swapaxes(cls, -1, -2)
+  bl = _mask.BlockLists(*_mask._compact(cls == _mask.PARTIAL), *_mask._compact(cls == _mask.FULL))
+  W = min(static_width(cfg, g, by), bl.partial.shape[-1])
+  n_cols = bl.partial.shape[-1]
+  pos = lax.broadcasted_iota(jnp.int32, bl.partial.shape, bl.partial.ndim - 1)
+  big = jnp.int32(2 * n_cols + 2)
+  kp = jnp.where(pos < bl.num_partial[..., None], 2 * bl.partial + 1, big)
+  kf = jnp.where(pos < bl.num_full[..., None], 2 * bl.full, big)
+  keys = jnp.sort(jnp.concatenate([kp, kf], axis=-1), axis=-1)[..., :W]
+  count = (bl.num_partial + bl.num_full).astype(jnp.int32)
+  last = jnp.take_along_axis(keys, jnp.clip(count - 1, 0, W - 1)[..., None], axis=-1)
+  last = jnp.where(count[..., None] > 0, last, 0)
+  posw = lax.broadcasted_iota(jnp.int32, keys.shape, keys.ndim - 1)
+  entries = jnp.where(posw < count[..., None], keys, last).astype(jnp.int32)
+  Bl, Hl, R = count.shape
+  return Lists(Bl, Hl, R, W), count.reshape(-1), entries.reshape(-1)
+
+
+def block_class_table(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p):
+  """(Bl, Hl, flat int32 [Bl * Hl * nq * nk]): EMPTY / PARTIAL / FULL per block pair."""
+  cls = _mask.block_classes(C.mask_spec(cfg), q_seg_p, kv_seg_p, mask_p, g.bq, g.bk, g.nq,
+                            g.nk)
+  cls = jnp.broadcast_to(cls, cls.shape[:2] + (g.nq, g.nk))
+  return cls.shape[0], cls.shape[1], cls.astype(jnp.int32).reshape(-1)
+
+
+def maybe_partial(cfg: AttentionConfig, g: C.Geometry, has_seg: bool, has_mask: bool) -> bool:
+  """Can any block need the elementwise mask? (Query padding never does.)"""
+  return (cfg.causal or cfg.window is not None or has_seg or has_mask or g.Skvp != g.Skv)
+
+
+# ---- inputs (outside the kernels) ----------------------------------------------------
+
+def lane_rows(x, S):
+  """[..., S0] per-row values -> [..., S, 128] (padded, lane-broadcast)."""
+  x = C.pad_to(x, x.ndim - 1, S)
+  return jnp.broadcast_to(x[..., None], x.shape + (LANES,))
+
+
+def segments(q_seg, kv_seg, g: C.Geometry):
+  """Padded ids (for the lists) and their kernel layouts [B, Sqp, 128] / [B, 8, Skvp]."""
+  if q_seg is None:
+    return None, None, None, None
+  qp, kp = C.pad_segments(q_seg, kv_seg, g)
+  q_l = jnp.broadcast_to(qp[:, :, None], qp.shape + (LANES,)).astype(jnp.int32)
+  k_l = jnp.broadcast_to(kp[:, None, :], (kp.shape[0], SUBLANES, kp.shape[1])).astype(jnp.int32)
+  return qp, kp, q_l, k_l
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstMeta:
+  """How each score_mod residual travels: scalar (SMEM, flat [B * H]) or array (VMEM)."""
+
+  scalar: tuple
+  H: int
+
+
+def const_arrays(split: C.HeadSplit, acc):
+  """Residuals [B, H, ...] -> kernel arrays (float ones in `acc`, ints in int32)."""
+  arrays = []
+  for c, sc in zip(split.arrays, split.scalar):
+    dt = acc if jnp.issubdtype(c.dtype, jnp.inexact) else jnp.int32
+    c = c.astype(dt)
+    arrays.append(c.reshape(-1) if sc else c)
+  return tuple(arrays)
+
+
+def load_consts(refs, meta: ConstMeta, b, h):
+  return tuple(ref[b * meta.H + h] if sc else ref[b, h] for ref, sc in zip(refs, meta.scalar))
+
+
+# ---- per-tile math (inside kernel bodies) --------------------------------------------
+
+def _dot(a, b, dims, acc, cfg):
+  """Float32 accumulation; float32 operands at full precision in interpret mode or when
+  cfg.precision == "highest", else the MXU's default (bfloat16 passes) as jax.nn on TPU."""
+  prec = None
+  if jnp.dtype(a.dtype) == jnp.float32:
+    highest = cfg.interpret or getattr(cfg, "precision", "default") == "highest"
+    prec = lax.Precision.HIGHEST if highest else lax.Precision.DEFAULT
+  return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=acc)
+
+
+def dot_nt(a, b, acc, cfg):
+  return _dot(a, b, (((1,), (1,)), ((), ())), acc, cfg)
+
+
+def dot_nn(a, b, acc, cfg):
+  return _dot(a, b, (((1,), (0,)), ((), ())), acc, cfg)
+
+
+def dot_tn(a, b, acc, cfg):
+  return _dot(a, b, (((0,), (0,)), ((), ())), acc, cfg)
+
+
+@dataclasses.dataclass
+class Tile:
+  """What one [bq, bk] tile's scores may read (already loaded)."""
+
+  b: jax.Array
+  h: jax.Array
+  i: jax.Array
+  j: jax.Array
+  bias: Optional[jax.Array] = None  # [bq|1, bk|1]
+  mask: Optional[jax.Array] = None  # int8 [bq|1, bk|1]
+  q_seg: Optional[jax.Array] = None  # int32 [bq, 1]
+  kv_seg: Optional[jax.Array] = None  # int32 [1, bk]
+
+
+def load_tile(r, b, h, i, j) -> Tile:
+  """Tile inputs from the refs of a kernel whose blocks are this tile's."""
+  t = Tile(b=b, h=h, i=i, j=j)
+  if "bias" in r:
+    t.bias = r["bias"][...]
+  if "mask" in r:
+    t.mask = r["mask"][...]
+  if "q_seg" in r:
+    t.q_seg = r["q_seg"][:, 0:1]
+    t.kv_seg = r["kv_seg"][0:1, :]
+  return t
+
+
+def scores(cfg: AttentionConfig, g: C.Geometry, q, k, t: Tile, consts, acc, masked,
+           diff_consts=None):
+  """scale * q k^T + bias, score_mod, mask -> (s [bq, bk], score_mod vjp or None).
+
+  The semantics of `flashvjp.pallas._common.scores` (same mask model, same score_mod
+  call with global int32 indices), on TPU-shaped segment ids.
+  """
+  s = dot_nt(q, k, acc, cfg) * jnp.asarray(cfg.scale, acc)
+  if t.bias is not None:
+    s = s + t.bias.astype(acc)
+  qi, ki = C.tile_indices(g, t.i, t.j)
+  sm_vjp = None
+  if cfg.score_mod is not None:
+    if diff_consts is None:
+      s = _score_mod.apply(cfg.score_mod, tuple(consts), s, t.b, t.h, qi, ki)
+    else:
+      fixed = tuple(consts)
+      s, sm_vjp = jax.vjp(
+          lambda s_, c_: _score_mod.apply(cfg.score_mod, tuple(c_) + fixed, s_, t.b, t.h, qi, ki),
+          s, tuple(diff_consts))
+  if masked:
+    dense = None if t.mask is None else (t.mask != 0)
+    ok = C.mask_spec(cfg).allowed(qi, ki, q_seg=t.q_seg, kv_seg=t.kv_seg, dense=dense)
+    s = jnp.where(ok, s, -jnp.inf)
+  return s, sm_vjp
+
+
+def dropout_scale(cfg, g, seed_ref, t: Tile, acc):
+  """The shared counter hash, through the same helper as the Triton kernels."""
+  return C.dropout_scale(cfg, g, seed_ref, C.TileInputs(b=t.b, h=t.h, i=t.i, j=t.j), acc)
+
+
+def seed_words(seed):
+  """uint32 [2] -> int32 [2] (bit-identical) for SMEM; `_dropout.keep` casts back."""
+  return lax.bitcast_convert_type(seed.astype(jnp.uint32), jnp.int32)

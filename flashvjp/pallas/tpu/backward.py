@@ -1,0 +1,388 @@
+"""Mosaic-TPU backward (FlashAttention-2): dK/dV kernel, dQ kernel, dbias kernel.
+
+Room: Pallas-TPU kernels (backward). Probabilities are recomputed from the saved
+logsumexp; nothing O(seq_q * seq_kv) is kept or written.
+
+* preprocess (XLA, O(seq)): delta = rowsum(dO * O) - dlse; empty and padded rows get
+  lse = +inf so that exp(s - lse) = 0 there (zero, finite grads). Both travel
+  lane-broadcast [B, H, Sq, 128].
+* dK/dV: grid (batch, kv head, kv block, step); the step axis ("arbitrary") walks the
+  G query heads of the group and, for each, this kv block's compacted list of
+  non-empty q blocks (`_mask.block_lists(by="kv")`), so GQA gradients are summed in
+  VMEM scratch without repeating K/V, and an empty block is never copied.
+* dQ: grid (batch, head, q block, step) over the same lists as the forward; with
+  differentiable score_mod arrays it also writes one partial d(residual) per program,
+  summed outside (deterministic, no atomics).
+* dbias: grid over the bias' own blocks plus one "arbitrary" axis over every (b, h,
+  q block, kv block) the bias is broadcast along; a separate pallas_call, so XLA drops
+  it when the bias gradient is unused. Empty tiles (block classes, scalar-prefetched)
+  skip the matmuls.
+
+Every output block is written by exactly one program after a sequential reduction:
+bitwise deterministic.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from flashvjp._config import AttentionConfig
+from flashvjp.pallas import _common as C
+from flashvjp.pallas import _compat
+from flashvjp.pallas.tpu import _layout as Lo
+from flashvjp.pallas.tpu import forward as F
+
+_bs = F._bs
+PARALLEL, ARBITRARY = F.PARALLEL, F.ARBITRARY
+
+
+def tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, masked, n_diff):
+  """(pd, ds, dconsts) of one [bq, bk] tile (as the Triton family's `_tile_grads`).
+
+  pd: dropped-out probabilities (for dV); ds: dL/d(pre-mod score incl. bias), not yet
+  multiplied by scale; dconsts: grads of the first `n_diff` residuals from this tile.
+  lse / delta: [bq, 1].
+  """
+  diff = None
+  if cfg.score_mod is not None:
+    diff = tuple(consts[:n_diff])
+    consts = tuple(consts[n_diff:])
+  s, sm_vjp = Lo.scores(cfg, g, q, k, t, consts, acc, masked, diff_consts=diff)
+  p = jnp.exp(s - lse)
+  dp = Lo.dot_nt(do, v, acc, cfg)
+  pd = p
+  if cfg.dropout_active:
+    keep = Lo.dropout_scale(cfg, g, seed_ref, t, acc)
+    pd, dp = p * keep, dp * keep
+  ds = p * (dp - delta)
+  dconsts = ()
+  if sm_vjp is not None:
+    ds, dconsts = sm_vjp(ds)
+  return pd, ds, tuple(dconsts)
+
+
+def preprocess(out, lse, dout, dlse, Sqp, acc):
+  """(delta, lse_b) lane-broadcast [B, H, Sqp, 128]: lse +inf on empty / padded rows."""
+  delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)
+  if dlse is not None:
+    delta = delta - dlse.astype(acc)
+  lse_b = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(acc))
+  lse_b = jnp.pad(lse_b, ((0, 0), (0, 0), (0, Sqp - lse.shape[2])), constant_values=jnp.inf)
+  return Lo.lane_rows(delta, Sqp), Lo.lane_rows(lse_b, Sqp)
+
+
+# ---- dK / dV ------------------------------------------------------------------------
+
+def _dkdv_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, names, meta,
+                 may_mask):
+  r = dict(zip(names + ["dk", "dv", "dk_s", "dv_s"], refs))
+  acc = r["dk_s"].dtype
+  b, hk, j, t_ = (_compat.program_id(a) for a in range(4))
+  gi, s = t_ // lists.W, t_ % lists.W
+  h = hk * g.G + gi
+  active, i, partial = F.step_info(lists, cnt_ref, ent_ref, b, h, j, s)
+
+  @pl.when(t_ == 0)
+  def _init():
+    r["dk_s"][...] = jnp.zeros(r["dk_s"].shape, acc)
+    r["dv_s"][...] = jnp.zeros(r["dv_s"].shape, acc)
+
+  def compute(masked):
+    consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
+    t = Lo.load_tile(r, b, h, i, j)
+    q, do = r["q"][...], r["do"][...]
+    pd, ds, _ = tile_grads(cfg, g, q, r["k"][...], r["v"][...], do, r["lse"][:, 0:1],
+                           r["delta"][:, 0:1], t, consts, r.get("seed"), acc, masked, 0)
+    r["dv_s"][...] += Lo.dot_tn(pd.astype(do.dtype), do, acc, cfg)
+    ds = ds * jnp.asarray(cfg.scale, acc)
+    r["dk_s"][...] += Lo.dot_tn(ds.astype(q.dtype), q, acc, cfg)
+
+  F.when_active(active, partial, may_mask, compute)
+
+  @pl.when(t_ == g.G * lists.W - 1)
+  def _finish():
+    r["dk"][...] = r["dk_s"][...].astype(r["dk"].dtype)
+    r["dv"][...] = r["dv_s"][...].astype(r["dv"].dtype)
+
+
+def _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, carrays, meta,
+          acc):
+  (q_l, k_l), lists, counts, entries = F.prepare(cfg, g, q_seg, kv_seg, mask, "kv")
+  G, W = g.G, lists.W
+
+  def index(b, hk, j, t, cnt, ent, *_):
+    h = hk * G + t // W
+    return b, h, lists.entry(ent, b, h, j, t % W) // 2
+
+  def q_map(*a):
+    b, h, i = index(*a)
+    return (b, h, i, 0)
+
+  def tile_index(*a):
+    b, h, i = index(*a)
+    return b, h, i, a[2]
+
+  kv_map = lambda b, hk, j, t, *_: (b, hk, j, 0)
+  ins = F.Inputs()
+  ins.add("q", C.pad_seq_head(q, g.Sqp, g.Dp), _bs((None, None, g.bq, g.Dp), q_map))
+  ins.add("do", C.pad_seq_head(dout, g.Sqp, g.Dvp), _bs((None, None, g.bq, g.Dvp), q_map))
+  ins.add("lse", lse_l, _bs((None, None, g.bq, Lo.LANES), q_map))
+  ins.add("delta", delta_l, _bs((None, None, g.bq, Lo.LANES), q_map))
+  ins.add("k", C.pad_seq_head(k, g.Skvp, g.Dp), _bs((None, None, g.bk, g.Dp), kv_map))
+  ins.add("v", C.pad_seq_head(v, g.Skvp, g.Dvp), _bs((None, None, g.bk, g.Dvp), kv_map))
+  F.add_common(ins, cfg, g, tile_index, bias_p=C.pad_pair(bias, g),
+               mask_p=None if mask is None else C.pad_pair(mask, g).astype(jnp.int8),
+               seg_l=(q_l, k_l), seed=seed, const_arrays=carrays, meta=meta)
+  may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
+  kernel = functools.partial(_dkdv_kernel, cfg=cfg, g=g, lists=lists, names=ins.names,
+                             meta=meta, may_mask=may_mask)
+  tiles = g.B * g.H * Lo.static_tiles(cfg, g, "kv")
+  isz = jnp.dtype(q.dtype).itemsize
+  cost = _compat.cost_estimate(
+      4 * tiles * g.bq * g.bk * (g.Dp + g.Dvp), tiles * g.bq * g.bk,
+      tiles * g.bq * (g.Dp + g.Dvp) * isz + 2 * g.B * g.Hkv * g.Skvp * (g.Dp + g.Dvp) * isz)
+  return _compat.tpu_pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), k.dtype),
+                 jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), v.dtype)),
+      grid=(g.B, g.Hkv, g.nk, G * W),
+      in_specs=ins.specs,
+      out_specs=(_bs((None, None, g.bk, g.Dp), kv_map), _bs((None, None, g.bk, g.Dvp), kv_map)),
+      scratch_shapes=[_compat.tpu_vmem((g.bk, g.Dp), acc), _compat.tpu_vmem((g.bk, g.Dvp), acc)],
+      num_scalar_prefetch=2,
+      dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY),
+      interpret=F.interpret_arg(cfg), name="flashvjp_tpu_bwd_dkdv", cost=cost,
+  )(counts, entries, *ins.arrays)
+
+
+# ---- dQ (+ score_mod residual grads) ----------------------------------------------------
+
+def _dq_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, names, meta,
+               may_mask, n_diff, dc_sizes):
+  outs = ["dq"] + [f"dconst{n}" for n in range(n_diff)]
+  scratch = ["dq_s"] + [f"dc_s{n}" for n in range(n_diff)]
+  r = dict(zip(names + outs + scratch, refs))
+  acc = r["dq_s"].dtype
+  b, h, i, s = (_compat.program_id(a) for a in range(4))
+  active, j, partial = F.step_info(lists, cnt_ref, ent_ref, b, h, i, s)
+
+  @pl.when(s == 0)
+  def _init():
+    for name in scratch:
+      r[name][...] = jnp.zeros(r[name].shape, r[name].dtype)
+
+  def compute(masked):
+    consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
+    t = Lo.load_tile(r, b, h, i, j)
+    k = r["k"][...]
+    _, ds, dc = tile_grads(cfg, g, r["q"][...], k, r["v"][...], r["do"][...], r["lse"][:, 0:1],
+                           r["delta"][:, 0:1], t, consts, r.get("seed"), acc, masked, n_diff)
+    ds = ds * jnp.asarray(cfg.scale, acc)
+    r["dq_s"][...] += Lo.dot_nn(ds.astype(k.dtype), k, acc, cfg)
+    for n, (d, size) in enumerate(zip(dc, dc_sizes)):
+      ref = r[f"dc_s{n}"]
+      row = jnp.reshape(d.astype(ref.dtype), (1, size))
+      if size != ref.shape[1]:
+        row = jnp.pad(row, ((0, 0), (0, ref.shape[1] - size)))
+      ref[...] += jnp.broadcast_to(row, ref.shape)
+
+  F.when_active(active, partial, may_mask, compute)
+
+  @pl.when(s == lists.W - 1)
+  def _finish():
+    r["dq"][...] = r["dq_s"][...].astype(r["dq"].dtype)
+    for n in range(n_diff):
+      r[f"dconst{n}"][...] = r[f"dc_s{n}"][...]
+
+
+def _dq(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, carrays, meta,
+        acc, n_diff, diff_shapes):
+  seg_l, lists, counts, entries = F.prepare(cfg, g, q_seg, kv_seg, mask, "q")
+  ins = F.row_inputs(cfg, g, lists, q, k, v, bias, mask, *seg_l, seed, carrays, meta)
+  row_map = lambda b, h, i, s, *_: (b, h, i, 0)
+  ins.add("do", C.pad_seq_head(dout, g.Sqp, g.Dvp), _bs((None, None, g.bq, g.Dvp), row_map))
+  ins.add("lse", lse_l, _bs((None, None, g.bq, Lo.LANES), row_map))
+  ins.add("delta", delta_l, _bs((None, None, g.bq, Lo.LANES), row_map))
+  out_shape = [jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dp), q.dtype)]
+  out_specs = [_bs((None, None, g.bq, g.Dp), row_map)]
+  scratch = [_compat.tpu_vmem((g.bq, g.Dp), acc)]
+  sizes = []
+  for shape in diff_shapes:  # one partial per program: [B, H, nq, 8, L] (a lane-dense row)
+    size = math.prod(shape)
+    L = Lo.round_up(size, Lo.LANES)
+    sizes.append(size)
+    out_shape.append(jax.ShapeDtypeStruct((g.B, g.H, g.nq, Lo.SUBLANES, L), acc))
+    out_specs.append(_bs((None, None, None, Lo.SUBLANES, L), lambda b, h, i, s, *_: (b, h, i, 0, 0)))
+    scratch.append(_compat.tpu_vmem((Lo.SUBLANES, L), acc))
+  may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
+  kernel = functools.partial(_dq_kernel, cfg=cfg, g=g, lists=lists, names=ins.names, meta=meta,
+                             may_mask=may_mask, n_diff=n_diff, dc_sizes=tuple(sizes))
+  tiles = g.B * g.H * Lo.static_tiles(cfg, g, "q")
+  isz = jnp.dtype(q.dtype).itemsize
+  cost = _compat.cost_estimate(
+      2 * tiles * g.bq * g.bk * (2 * g.Dp + g.Dvp), tiles * g.bq * g.bk,
+      tiles * g.bk * (g.Dp + g.Dvp) * isz + 2 * g.B * g.H * g.Sqp * (g.Dp + g.Dvp) * isz)
+  outs = _compat.tpu_pallas_call(
+      kernel, out_shape=tuple(out_shape), grid=(g.B, g.H, g.nq, lists.W), in_specs=ins.specs,
+      out_specs=tuple(out_specs), scratch_shapes=scratch, num_scalar_prefetch=2,
+      dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY),
+      interpret=F.interpret_arg(cfg), name="flashvjp_tpu_bwd_dq", cost=cost,
+  )(counts, entries, *ins.arrays)
+  dq, partials = outs[0], outs[1:]
+  dres = tuple(p_[:, :, :, 0, :size].sum(axis=2).reshape((g.B, g.H) + tuple(shape))
+               for p_, size, shape in zip(partials, sizes, diff_shapes))
+  return dq, dres
+
+
+# ---- dbias ----------------------------------------------------------------------------
+
+def _dbias_kernel(cls_ref, *refs, cfg, g: C.Geometry, names, meta, may_mask, bias_shape, red,
+                  Bl, Hl):
+  r = dict(zip(names + ["dbias", "acc_s"], refs))
+  acc = r["acc_s"].dtype
+  pids = tuple(_compat.program_id(a) for a in range(5))
+  b, h, i, j = _decode(pids, bias_shape, red)
+  rr = pids[4]
+  c = cls_ref[(((b if Bl != 1 else 0) * Hl + (h if Hl != 1 else 0)) * g.nq + i) * g.nk + j]
+
+  @pl.when(rr == 0)
+  def _init():
+    r["acc_s"][...] = jnp.zeros(r["acc_s"].shape, acc)
+
+  def compute(masked):
+    consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
+    t = Lo.load_tile(r, b, h, i, j)
+    _, ds, _ = tile_grads(cfg, g, r["q"][...], r["k"][...], r["v"][...], r["do"][...],
+                          r["lse"][:, 0:1], r["delta"][:, 0:1], t, consts, r.get("seed"), acc,
+                          masked, 0)
+    if bias_shape[2] == 1:
+      ds = ds.sum(axis=0, keepdims=True)
+    if bias_shape[3] == 1:
+      ds = ds.sum(axis=1, keepdims=True)
+    r["acc_s"][...] += ds
+
+  F.when_active(c != 0, c == 1, may_mask, compute)
+
+  @pl.when(rr == red[1] - 1)
+  def _finish():
+    r["dbias"][...] = r["acc_s"][...].astype(r["dbias"].dtype)
+
+
+def _reduction(bias_shape, g: C.Geometry):
+  """(dims reduced along the 5th grid axis, their total extent)."""
+  Bb, Hb, Sqb, Skb = bias_shape
+  dims = tuple(d for d, (n, full) in enumerate(((Bb, g.B), (Hb, g.H), (Sqb, g.nq), (Skb, g.nk)))
+               if n == 1)
+  ext = {0: g.B, 1: g.H, 2: g.nq, 3: g.nk}
+  total = 1
+  for d in dims:
+    total *= ext[d]
+  return dims, total, ext
+
+
+def _decode(pids, bias_shape, red):
+  """(b, h, i, j) of a dbias grid step: the bias' own block, or a digit of the reduction."""
+  dims, total, ext = red
+  out = list(pids[:4])
+  rem = pids[4]
+  for d in reversed(dims):
+    out[d] = rem % ext[d]
+    rem = rem // ext[d]
+  return tuple(out)
+
+
+def _dbias(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, carrays, meta,
+           acc):
+  q_seg_p, kv_seg_p, q_l, k_l = Lo.segments(q_seg, kv_seg, g)
+  mask_p = None if mask is None else C.pad_pair(mask, g)
+  Bl, Hl, cls = Lo.block_class_table(cfg, g, q_seg_p, kv_seg_p, mask_p)
+  bias_p = C.pad_pair(bias, g)
+  bshape = bias_p.shape
+  red = _reduction(bshape, g)
+  G = g.G
+
+  def index(*a):
+    b, h, i, j = _decode(a[:5], bshape, red)
+    return b, h, i, j
+
+  ins = F.Inputs()
+  ins.add("q", C.pad_seq_head(q, g.Sqp, g.Dp),
+          _bs((None, None, g.bq, g.Dp), lambda *a: (index(*a)[0], index(*a)[1], index(*a)[2], 0)))
+  ins.add("do", C.pad_seq_head(dout, g.Sqp, g.Dvp),
+          _bs((None, None, g.bq, g.Dvp), lambda *a: (index(*a)[0], index(*a)[1], index(*a)[2], 0)))
+  for name, x in (("lse", lse_l), ("delta", delta_l)):
+    ins.add(name, x, _bs((None, None, g.bq, Lo.LANES),
+                         lambda *a: (index(*a)[0], index(*a)[1], index(*a)[2], 0)))
+  ins.add("k", C.pad_seq_head(k, g.Skvp, g.Dp),
+          _bs((None, None, g.bk, g.Dp), lambda *a: (index(*a)[0], index(*a)[1] // G, index(*a)[3], 0)))
+  ins.add("v", C.pad_seq_head(v, g.Skvp, g.Dvp),
+          _bs((None, None, g.bk, g.Dvp), lambda *a: (index(*a)[0], index(*a)[1] // G, index(*a)[3], 0)))
+  F.add_common(ins, cfg, g, index, bias_p=bias_p,
+               mask_p=None if mask_p is None else mask_p.astype(jnp.int8),
+               seg_l=(q_l, k_l), seed=seed, const_arrays=carrays, meta=meta)
+  may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
+  kernel = functools.partial(_dbias_kernel, cfg=cfg, g=g, names=ins.names, meta=meta,
+                             may_mask=may_mask, bias_shape=bshape, red=red, Bl=Bl, Hl=Hl)
+  Bb, Hb, Sqb, Skb = bshape
+  blk = (g.bq if Sqb != 1 else 1, g.bk if Skb != 1 else 1)
+  own = lambda pb, ph, pi, pj, *_: (pb, ph, pi, pj)
+  grid = (Bb, Hb, g.nq if Sqb != 1 else 1, g.nk if Skb != 1 else 1, red[1])
+  return _compat.tpu_pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct(bshape, acc), grid=grid, in_specs=ins.specs,
+      out_specs=_bs((None, None) + blk, own), scratch_shapes=[_compat.tpu_vmem(blk, acc)],
+      num_scalar_prefetch=1,
+      dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, PARALLEL, ARBITRARY),
+      interpret=F.interpret_arg(cfg), name="flashvjp_tpu_bwd_dbias",
+  )(cls, *ins.arrays)
+
+
+# ---- entry point ------------------------------------------------------------------------
+
+def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
+             out, lse, dout, dlse):
+  """Hand-written Mosaic-TPU backward (interface of `flashvjp.pallas.triton.backward`).
+
+  Returns:
+    (dq, dk, dv in the input dtype, dbias in bias' shape and dtype (or None), grads of the
+     cfg.num_diff_consts differentiable score_mod consts).
+  """
+  acc = C.acc_dtype(q.dtype)
+  n_user_diff = cfg.num_diff_consts
+  user_consts = tuple(consts)
+  B, H = q.shape[0], q.shape[1]
+  cfg, split, carrays, meta = F.split_consts(cfg, consts, acc, B, H, grads=True)
+  n_diff = split.n_diff
+
+  # dK / dV (and dbias, on the same blocks).
+  bq, bk = cfg.blocks.dkv
+  g = Lo.geometry(q.shape, k.shape, v.shape, bq, bk)
+  delta_l, lse_l = preprocess(out, lse, dout, dlse, g.Sqp, acc)
+  dk, dv = _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed,
+                 carrays, meta, acc)
+  dk, dv = dk[:, :, : g.Skv, : g.D], dv[:, :, : g.Skv, : g.Dv]
+  dbias = None
+  if bias is not None:
+    dbias = _dbias(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed,
+                   carrays, meta, acc)
+    dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
+
+  # dQ (and the score_mod residuals' grads).
+  bq2, bk2 = cfg.blocks.dq
+  g2 = Lo.geometry(q.shape, k.shape, v.shape, bq2, bk2)
+  if g2.Sqp != g.Sqp:
+    delta_l, lse_l = preprocess(out, lse, dout, dlse, g2.Sqp, acc)
+  diff_shapes = [tuple(a.shape[2:]) if not sc else () for a, sc in
+                 zip(split.arrays[:n_diff], split.scalar[:n_diff])]
+  dq, dres = _dq(cfg, g2, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed,
+                 carrays, meta, acc, n_diff, diff_shapes)
+  dq = dq[:, :, : g2.Sq, : g2.D]
+  if n_diff:
+    dconsts = tuple(split.to_consts(dres))
+  else:  # differentiable consts that the scores do not depend on
+    dconsts = tuple(jnp.zeros(jnp.shape(c), jnp.result_type(c)) for c in user_consts[:n_user_diff])
+  dconsts = tuple(d.astype(jnp.result_type(c)) for d, c in zip(dconsts, user_consts[:n_user_diff]))
+  return dq, dk, dv, dbias, dconsts

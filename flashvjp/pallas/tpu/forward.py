@@ -1,0 +1,238 @@
+"""Mosaic-TPU forward kernel: online softmax over the listed kv blocks, writes out and lse.
+
+Room: Pallas-TPU kernels (forward). Grid (batch, head, q block, step): the step axis
+is the kv reduction ("arbitrary", innermost) and walks this q block's compacted list
+of non-empty kv blocks (scalar-prefetched; `_layout.visit_lists`). m / l / acc live
+in VMEM scratch (float32; float64 for float64 inputs in interpret mode), initialised
+at step 0 and written out at the last step. Steps past the row's count repeat the
+last block index: no DMA, no matmul.
+
+GQA: the K/V index maps read kv head h // G, so K/V are never repeated.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from flashvjp._config import AttentionConfig
+from flashvjp.pallas import _common as C
+from flashvjp.pallas import _compat
+from flashvjp.pallas.tpu import _layout as Lo
+from jax.experimental import pallas as pl
+
+PARALLEL, ARBITRARY = "parallel", "arbitrary"
+
+
+class Inputs:
+  """Named kernel inputs with their BlockSpecs (optional inputs simply absent)."""
+
+  def __init__(self):
+    self.names, self.arrays, self.specs = [], [], []
+
+  def add(self, name, array, spec):
+    self.names.append(name)
+    self.arrays.append(array)
+    self.specs.append(spec)
+
+
+def _bs(shape, index_map):
+  return _compat.block_spec(shape, index_map)
+
+
+def pair_spec(x, g: C.Geometry, index):
+  """BlockSpec of a padded rank-4 bias / mask: a (bq|1, bk|1) tile per step.
+
+  `index(*grid, *prefetch) -> (b, h, i, j)`; size-1 (broadcast) dims map to block 0.
+  """
+  Bp, Hp, Sq2, Sk2 = x.shape
+
+  def imap(*a):
+    b, h, i, j = index(*a)
+    return (b if Bp != 1 else 0, h if Hp != 1 else 0, i if Sq2 != 1 else 0,
+            j if Sk2 != 1 else 0)
+
+  return _bs((None, None, g.bq if Sq2 != 1 else 1, g.bk if Sk2 != 1 else 1), imap)
+
+
+def add_common(ins: Inputs, cfg, g: C.Geometry, index, *, bias_p, mask_p, seg_l, seed,
+               const_arrays, meta: Lo.ConstMeta):
+  """Bias, mask, segment ids, seed and score_mod residuals for any (b, h, i, j) grid.
+
+  `index(*grid, *prefetch) -> (b, h, i, j)`: the tile a grid step works on.
+  """
+  for name, x in (("bias", bias_p), ("mask", mask_p)):
+    if x is not None:
+      ins.add(name, x, pair_spec(x, g, index))
+  q_l, k_l = seg_l
+  if q_l is not None:
+    def q_seg_map(*a):
+      b, _, i, _ = index(*a)
+      return (b, i, 0)
+
+    def kv_seg_map(*a):
+      b, _, _, j = index(*a)
+      return (b, 0, j)
+
+    ins.add("q_seg", q_l, _bs((None, g.bq, Lo.LANES), q_seg_map))
+    ins.add("kv_seg", k_l, _bs((None, Lo.SUBLANES, g.bk), kv_seg_map))
+  if cfg.dropout_active:
+    ins.add("seed", Lo.seed_words(seed), _compat.smem_spec())
+  for n, (c, sc) in enumerate(zip(const_arrays, meta.scalar)):
+    if sc:
+      ins.add(f"const{n}", c, _compat.smem_spec())
+    else:
+      nd = c.ndim
+      ins.add(f"const{n}", c, _bs(c.shape, functools.partial(lambda nd, *a: (0,) * nd, nd)))
+
+
+def row_inputs(cfg: AttentionConfig, g: C.Geometry, lists: Lo.Lists, q, k, v, bias, mask,
+               q_seg, kv_seg, seed, const_arrays, meta):
+  """Inputs for a (batch, head, q block, step) grid (the forward and dQ kernels)."""
+  G, W = g.G, lists.W
+
+  def kv_block(b, h, i, s, cnt, ent):
+    return lists.entry(ent, b, h, i, s) // 2
+
+  def index(b, h, i, s, cnt, ent, *_):
+    return b, h, i, kv_block(b, h, i, s, cnt, ent)
+
+  ins = Inputs()
+  ins.add("q", C.pad_seq_head(q, g.Sqp, g.Dp),
+          _bs((None, None, g.bq, g.Dp), lambda b, h, i, s, *_: (b, h, i, 0)))
+  ins.add("k", C.pad_seq_head(k, g.Skvp, g.Dp),
+          _bs((None, None, g.bk, g.Dp),
+              lambda b, h, i, s, cnt, ent, *_: (b, h // G, kv_block(b, h, i, s, cnt, ent), 0)))
+  ins.add("v", C.pad_seq_head(v, g.Skvp, g.Dvp),
+          _bs((None, None, g.bk, g.Dvp),
+              lambda b, h, i, s, cnt, ent, *_: (b, h // G, kv_block(b, h, i, s, cnt, ent), 0)))
+  add_common(ins, cfg, g, index, bias_p=C.pad_pair(bias, g),
+             mask_p=None if mask is None else C.pad_pair(mask, g).astype(jnp.int8),
+             seg_l=(q_seg, kv_seg), seed=seed, const_arrays=const_arrays, meta=meta)
+  return ins
+
+
+def prepare(cfg, g, q_seg, kv_seg, mask, by):
+  """(segment layouts, Lists, counts, entries) for one kernel's blocks."""
+  q_seg_p, kv_seg_p, q_l, k_l = Lo.segments(q_seg, kv_seg, g)
+  mask_p = None if mask is None else C.pad_pair(mask, g)
+  lists, counts, entries = Lo.visit_lists(cfg, g, q_seg_p, kv_seg_p, mask_p, by)
+  return (q_l, k_l), lists, counts, entries
+
+
+def step_info(lists: Lo.Lists, cnt_ref, ent_ref, b, h, row, s):
+  """(active, block, needs_mask) of step s of `row`'s list."""
+  e = lists.entry(ent_ref, b, h, row, s)
+  return s < cnt_ref[lists.row(b, h, row)], e // 2, (e % 2) == 1
+
+
+def when_active(active, partial, may_mask: bool, compute):
+  """Run compute(masked) on active steps: masked only on partial blocks."""
+  if not may_mask:
+    pl.when(active)(lambda: compute(False))
+    return
+  pl.when(active & partial)(lambda: compute(True))
+  pl.when(active & jnp.logical_not(partial))(lambda: compute(False))
+
+
+def _forward_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, names,
+                    meta: Lo.ConstMeta, may_mask):
+  r = dict(zip(names + ["out", "lse", "m_s", "l_s", "o_s"], refs))
+  acc = r["o_s"].dtype
+  b, h, i, s = (_compat.program_id(a) for a in range(4))
+  active, j, partial = step_info(lists, cnt_ref, ent_ref, b, h, i, s)
+  m_s, l_s, o_s = r["m_s"], r["l_s"], r["o_s"]
+
+  @pl.when(s == 0)
+  def _init():
+    m_s[...] = jnp.full(m_s.shape, -jnp.inf, acc)
+    l_s[...] = jnp.zeros(l_s.shape, acc)
+    o_s[...] = jnp.zeros(o_s.shape, acc)
+
+  def compute(masked):
+    consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
+    t = Lo.load_tile(r, b, h, i, j)
+    sc, _ = Lo.scores(cfg, g, r["q"][...], r["k"][...], t, consts, acc, masked)
+    m_prev, l_prev = m_s[:, 0:1], l_s[:, 0:1]
+    m_new = jnp.maximum(m_prev, sc.max(axis=-1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(sc - m_safe)
+    alpha = jnp.exp(m_prev - m_safe)
+    l_new = alpha * l_prev + p.sum(axis=-1, keepdims=True)
+    if cfg.dropout_active:
+      p = p * Lo.dropout_scale(cfg, g, r["seed"], t, acc)
+    vt = r["v"][...]
+    o_s[...] = alpha * o_s[...] + Lo.dot_nn(p.astype(vt.dtype), vt, acc, cfg)
+    m_s[...] = jnp.broadcast_to(m_new, m_s.shape)
+    l_s[...] = jnp.broadcast_to(l_new, l_s.shape)
+
+  when_active(active, partial, may_mask, compute)
+
+  @pl.when(s == lists.W - 1)
+  def _finish():
+    l = l_s[:, 0:1]
+    empty = l == 0.0
+    r["out"][...] = (o_s[...] / jnp.where(empty, 1.0, l)).astype(r["out"].dtype)
+    lse = jnp.where(empty, -jnp.inf, m_s[:, 0:1] + jnp.log(jnp.where(empty, 1.0, l)))
+    r["lse"][...] = jnp.broadcast_to(lse, r["lse"].shape).astype(r["lse"].dtype)
+
+
+def split_consts(cfg, consts, acc, B, H, grads):
+  """(cfg with the per-tile score_mod, HeadSplit, kernel arrays, ConstMeta)."""
+  cfg, consts = C.hoist_score_mod(cfg, consts, acc)
+  split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), acc, B, H, grads=grads)
+  return split.cfg, split, Lo.const_arrays(split, acc), Lo.ConstMeta(tuple(split.scalar), H)
+
+
+def interpret_arg(cfg: AttentionConfig):
+  """What pallas_call's interpret= gets: False, True or the test hook's InterpretParams."""
+  from flashvjp.pallas import tpu as _pkg
+  if cfg.interpret and _pkg.INTERPRET_PARAMS is not None:
+    return _pkg.INTERPRET_PARAMS
+  return bool(cfg.interpret)
+
+
+def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts):
+  """Mosaic-TPU forward (interface of `flashvjp.pallas.triton.forward`).
+
+  Returns:
+    (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32 (float64 for float64 inputs)).
+  """
+  g = Lo.geometry(q.shape, k.shape, v.shape, cfg.blocks.block_q, cfg.blocks.block_kv)
+  acc = C.acc_dtype(q.dtype)
+  cfg, _, carrays, meta = split_consts(cfg, consts, acc, g.B, g.H, grads=False)
+  seg_l, lists, counts, entries = prepare(cfg, g, q_seg, kv_seg, mask, "q")
+  ins = row_inputs(cfg, g, lists, q, k, v, bias, mask, *seg_l, seed, carrays, meta)
+  may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
+  kernel = functools.partial(_forward_kernel, cfg=cfg, g=g, lists=lists, names=ins.names,
+                             meta=meta, may_mask=may_mask)
+  out_map = lambda b, h, i, s, *_: (b, h, i, 0)
+  cost = forward_cost(cfg, g, q.dtype, bias is not None)
+  out, lse = _compat.tpu_pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dvp), q.dtype),
+                 jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, Lo.LANES), acc)),
+      grid=(g.B, g.H, g.nq, lists.W),
+      in_specs=ins.specs,
+      out_specs=(_bs((None, None, g.bq, g.Dvp), out_map),
+                 _bs((None, None, g.bq, Lo.LANES), out_map)),
+      scratch_shapes=[_compat.tpu_vmem((g.bq, Lo.LANES), acc),
+                      _compat.tpu_vmem((g.bq, Lo.LANES), acc),
+                      _compat.tpu_vmem((g.bq, g.Dvp), acc)],
+      num_scalar_prefetch=2,
+      dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY),
+      interpret=interpret_arg(cfg), name="flashvjp_tpu_fwd", cost=cost,
+  )(counts, entries, *ins.arrays)
+  return out[:, :, : g.Sq, : g.Dv], lse[:, :, : g.Sq, 0]
+
+
+def forward_cost(cfg, g: C.Geometry, dtype, has_bias: bool):
+  """pl.CostEstimate from the static (causal / window) tile count: an upper bound."""
+  tiles = g.B * g.H * Lo.static_tiles(cfg, g, "q")
+  isz = jnp.dtype(dtype).itemsize
+  flops = 2 * tiles * g.bq * g.bk * (g.Dp + g.Dvp)
+  trans = tiles * g.bq * g.bk
+  nbytes = (g.B * g.H * g.Sqp * (g.Dp + g.Dvp) * isz + g.B * g.H * g.Sqp * Lo.LANES * 4
+            + tiles * g.bk * (g.Dp + g.Dvp) * isz + (tiles * g.bq * g.bk * 4 if has_bias else 0))
+  return _compat.cost_estimate(flops, trans, nbytes)
