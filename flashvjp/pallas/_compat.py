@@ -97,4 +97,61 @@ def next_power_of_2(n: int) -> int:
   return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+# ---- Mosaic-TPU spellings (the pallas/tpu kernels) ------------------------------------
+# jax 0.11.2 and 0.12.0.1: pltpu.PrefetchScalarGridSpec(num_scalar_prefetch, grid, in_specs,
+# out_specs, scratch_shapes), pltpu.CompilerParams(dimension_semantics=...), pltpu.VMEM(shape,
+# dtype) scratch, pl.BlockSpec(memory_space=pltpu.SMEM) for a whole array in SMEM,
+# pltpu.InterpretParams (the Mosaic simulator; interpret= takes it), pl.CostEstimate.
+# Older spellings: pltpu.TPUCompilerParams (jax < 0.6); InterpretParams may be absent.
+try:
+  from jax.experimental.pallas import tpu as _pltpu
+except ImportError:  # pragma: no cover - only on builds without the TPU module
+  _pltpu = None
+
+
+def tpu_compiler_params(dimension_semantics):
+  cls = getattr(_pltpu, "CompilerParams", None) or getattr(_pltpu, "TPUCompilerParams")
+  return cls(dimension_semantics=tuple(dimension_semantics))
+
+
+def tpu_vmem(shape, dtype):
+  """A VMEM scratch buffer of `shape` / `dtype`."""
+  return _pltpu.VMEM(tuple(shape), dtype)
+
+
+def smem_spec() -> pl.BlockSpec:
+  """The whole (small) array in scalar memory."""
+  return pl.BlockSpec(memory_space=_pltpu.SMEM)
+
+
+def tpu_interpret_params(**kwargs):
+  """pltpu.InterpretParams(**kwargs) (DMA / race checking simulator), or None on jax without it."""
+  cls = getattr(_pltpu, "InterpretParams", None) or getattr(_pltpu, "TPUInterpretParams", None)
+  return None if cls is None else cls(**kwargs)
+
+
+def cost_estimate(flops: int, transcendentals: int, bytes_accessed: int):
+  if not hasattr(pl, "CostEstimate"):
+    return None
+  return pl.CostEstimate(flops=int(flops), transcendentals=int(transcendentals),
+                         bytes_accessed=int(bytes_accessed))
+
+
+def tpu_pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, scratch_shapes,
+                    num_scalar_prefetch, dimension_semantics, interpret, name, cost=None):
+  """`pl.pallas_call` with a scalar-prefetch grid spec and Mosaic compiler params.
+
+  `interpret`: False (Mosaic), True (the HLO interpreter) or an InterpretParams.
+  """
+  grid_spec = _pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=num_scalar_prefetch, grid=tuple(grid), in_specs=list(in_specs),
+      out_specs=out_specs, scratch_shapes=list(scratch_shapes))
+  kwargs = dict(out_shape=out_shape, grid_spec=grid_spec, name=name,
+                compiler_params=tpu_compiler_params(dimension_semantics),
+                interpret=interpret if not isinstance(interpret, bool) else bool(interpret))
+  if cost is not None:
+    kwargs["cost_estimate"] = cost
+  return pl.pallas_call(kernel, **kwargs)
+
+
 __all__ = ["block_spec", "compiler_params", "ds", "eval_jaxpr", "jaxpr_as_fun", "partial_eval", "next_power_of_2", "pallas_call", "program_id"]
