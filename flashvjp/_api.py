@@ -6,6 +6,7 @@ what was given. Kernels never import this module.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Optional, Tuple
@@ -124,7 +125,7 @@ def _check_block(name, b):
 
 def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, score_mod, scale,
              dropout_rate, dropout_rng, deterministic, implementation, block_q, block_kv,
-             interpret, allow_shapes=False):
+             interpret, dropout_broadcast=(False, False), allow_shapes=False):
   """Validate everything; return (decision, cfg, arrays) without tracing any kernel."""
   _check_qkv(query, key, value, allow_shapes)
   B, H, Sq, D = query.shape
@@ -145,10 +146,10 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
   if dropout_active and dropout_rng is None:
     raise ValueError("dropout_rng is required when dropout is active"
                      f" (dropout_rate={dropout_rate}, deterministic=False), got None")
-  if scale is None:
-    scale = 1.0 / math.sqrt(D)
-  elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-    raise TypeError(f"scale must be a float, got {scale!r}")
+  if dropout_rng is not None:
+    _dropout.check_key(dropout_rng, "dropout_rng")
+  dropout_broadcast = _dropout.check_broadcast(dropout_broadcast, "dropout_broadcast")
+  scale, scale_array = _check_scale(scale, D)
   bias = None if bias is None else _pair_rank4("bias", bias, target, want_bool=False)
   mask = None if mask is None else _pair_rank4("mask", mask, target, want_bool=True)
   q_seg = kv_seg = None
@@ -159,8 +160,7 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
   if score_mod is not None:
     if not callable(score_mod):
       raise TypeError(f"score_mod must be callable (scores, b, h, q_idx, kv_idx) -> scores, got {type(score_mod).__name__}")
-    _check_score_mod_shape(score_mod, target, acc)
-    sm_fn, consts, n_diff = _score_mod.convert(score_mod, acc)
+    sm_fn, consts, n_diff = _score_mod.check(score_mod, target, acc)
 
   decision = _dispatch.decide(
       implementation, interpret=interpret, query_shape=query.shape, key_shape=key.shape,
@@ -172,27 +172,57 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
   else:
     blocks = BlockSizes(block_q or defaults.block_q, block_kv or defaults.block_kv)
   cfg = AttentionConfig(
-      scale=float(scale), causal=bool(causal), window=window, seq_q=Sq, seq_kv=Skv,
+      scale=scale, causal=bool(causal), window=window, seq_q=Sq, seq_kv=Skv,
       dropout_rate=float(dropout_rate) if dropout_active else 0.0, blocks=blocks,
       score_mod=sm_fn, num_diff_consts=n_diff, interpret=decision.interpret,
-      implementation=decision.implementation)
+      implementation=decision.implementation,
+      dropout_broadcast=dropout_broadcast if dropout_active else (False, False))
   seed = _dropout.seed_from_key(dropout_rng) if dropout_active else None
   if not allow_shapes:
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-  arrays = (query, key, value, bias, mask, q_seg, kv_seg, seed, consts)
+  arrays = (query, key, value, bias, mask, q_seg, kv_seg, seed, consts, scale_array)
   return decision, cfg, arrays
 
 
-def _check_score_mod_shape(score_mod, target, acc):
-  B, H, Sq, Skv = target
-  s = jax.ShapeDtypeStruct(target, acc)
-  i32 = jnp.int32
-  idx = (jax.ShapeDtypeStruct((B, 1, 1, 1), i32), jax.ShapeDtypeStruct((1, H, 1, 1), i32),
-         jax.ShapeDtypeStruct((1, 1, Sq, 1), i32), jax.ShapeDtypeStruct((1, 1, 1, Skv), i32))
-  out = jax.eval_shape(score_mod, s, *idx)
-  if getattr(out, "shape", None) != target:
-    raise ValueError(f"score_mod must return scores of the same shape {target}, got "
-                     f"{getattr(out, 'shape', type(out).__name__)}")
+def _check_scale(scale, head_dim):
+  """(static float scale, None) for a Python number; (1.0, scalar array) for an array.
+
+  An array scale (a traced, learned temperature) is applied to the query before the
+  kernels (`_run`), which then use scale 1.0, so autodiff gives its gradient.
+  """
+  if scale is None:
+    return 1.0 / math.sqrt(head_dim), None
+  if isinstance(scale, bool):
+    raise TypeError(f"scale must be a float or a scalar float array, got {scale!r}")
+  if isinstance(scale, numbers.Real):
+    return float(scale), None
+  if not _is_array(scale):
+    raise TypeError(f"scale must be a float or a scalar float array, got {type(scale).__name__}")
+  if jnp.ndim(scale) != 0 and jnp.size(scale) != 1:
+    raise ValueError(f"scale must be a scalar, got an array of shape {jnp.shape(scale)}")
+  if not jnp.issubdtype(jnp.result_type(scale), jnp.floating):
+    raise TypeError(f"scale must be a float or a scalar float array, got dtype {jnp.result_type(scale)}")
+  return 1.0, jnp.reshape(scale, ())
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _run(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scale_array):
+  """The attention body, jitted on the static config: compiled once per configuration.
+
+  Outside jit, every call with the same shapes, dtypes and options reuses one
+  executable (the score_mod in cfg compares by its traced computation); inside a
+  user's jit it is an inlined nested call.
+  """
+  if scale_array is not None:
+    # A traced scale: pre-scale the query in the accumulation dtype (rounded once to the
+    # query's dtype, e.g. bfloat16), kernels run with scale 1.0; autodiff differentiates it.
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    q = (q.astype(acc) * scale_array.astype(acc)).astype(q.dtype)
+  if cfg.implementation == "naive":
+    return reference.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
+  n = cfg.num_diff_consts
+  return _vjp.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
+                        tuple(consts[:n]), tuple(consts[n:]))
 
 
 def flash_attention(
@@ -201,7 +231,8 @@ def flash_attention(
     score_mod=None, scale: Optional[float] = None, dropout_rate: float = 0.0,
     dropout_rng=None, deterministic: bool = True, return_lse: bool = False,
     implementation: Optional[str] = None, block_q: Optional[int] = None,
-    block_kv: Optional[int] = None, interpret: Optional[bool] = None):
+    block_kv: Optional[int] = None, interpret: Optional[bool] = None,
+    dropout_broadcast: Tuple[bool, bool] = (False, False)):
   """Exact, memory-efficient, differentiable attention.
 
   Semantics, in order: ``s = scale * q @ k^T``; ``s += bias``;
@@ -221,9 +252,19 @@ def flash_attention(
     segment_ids: int [batch, seq] (seq_q == seq_kv) or (q_ids [batch, seq_q], kv_ids [batch, seq_kv]).
     score_mod: (scores, b, h, q_idx, kv_idx) -> scores, elementwise; arrays it closes over
       get gradients.
-    scale: default 1 / sqrt(head_dim).
+    scale: default 1 / sqrt(head_dim). A Python float is compiled in. A scalar float
+      array (for example a traced, learned temperature, as jax.nn accepts) is
+      differentiable: it multiplies the query in float32 before the kernels, and the
+      product is rounded once to the query's dtype (for bfloat16 inputs this rounds
+      ``scale * q`` instead of the float32 logits: a relative change of at most 2^-8 per
+      query element, within the bfloat16 tolerance).
     dropout_rate: dropout probability on p; active only when deterministic=False.
-    dropout_rng: PRNG key; required when dropout is active.
+    dropout_rng: one JAX PRNG key (``jax.random.key(seed)``, shape (), or a legacy
+      ``jax.random.PRNGKey(seed)``, uint32 [2]); required when dropout is active. An int,
+      a float or a batch of keys (``jax.random.split(key, n)``) is rejected.
+    dropout_broadcast: (batch, heads): share the dropout keep-mask across the batch
+      and/or the heads (Flax's ``broadcast_dropout=True`` is (True, True));
+      `flashvjp.dropout_mask(..., broadcast=...)` returns that mask.
     deterministic: True disables dropout.
     return_lse: also return lse float32 [batch, num_heads, seq_q] (differentiable).
     implementation: None (choose), "pallas" (this platform's kernels), "pallas_triton",
@@ -238,15 +279,10 @@ def flash_attention(
       query, key, value, bias=bias, mask=mask, causal=causal, window=window,
       segment_ids=segment_ids, score_mod=score_mod, scale=scale, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, deterministic=deterministic, implementation=implementation,
-      block_q=block_q, block_kv=block_kv, interpret=interpret)
+      block_q=block_q, block_kv=block_kv, interpret=interpret,
+      dropout_broadcast=dropout_broadcast)
   _dispatch.log(decision)
-  q, k, v, bias, mask, q_seg, kv_seg, seed, consts = arrays
-  if cfg.implementation == "naive":
-    out, lse = reference.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
-  else:
-    n = cfg.num_diff_consts
-    out, lse = _vjp.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
-                              tuple(consts[:n]), tuple(consts[n:]))
+  out, lse = _run(cfg, *arrays)
   return (out, lse) if return_lse else out
 
 
@@ -260,7 +296,7 @@ def explain(query, key, value, **kwargs) -> _dispatch.Decision:
   params = dict(bias=None, mask=None, causal=False, window=None, segment_ids=None,
                 score_mod=None, scale=None, dropout_rate=0.0, dropout_rng=None,
                 deterministic=True, implementation=None, block_q=None, block_kv=None,
-                interpret=None)
+                interpret=None, dropout_broadcast=(False, False))
   unknown = set(kwargs) - set(params)
   if unknown:
     raise TypeError(f"explain() got unexpected arguments {sorted(unknown)}")

@@ -92,6 +92,9 @@ class AttentionConfig:
   num_diff_consts: int = 0  # the first num_diff_consts score_mod consts are differentiable
   interpret: bool = False
   implementation: str = "blockwise"  # one of flashvjp._dispatch.CONCRETE
+  # Dropout keep-mask shared across (batch, heads) where True (Flax's broadcast_dropout):
+  # the counter hash then sees b = 0 / h = 0 (flashvjp._dropout.hash_coords).
+  dropout_broadcast: Tuple[bool, bool] = (False, False)
 
   @property
   def dropout_active(self) -> bool:

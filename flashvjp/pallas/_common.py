@@ -358,7 +358,8 @@ def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, 
 def dropout_scale(cfg: AttentionConfig, g: Geometry, seed_ref, t: TileInputs, acc):
   """[bq, bk] multiplier: 1 / (1 - rate) where kept, 0 where dropped (the shared hash)."""
   qi, ki = tile_indices(g, t.i, t.j)
-  keep = _dropout.keep(seed_ref[0], seed_ref[1], t.b, t.h, qi, ki, cfg.dropout_rate)
+  keep = _dropout.keep(seed_ref[0], seed_ref[1], t.b, t.h, qi, ki, cfg.dropout_rate,
+                       cfg.dropout_broadcast)
   return jnp.where(keep, jnp.asarray(1.0 / (1.0 - cfg.dropout_rate), acc), jnp.asarray(0.0, acc))
 
 
