@@ -57,6 +57,7 @@ import datetime  # noqa: E402
 import json  # noqa: E402
 import platform as _platform  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 from typing import Callable, Dict, List, Optional, Sequence  # noqa: E402
@@ -248,21 +249,37 @@ def time_call(fn: Callable, *args) -> float:
 
 
 def time_round_robin(calls: Sequence[tuple], *, repeats: int = 5, max_seconds: float = 20.0,
-                     min_seconds: float = 0.5, max_repeats: int = 50) -> List[dict]:
-  """Times each (fn, args) round-robin; returns [{"median", "min", "runs", "times"}] per call.
+                     min_seconds: float = 0.5, max_repeats: int = 50,
+                     total_seconds: Optional[float] = None,
+                     warm: Optional[Sequence[float]] = None,
+                     cheap_seconds: float = 0.05) -> List[dict]:
+  """Times each (fn, args) round-robin; returns one dict per call.
 
-  One warm-up call each (it also estimates the cost), then `repeats` timed rounds; more
-  (up to `max_repeats`) for a fast call, until about `min_seconds` of timed calls; fewer
-  for a call whose warm-up says the rounds would exceed `max_seconds`. A call too slow to
-  repeat at all is timed once: its warm-up (a compiled call, no tracing) is the time.
-  Interleaving makes the ratios between calls robust to load from other users.
+  Each dict: "median", "min" (seconds), "runs" (timed calls), "times", "warmup" (the
+  warm-up call's time) and "warmup_only" (True when no timed call fitted the budget).
+
+  One warm-up call each (pass `warm` if they were already made; it also estimates the
+  cost), then `repeats` timed rounds; more (up to `max_repeats`) for a fast call, until
+  about `min_seconds` of timed calls; fewer for a call whose warm-up says its rounds
+  would exceed `max_seconds`, and fewer for the most expensive calls until all timed
+  calls together fit in `total_seconds` (a call whose runs cost under `cheap_seconds`
+  in all keeps them: they cost nothing). A call with no timed call left is timed by its
+  warm-up (a compiled call, no tracing): every call gets a time. Interleaving makes
+  the ratios between calls robust to load from other users.
   """
-  warm = [time_call(fn, *args) for fn, args in calls]
+  if warm is None:
+    warm = [time_call(fn, *args) for fn, args in calls]
+  warm = [max(float(t), 1e-9) for t in warm]
   runs = []
   for t0 in warm:
-    t0 = max(t0, 1e-9)
     n = max(repeats, min(max_repeats, int(min_seconds / t0)))
     runs.append(max(0, min(n, int(max_seconds // t0))))
+  if total_seconds is not None:  # trim the costliest calls first, one run at a time
+    while sum(n * t for n, t in zip(runs, warm)) > total_seconds:
+      i = max(range(len(runs)), key=lambda i: runs[i] * warm[i])
+      if runs[i] * warm[i] <= cheap_seconds:
+        break
+      runs[i] -= 1
   times: List[List[float]] = [[] for _ in calls]
   for r in range(max(runs, default=0)):
     for i, (fn, args) in enumerate(calls):
@@ -270,9 +287,33 @@ def time_round_robin(calls: Sequence[tuple], *, repeats: int = 5, max_seconds: f
         times[i].append(time_call(fn, *args))
   out = []
   for t0, ts in zip(warm, times):
-    ts = ts or [t0]  # too slow to repeat: the warm-up (a compiled call, no tracing) is the time
-    out.append({"median": statistics.median(ts), "min": min(ts), "runs": len(ts), "times": ts})
+    only = not ts
+    ts = ts or [t0]  # nothing fitted: the warm-up (a compiled call, no tracing) is the time
+    out.append({"median": statistics.median(ts), "min": min(ts), "runs": 0 if only else len(ts),
+                "times": ts, "warmup": t0, "warmup_only": only})
   return out
+
+
+class CpuMeter:
+  """Wraps a function: accumulates the wall time and this process's CPU time of its calls.
+
+  cores_used = CPU seconds / wall seconds: about the core count for a multi-threaded
+  matmul on an idle machine, much less when other processes hold the cores.
+  """
+
+  def __init__(self, fn: Callable):
+    self.fn, self.cpu, self.wall = fn, 0.0, 0.0
+
+  def __call__(self, *args):
+    c0, w0 = time.process_time(), time.perf_counter()
+    out = jax.block_until_ready(self.fn(*args))
+    self.cpu += time.process_time() - c0
+    self.wall += time.perf_counter() - w0
+    return out
+
+  @property
+  def cores_used(self) -> Optional[float]:
+    return self.cpu / self.wall if self.wall > 0 else None
 
 
 def matmul_call(n: int = 2048, dtype="float32"):
@@ -320,7 +361,9 @@ class Result:
   output_bytes: Optional[int] = None
   time_s: Optional[float] = None  # median
   time_min_s: Optional[float] = None
-  runs: int = 0
+  runs: int = 0  # timed calls after the warm-up; 0 with time_s set: the warm-up is the time
+  warmup_s: Optional[float] = None  # the first call of the compiled function
+  compile_s: Optional[float] = None  # lower + compile (also gives the memory numbers)
   skip_reason: Optional[str] = None  # why time_s is None
   ratio_to_baseline: Optional[float] = None  # time_s / jax.nn's time_s, same round-robin
   flops_per_s: Optional[float] = None
@@ -349,8 +392,12 @@ class SuiteConfig:
   # (up to 50 times) until about min_seconds_per_case.
   max_seconds_per_case: float = 20.0
   min_seconds_per_case: float = 0.5
-  # Once the suite has run this long, later (larger) cases get memory only.
-  max_suite_seconds: Optional[float] = None
+  # Target wall time of the whole suite (compiles, warm-ups and timed rounds). It lowers
+  # the number of timed rounds (down to none: then the warm-up call is the time), never
+  # the cells: every (impl, seq, causal, mode) that fits in memory gets a time.
+  budget_seconds: Optional[float] = None
+  # ...except that a call whose repeats cost less than this in all keeps them.
+  cheap_seconds: float = 0.05
   matmul_n: int = 2048
 
 
@@ -374,10 +421,44 @@ def cases(cfg: SuiteConfig):
   return [(s, c, m) for s in sorted(cfg.seqs) for c in cfg.causals for m in cfg.modes]
 
 
+def _cost_weight(seq: int, mode: str) -> float:
+  """Relative cost of one (seq, mode) group, for sharing the time budget (naive and jax.nn,
+  the costliest calls, do seq^2 work whether causal or not)."""
+  return float(seq) ** 2 * (1.0 + BWD_FACTOR if mode == "fwd+bwd" else 1.0)
+
+
+BUSY_RATE_FRACTION = 0.7  # the run's median matmul rate below this x its best: "busy"
+BUSY_CORE_FRACTION = 0.5  # the matmul got less than this fraction of the cores: "busy"
+
+
+def busy_warning(meta: dict) -> Optional[str]:
+  """One line when the reference matmul measured during the run says the machine was busy.
+
+  The matmul is timed beside every group. On an idle machine its median rate stays near
+  the best one seen in the run, and its threads get all the cores (CPU time / wall time
+  ~ core count). Other processes show up as a lower median or fewer cores.
+  """
+  best, median = meta.get("matmul_flops_per_s_best"), meta.get("matmul_flops_per_s")
+  cores, nproc = meta.get("matmul_cores_used"), meta.get("nproc") or 1
+  slow = bool(best and median and median < BUSY_RATE_FRACTION * best)
+  starved = meta.get("platform") == "cpu" and cores is not None and (
+      cores < BUSY_CORE_FRACTION * nproc)
+  if not (slow or starved):
+    return None
+  got = f"{cores:.1f} of {nproc} cores, " if cores is not None and meta.get("platform") == "cpu" else ""
+  return (f"warning: this machine looks busy (the reference matmul got {got}{median / 1e9:.0f}"
+          f" GFLOP/s median vs {best / 1e9:.0f} at best during the run): absolute times are"
+          " inflated and noisy; the ratios to jax.nn, timed round-robin, much less so")
+
+
 def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None) -> dict:
   """Measures every implementation at every (seq, causal, mode); returns a JSON-able dict.
 
   `progress(description)` is called once per finished group (tqdm's update, say).
+  With `cfg.budget_seconds`, the timed rounds of each group get a share of the time left
+  (after the predicted compiles and warm-ups of the groups still to come) proportional to
+  the group's cost, so every group gets about the same number of rounds; a group with no
+  time left is timed by its warm-up calls. No cell is dropped for time.
   """
   for impl in cfg.impls:
     parse_impl(impl)  # a ValueError naming the bad one, before anything runs
@@ -387,7 +468,11 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
   start = time.perf_counter()
   meta = machine_info()
   mm_fn, mm_args, mm_flops = matmul_call(cfg.matmul_n, cfg.dtype)
-  rates = [mm_flops / time_round_robin([(mm_fn, mm_args)], repeats=cfg.repeats)[0]["median"]]
+  mm_fn = CpuMeter(mm_fn)
+  (mm0,) = time_round_robin([(mm_fn, mm_args)], repeats=cfg.repeats, max_seconds=2.0,
+                            min_seconds=min(cfg.min_seconds_per_case, 0.25))
+  rates = [mm_flops / mm0["median"]]
+  best_mm = mm0["min"]
   block = cfg.block_q or default_block_sizes("blockwise", False).block_q
   tile = tile_matmul_rate(cfg.heads, min(block, min(cfg.seqs)), cfg.head_dim, cfg.dtype)
   meta.update(matmul_shape=f"[{cfg.matmul_n}, {cfg.matmul_n}]^2 {cfg.dtype}",
@@ -400,15 +485,20 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
   results: List[Result] = []
   last_time: Dict[tuple, tuple] = {}  # (impl, causal, mode) -> (seq, seconds)
   inputs_cache: Dict[int, dict] = {}
-  for seq, causal, mode in cases(cfg):
+  groups = cases(cfg)
+  compile_seconds: List[float] = []  # per group
+  for gi, (seq, causal, mode) in enumerate(groups):
     shape = Shape(cfg.batch, cfg.heads, seq, cfg.head_dim, cfg.dtype, causal)
     flops = attention_flops(cfg.batch, cfg.heads, seq, seq, cfg.head_dim, causal=causal, mode=mode)
     group: List[Result] = []
     to_time = []
+    t_compile = time.perf_counter()
     for impl in impls:
       r = Result(impl, cfg.batch, cfg.heads, seq, cfg.head_dim, cfg.dtype, causal, mode, flops)
       fn = benchmark_fn(impl, causal, mode, block_q=cfg.block_q, block_kv=cfg.block_kv)
+      t0 = time.perf_counter()
       compiled = compile_fn(fn, *input_specs(impl, shape, mode))
+      r.compile_s = time.perf_counter() - t0
       mem = memory_of(compiled)
       r.temp_bytes, r.argument_bytes, r.output_bytes = mem.temp, mem.argument, mem.output
       prev = last_time.get((impl, causal, mode))
@@ -419,24 +509,35 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
       elif predicted is not None and predicted > cfg.max_call_seconds:
         r.skip_reason = (f"predicted {predicted:.0f} s per call (from seq {prev[0]}) >"
                          f" {cfg.max_call_seconds:.0f} s limit")
-      elif (cfg.max_suite_seconds is not None
-            and time.perf_counter() - start + 2 * (predicted or 0.0) > cfg.max_suite_seconds):
-        r.skip_reason = f"suite time budget of {cfg.max_suite_seconds:.0f} s used up"
       else:
         to_time.append((r, compiled))
       group.append(r)
+    compile_seconds.append(time.perf_counter() - t_compile)
     if to_time:
       if seq not in inputs_cache:
         inputs_cache.clear()  # one seq at a time
         inputs_cache[seq] = make_inputs(shape)
       calls = [(c, args_for(r.impl, mode, inputs_cache[seq])) for r, c in to_time]
       calls.append((mm_fn, mm_args))  # the reference rate, under the same load
+      warm = [time_call(fn, *args) for fn, args in calls]
+      total = None
+      if cfg.budget_seconds is not None:
+        rest = groups[gi + 1:]
+        w_now = _cost_weight(seq, mode)
+        # Still to come: compiles (as so far) and warm-ups (this group's, scaled by cost).
+        later = (statistics.mean(compile_seconds) * len(rest)
+                 + sum(warm) * sum(_cost_weight(s, m) for s, _, m in rest) / w_now)
+        left = cfg.budget_seconds - (time.perf_counter() - start) - later
+        share = w_now / (w_now + sum(_cost_weight(s, m) for s, _, m in rest))
+        total = max(0.0, left) * share
       *timed, mm = time_round_robin(calls, repeats=cfg.repeats,
                                     max_seconds=cfg.max_seconds_per_case,
-                                    min_seconds=cfg.min_seconds_per_case)
+                                    min_seconds=cfg.min_seconds_per_case, total_seconds=total,
+                                    warm=warm, cheap_seconds=cfg.cheap_seconds)
       rates.append(mm_flops / mm["median"])
+      best_mm = min(best_mm, mm["min"])
       for (r, _), t in zip(to_time, timed):
-        r.time_s, r.time_min_s, r.runs = t["median"], t["min"], t["runs"]
+        r.time_s, r.time_min_s, r.runs, r.warmup_s = t["median"], t["min"], t["runs"], t["warmup"]
         r.flops_per_s = flops / r.time_s
         r.matmul_flops_per_s = rates[-1]
         last_time[(r.impl, causal, mode)] = (seq, r.time_s)
@@ -449,7 +550,12 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
       progress(f"seq {seq} {'causal' if causal else 'full'} {mode}")
   rate = statistics.median(rates)
   meta.update(matmul_flops_per_s=rate, matmul_flops_per_s_min=min(rates),
-              matmul_flops_per_s_max=max(rates), seconds=time.perf_counter() - start)
+              matmul_flops_per_s_max=max(rates), matmul_flops_per_s_best=mm_flops / best_mm,
+              matmul_cores_used=mm_fn.cores_used, seconds=time.perf_counter() - start,
+              load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+              compile_seconds=sum(r.compile_s or 0.0 for r in results),
+              warmup_only_cells=sum(r.time_s is not None and r.runs == 0 for r in results))
+  meta["busy_warning"] = busy_warning(meta)
   for r in results:
     if r.flops_per_s is not None:
       r.matmul_fraction = r.flops_per_s / rate
@@ -464,10 +570,11 @@ def _fmt_bytes(b):
   return f"{b / GiB:.2f} GiB" if b >= GiB else f"{b / MiB:.1f} MiB"
 
 
-def _fmt_time(t):
+def _fmt_time(t, runs=None):
   if t is None:
     return "skipped"
-  return f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"
+  mark = "*" if runs == 0 else ""  # the warm-up call is the time (no timed call fitted)
+  return (f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s") + mark
 
 
 def _fmt_rate(x):
@@ -490,8 +597,8 @@ def results_table(report: dict) -> str:
     frac = fb.get("matmul_fraction")
     lines.append("| " + " | ".join([
         impl, str(seq), "yes" if causal else "no",
-        _fmt_time(f.get("time_s")) if f else "-", ratio(f) if f else "-",
-        _fmt_time(fb.get("time_s")) if fb else "-", ratio(fb) if fb else "-",
+        _fmt_time(f.get("time_s"), f.get("runs")) if f else "-", ratio(f) if f else "-",
+        _fmt_time(fb.get("time_s"), fb.get("runs")) if fb else "-", ratio(fb) if fb else "-",
         _fmt_bytes(f.get("temp_bytes")), _fmt_bytes(fb.get("temp_bytes")),
         _fmt_rate(fb.get("flops_per_s")), "-" if frac is None else f"{100 * frac:.0f}%",
     ]) + " |")
@@ -514,17 +621,28 @@ def meta_lines(report: dict) -> List[str]:
       f" {m['matmul_flops_per_s_min'] / 1e9:.1f} to {m['matmul_flops_per_s_max'] / 1e9:.1f} over"
       " the run; \"% matmul\" is of the median);"
       f" attention-tile matmul {m['tile_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s"
-      f" ({m['tile_matmul_shape']})",
+      f" ({m['tile_matmul_shape']})"
+      + (f"; the matmul got {m['matmul_cores_used']:.1f} of {m['nproc']} cores (CPU time /"
+         " wall time)" if m.get("matmul_cores_used") and m["platform"] == "cpu" else "")
+      + (f"; load average {m['load_average']:.1f}" if m.get("load_average") is not None else ""),
       f"- FLOPs: {m['flops_convention']}",
-      f"- suite wall time: {m['seconds']:.0f} s",
+      f"- suite wall time: {m['seconds']:.0f} s" + (
+          f" (of which compiling: {m['compile_seconds']:.0f} s)" if "compile_seconds" in m else "")
+      + (f"; time budget {m['config']['budget_seconds']:.0f} s"
+         if m.get("config", {}).get("budget_seconds") else ""),
       "- time: median of the compiled call after a warm-up; \"x jax.nn\" = time /"
-      " jax.nn.dot_product_attention(implementation=\"xla\") timed round-robin in the same run",
+      " jax.nn.dot_product_attention(implementation=\"xla\") timed round-robin in the same run"
+      + (f"; * = {m['warmup_only_cells']} cells timed by their warm-up call alone (the time"
+         " budget left no repeat)" if m.get("warmup_only_cells") else ""),
       "- temp mem: compiled temp_size_in_bytes (arguments and outputs excluded)",
-  ]
+  ] + ([f"- {m['busy_warning']}"] if m.get("busy_warning") else [])
 
 
-def plot(report: dict, path: str) -> None:
-  """Time and temp memory against seq (log-log): fwd and fwd+bwd columns, one line per impl."""
+def plot(report: dict, path: str) -> Dict[str, Dict[str, List[int]]]:
+  """Time and temp memory against seq (log-log): fwd and fwd+bwd columns, one line per impl.
+
+  Returns what each panel shows: {panel title: {line label: [seq, ...]}}.
+  """
   try:
     import matplotlib
   except ImportError as e:
@@ -540,6 +658,7 @@ def plot(report: dict, path: str) -> None:
   fig, axes = plt.subplots(2, len(modes), figsize=(6.5 * len(modes), 9), squeeze=False)
   colors = dict(zip(impls, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
   m = report["meta"]
+  drawn: Dict[str, Dict[str, List[int]]] = {}
   for col, mode in enumerate(modes):
     for row, (key, scale, label) in enumerate([("time_s", 1e3, "time per call (ms)"),
                                                ("temp_bytes", 1 / MiB, "compiled temp memory (MiB)")]):
@@ -552,6 +671,8 @@ def plot(report: dict, path: str) -> None:
           if not pts:
             continue
           xs, ys = zip(*pts)
+          drawn.setdefault(f"{mode}: {label.split(' (')[0]}", {})[
+              f"{impl} ({'causal' if causal else 'full'})"] = list(xs)
           ax.plot(xs, ys, marker="o" if causal else "s", color=colors[impl],
                   linestyle="-" if causal else "--", markerfacecolor=None if causal else "none",
                   label=f"{impl} ({'causal' if causal else 'full'})")
@@ -571,43 +692,61 @@ def plot(report: dict, path: str) -> None:
       ax.grid(True, which="both", alpha=0.3)
       ax.legend(fontsize=8)
   cfg = m["config"]
+  n_skipped = sum(r["time_s"] is None for r in res)
   fig.suptitle(f"flashvjp attention, B={cfg['batch']} H={cfg['heads']} D={cfg['head_dim']}"
                f" {cfg['dtype']} on {m['platform']} ({m['device']}, {m['nproc']} cores),"
-               f" jax {m['jax']}, {m['date']}\nskipped points are not drawn; jax.nn ="
-               " dot_product_attention(implementation='xla')", fontsize=10)
+               f" jax {m['jax']}, {m['date']}, {m['seconds']:.0f} s\njax.nn ="
+               " dot_product_attention(implementation='xla'); time = median of the compiled call"
+               + (f"; {n_skipped} cells not timed (memory limit)" if n_skipped else ""),
+               fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+  return drawn
 
 
 # ---- the CLI: python -m flashvjp bench ---------------------------------------------------
 
 def default_config(platform: str) -> SuiteConfig:
-  """CPU: small and about a minute; GPU: bigger shapes in bfloat16, Pallas if it runs."""
+  """CPU: about a minute on 2 cores, even busy; GPU: bigger shapes in bfloat16, Pallas if it runs.
+
+  Every cell of the default grid is timed: the budget lowers the repeats, never the cells.
+  """
   if platform == "cpu":
-    return SuiteConfig(seqs=(512, 1024, 2048, 4096), impls=("naive", "blockwise", BASELINE),
-                       heads=8, head_dim=64, dtype="float32", repeats=3,
-                       max_time_memory_bytes=3 * GiB, max_call_seconds=5.0,
-                       max_seconds_per_case=5.0, max_suite_seconds=90.0)
+    return SuiteConfig(seqs=(256, 512, 1024, 2048), impls=("naive", "blockwise", BASELINE),
+                       heads=4, head_dim=64, dtype="float32", repeats=5,
+                       max_time_memory_bytes=3 * GiB, max_call_seconds=60.0,
+                       max_seconds_per_case=5.0, min_seconds_per_case=0.2, budget_seconds=50.0,
+                       matmul_n=1024)
   impls = ["naive", "blockwise", BASELINE]
   probe = jax.ShapeDtypeStruct((1, 16, 4096, 128), jnp.bfloat16)
   if flashvjp.explain(probe, probe, probe, causal=True).is_pallas:
     impls.insert(0, "pallas")
   return SuiteConfig(seqs=(1024, 2048, 4096, 8192, 16384), impls=tuple(impls), batch=4, heads=16,
                      head_dim=128, dtype="bfloat16", repeats=10,
-                     max_time_memory_bytes=32 * GiB, max_call_seconds=2.0,
-                     max_seconds_per_case=5.0, max_suite_seconds=300.0, matmul_n=8192)
+                     max_time_memory_bytes=32 * GiB, max_call_seconds=10.0,
+                     max_seconds_per_case=5.0, budget_seconds=120.0, matmul_n=8192)
 
 
 def add_bench_parser(subparsers):
   """Adds `bench` to the subparsers of `python -m flashvjp`; returns the parser."""
   p = subparsers.add_parser(
       "bench", help="time and compiled memory of each implementation against jax.nn",
-      description="Benchmark flashvjp's implementations against"
-      " jax.nn.dot_product_attention(implementation='xla'): compiled temp memory, time of"
-      " forward and forward+backward (median, as a ratio to jax.nn timed in the same run),"
-      " attention FLOP/s and its fraction of a measured matmul rate. Defaults depend on the"
-      " platform (CPU: seq 512..4096, float32, about a minute).")
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      description="""\
+Benchmark flashvjp's implementations against jax.nn.dot_product_attention
+(implementation="xla"): compiled temp memory, and the time of the forward and of
+forward+backward (median of the compiled call, and its ratio to jax.nn timed
+round-robin in the same run), attention FLOP/s and its fraction of a matmul rate
+measured during the run.
+
+Defaults on a CPU: batch 1, 4 heads, head_dim 64, float32, seq 256..2048, causal and
+not, naive / blockwise / jax.nn: about a minute on a 2-core machine, even a busy one.
+The time budget (--budget-seconds) lowers the number of repeats, never the cells:
+every cell is timed (a cell with no time left is timed by its warm-up call, marked *).
+On a GPU: batch 4, 16 heads, head_dim 128, bfloat16, seq 1k..16k, with Pallas.
+A one-line warning says when the matmul rate measured during the run shows that
+other work was competing for the machine.""")
   p.add_argument("--seq", type=int, nargs="+", help="sequence lengths (seq_q = seq_kv)")
   p.add_argument("--impl", nargs="+", type=_impl_arg, metavar="IMPL",
                  help=f"implementations, of {', '.join(IMPLEMENTATIONS)}; blockwise:BQxBK or"
@@ -619,21 +758,23 @@ def add_bench_parser(subparsers):
   p.add_argument("--heads", type=int)
   p.add_argument("--head-dim", type=int)
   p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-  p.add_argument("--repeats", type=int, help="timed calls per case (median)")
+  p.add_argument("--budget-seconds", type=float,
+                 help="target wall time of the whole run (CPU default 50, GPU 120); 0 = no"
+                 " budget: every cell gets --repeats timed calls")
+  p.add_argument("--repeats", type=int, help="timed calls per cell (median), at most")
   p.add_argument("--min-seconds", type=float,
                  help="repeat fast calls (up to 50 times) until about this many seconds")
   p.add_argument("--matmul-size", type=int, help="n of the [n, n] x [n, n] reference matmul")
   p.add_argument("--block-q", type=int, help="block_q for blockwise/pallas (default: tuned)")
   p.add_argument("--block-kv", type=int, help="block_kv for blockwise/pallas (default: tuned)")
   p.add_argument("--max-call-seconds", type=float,
-                 help="skip timing where one call is predicted to take longer")
-  p.add_argument("--max-suite-seconds", type=float,
-                 help="after this long, larger cases get compiled memory only")
+                 help="skip timing where one call is predicted (from the seq below) to take"
+                 " longer")
   p.add_argument("--max-time-memory-gib", type=float,
                  help="skip timing (memory is still read) where a call needs more memory")
   p.add_argument("--json", metavar="FILE", help="write the results as JSON")
   p.add_argument("--plot", metavar="FILE.png", help="plot time and memory against seq (matplotlib)")
-  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
   p.set_defaults(func=run_bench)
   return p
 
@@ -653,11 +794,13 @@ def config_from_args(args) -> SuiteConfig:
                       ("head_dim", "head_dim"), ("dtype", "dtype"), ("repeats", "repeats"),
                       ("block_q", "block_q"), ("block_kv", "block_kv"),
                       ("max_call_seconds", "max_call_seconds"),
-                      ("max_suite_seconds", "max_suite_seconds"),
+                      ("budget_seconds", "budget_seconds"),
                       ("min_seconds", "min_seconds_per_case"), ("matmul_size", "matmul_n")):
     v = getattr(args, name, None)
     if v is not None:
       over[field] = tuple(v) if isinstance(v, list) else v
+  if over.get("budget_seconds") is not None and over["budget_seconds"] <= 0:
+    over["budget_seconds"] = None  # 0: no budget
   if getattr(args, "max_time_memory_gib", None) is not None:
     over["max_time_memory_bytes"] = int(args.max_time_memory_gib * GiB)
   causal = getattr(args, "causal", "both")
@@ -672,14 +815,31 @@ def config_from_args(args) -> SuiteConfig:
   return dataclasses.replace(cfg, **over)
 
 
-def _progress_bar(total: int, disable: bool):
-  """A tqdm bar; a clear error if the optional dependency is missing."""
+class _PlainProgress:
+  """Progress as plain lines on stderr (when tqdm is not installed)."""
+
+  def __init__(self, total: int, desc: str):
+    self.total, self.desc, self.n, self.start = total, desc, 0, time.perf_counter()
+
+  def set_postfix_str(self, text: str):
+    self.text = text
+
+  def update(self, n: int = 1):
+    self.n += n
+    print(f"{self.desc} {self.n}/{self.total}: {getattr(self, 'text', '')} done"
+          f" ({time.perf_counter() - self.start:.0f} s)", file=sys.stderr, flush=True)
+
+  def close(self):
+    pass
+
+
+def progress_bar(total: int, desc: str = "bench"):
+  """A tqdm bar, or plain progress lines on stderr when tqdm is not installed."""
   try:
     from tqdm.auto import tqdm
-  except ImportError as e:
-    raise SystemExit("`python -m flashvjp bench` shows progress with tqdm, which is not"
-                     " installed: pip install 'flashvjp[bench]' (or pass --no-progress)") from e
-  return tqdm(total=total, desc="bench", unit="case", disable=disable)
+  except ImportError:
+    return _PlainProgress(total, desc)
+  return tqdm(total=total, desc=desc, unit="group")
 
 
 def run_bench(args) -> int:
@@ -690,8 +850,14 @@ def run_bench(args) -> int:
       import matplotlib  # noqa: F401  (fail before measuring, not after)
     except ImportError as e:
       raise SystemExit("--plot needs matplotlib: pip install 'flashvjp[bench]'") from e
-  no_progress = bool(getattr(args, "no_progress", False))
-  bar = None if no_progress else _progress_bar(len(cases(cfg)), disable=False)
+  groups = cases(cfg)
+  impls = list(dict.fromkeys(list(cfg.impls) + [BASELINE]))
+  budget = (f"about {cfg.budget_seconds:.0f} s (the time budget; a busy machine adds some)"
+            if cfg.budget_seconds else f"{cfg.repeats} timed calls per cell, no time budget")
+  print(f"bench: {len(groups)} groups (seq x causal x mode) x {len(impls)} implementations"
+        f" ({', '.join(impls)}), B={cfg.batch} H={cfg.heads} D={cfg.head_dim} {cfg.dtype};"
+        f" {budget}", flush=True)
+  bar = None if getattr(args, "no_progress", False) else progress_bar(len(groups))
 
   def progress(desc):
     if bar is not None:
@@ -715,6 +881,8 @@ def run_bench(args) -> int:
   if getattr(args, "plot", None):
     plot(report, args.plot)
     print(f"wrote {args.plot}")
+  if report["meta"].get("busy_warning"):
+    print(report["meta"]["busy_warning"])
   return 0
 
 

@@ -6,7 +6,7 @@ the per-dtype tolerances are stated; the test suite imports them from here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List
+from typing import Callable, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,35 @@ TOL = {
     jnp.dtype(jnp.float16): 2e-3,
     jnp.dtype(jnp.bfloat16): 1e-2,
 }
+# float32 inputs whose matmuls run in TF32: the GPU's float32 default (jax.nn's too) when
+# jax.default_matmul_precision is unset. The tensor cores keep 10 of the 23 mantissa bits
+# (truncated, no rounding: Triton emits no cvt.rna for plain TF32 dots), so this is half
+# precision on every matmul operand (scores, probabilities, dS). Pallas-Triton's interpret
+# mode emulates it (flashvjp.pallas._common.tf32_truncate), so a CPU test asserts what the
+# GPU gives. "highest" (Triton's 3xTF32) is held to TOL[float32].
+TOL_TF32 = 5e-3
+
+
+def tolerance(dtype, implementation: str = "naive", precision=None, platform=None) -> float:
+  """The tolerance for `dtype` through `implementation` at matmul `precision`.
+
+  precision: a jax.default_matmul_precision value (None: the one in effect now).
+  float32 at the default precision gets TOL_TF32 where the matmuls run in TF32: the
+  Pallas-Triton kernels (GPU, and interpret mode, which emulates the GPU) and every
+  implementation on a GPU (XLA's float32 default there); otherwise TOL[dtype].
+  """
+  from flashvjp import _config, _dispatch
+  dtype = jnp.dtype(dtype)
+  if dtype != jnp.float32:
+    return TOL[dtype]
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+  if _config.canonical_precision(precision) != "default":
+    return TOL[dtype]
+  plat = _dispatch.platform() if platform is None else platform
+  triton = implementation == "pallas_triton" or (
+      implementation == "pallas" and _dispatch.family_for_platform(plat) == "pallas_triton")
+  return TOL_TF32 if triton or plat in ("gpu", "cuda", "rocm") else TOL[dtype]
 
 
 def max_rel_err(got, ref) -> float:
@@ -37,12 +66,14 @@ def max_rel_err(got, ref) -> float:
 class Row:
   implementation: str
   feature: str
-  errors: tuple  # out, dq, dk, dv
+  errors: tuple  # out, dq, dk, dv; () when not run (see `skipped`)
   tol: float
+  seconds: float = 0.0  # wall time of this row (compile + run)
+  skipped: Optional[str] = None  # why the implementation does not run this feature here
 
   @property
   def passed(self) -> bool:
-    return all(e <= self.tol for e in self.errors)
+    return self.skipped is None and all(e <= self.tol for e in self.errors)
 
 
 def _features(B, H, Sq) -> List[tuple]:
@@ -65,10 +96,27 @@ def _features(B, H, Sq) -> List[tuple]:
   ]
 
 
+FEATURES = ("plain", "causal", "window(8,4)", "segment_ids", "mask+empty row", "bias", "softcap",
+            "alibi", "dropout 0.2")
+
+
 def run(implementations, dtype=jnp.float32, B=1, H=4, Hkv=2, S=70, D=32,
-        progress: Callable = lambda it: it) -> List[Row]:
-  """Forward and gradients of each implementation vs naive (float64) on a few features."""
+        progress: Callable = lambda it: it, on_row: Optional[Callable[[Row], None]] = None,
+        features: Optional[Sequence[str]] = None) -> List[Row]:
+  """Forward and gradients of each implementation vs naive (float64) on a few features.
+
+  `on_row(row)` is called as each row finishes (the CLI prints it then). `features`
+  selects a subset of `FEATURES` (default: all). A feature that an implementation's
+  encoded limits exclude on this platform (`flashvjp.explain` raises ValueError) gives a
+  row with `skipped` set, which does not count as passed.
+  """
+  import time
+
   import flashvjp
+  if features is not None:
+    unknown = sorted(set(features) - set(FEATURES))
+    if unknown:
+      raise ValueError(f"features must be among {FEATURES}, got unknown {unknown}")
   keys = jax.random.split(jax.random.key(0), 4)
   q64 = jax.random.normal(keys[0], (B, H, S, D), jnp.float64)
   k64 = jax.random.normal(keys[1], (B, Hkv, S, D), jnp.float64)
@@ -76,20 +124,37 @@ def run(implementations, dtype=jnp.float32, B=1, H=4, Hkv=2, S=70, D=32,
   w = jax.random.normal(keys[3], (B, H, S, D), jnp.float64)
   q, k, v = (x.astype(dtype) for x in (q64, k64, v64))
   q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
+  tol = TOL[jnp.dtype(dtype)]
   rows = []
-  for name, kw in progress(_features(B, H, S)):
+  selected = [f for f in _features(B, H, S) if features is None or f[0] in features]
+  for name, kw in progress(selected):
     def loss(q, k, v, impl, **extra):
       args = dict(kw)
       if "bias" in args:
         args["bias"] = args["bias"].astype(q.dtype)
       return jnp.sum(flashvjp.flash_attention(q, k, v, implementation=impl, **args, **extra)
                      .astype(jnp.float64) * w)
+    t_ref = time.perf_counter()
     fwd_ref = flashvjp.flash_attention(q64, k64, v64, implementation="naive", **kw)
     g_ref = jax.grad(loss, (0, 1, 2))(q64, k64, v64, "naive")
+    t_ref = time.perf_counter() - t_ref
     for impl in implementations:
+      t0 = time.perf_counter()
+      tol = tolerance(dtype, impl)  # TF32 matmuls (Pallas-Triton's float32 default) -> TOL_TF32
       extra = dict(block_q=32, block_kv=16)
-      out = flashvjp.flash_attention(q, k, v, implementation=impl, **kw, **extra)
-      g = jax.jit(jax.grad(loss, (0, 1, 2)), static_argnums=3)(q, k, v, impl)
-      errs = (max_rel_err(out, fwd_ref),) + tuple(max_rel_err(a, b) for a, b in zip(g, g_ref))
-      rows.append(Row(impl, name, errs, TOL[jnp.dtype(dtype)]))
+      try:
+        flashvjp.explain(q, k, v, implementation=impl, **kw, **extra)
+      except ValueError as e:  # this family's limits exclude the feature here: say so
+        row = Row(impl, name, (), tol, skipped=str(e))
+      else:
+        out = flashvjp.flash_attention(q, k, v, implementation=impl, **kw, **extra)
+        g = jax.jit(jax.grad(loss, (0, 1, 2)), static_argnums=3)(q, k, v, impl)
+        errs = (max_rel_err(out, fwd_ref),) + tuple(max_rel_err(a, b) for a, b in zip(g, g_ref))
+        row = Row(impl, name, errs, tol)
+      # The reference's time is shared by the feature's rows; count it in the first.
+      row.seconds = time.perf_counter() - t0 + t_ref
+      t_ref = 0.0
+      rows.append(row)
+      if on_row is not None:
+        on_row(row)
   return rows

@@ -1,15 +1,45 @@
-"""`python -m flashvjp`: `check` (gradient check on this platform) and `bench`.
+"""flashvjp's command line: `python -m flashvjp check` and `python -m flashvjp bench`.
 
-Room: command line. Uses the public API only.
+  check   compare the output and gradients of every implementation that runs on this
+          machine with naive attention computed in float64, feature by feature
+  bench   time and compiled memory of each implementation against jax.nn
+
+Run `python -m flashvjp check --help` or `python -m flashvjp bench --help` for the options.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 # Importing _bench adds the CPU flag that compiled-memory numbers need; it must happen
 # before the backend starts (before any jax computation), so it is imported here.
 from flashvjp import _bench
+
+_CHECK_HELP = "check the output and gradients of every implementation against float64 naive"
+_CHECK_DESCRIPTION = """\
+Check that flashvjp computes attention and its gradients correctly on this machine.
+
+For each feature (plain, causal, local window, segment ids, a dense mask with an
+empty row, an additive bias, the softcap and ALiBi score_mods, dropout) it runs each
+implementation available here on a small problem (batch 1, 4 query heads on 2 kv
+heads, seq 70, head_dim 32) and compares the output and the gradients dq, dk, dv with
+naive attention computed in float64 and differentiated by jax autodiff. A row passes
+when every max |error| <= tolerance x max |reference| (tolerance per input dtype).
+
+Implementations: "blockwise" (pure JAX) always; the Pallas kernels of this platform
+(Triton on GPU, Mosaic on TPU) where they run. On a CPU the Pallas kernels run in
+interpret mode (how the test suite checks them without a GPU). On an idle 2-core CPU
+the whole check takes under a minute with jax 0.12 and about three minutes with jax
+0.10; several times longer when the machine is busy; about half with --skip-pallas.
+Each row is printed as soon as it finishes, with its time.
+
+Exit status: 0 when every row passes, 1 otherwise.
+"""
+
+
+def _fmt_seconds(s: float) -> str:
+  return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
 def _check(args) -> int:
@@ -19,45 +49,92 @@ def _check(args) -> int:
 
   import flashvjp
   from flashvjp import _check as check
-  from flashvjp import _dispatch
 
+  start = time.perf_counter()
+  plat = jax.default_backend()
   x = jax.ShapeDtypeStruct((1, 4, 70, 32), jnp.float32)
+  default = flashvjp.explain(x, x, x)
   impls = ["blockwise"]
-  try_pallas = flashvjp.explain(x, x, x, implementation=None)
-  from flashvjp.pallas.triton import _limits
-  ok, why = _limits.supports(platform=_dispatch.platform(), interpret=_dispatch.platform() == "cpu",
-                             query_shape=x.shape, key_shape=x.shape, value_shape=x.shape,
-                             dtype=x.dtype, has_score_mod=True, has_dropout=True)
-  if ok and not args.skip_pallas:
-    impls.append("pallas")
+  pallas_note = None
+  if args.skip_pallas:
+    pallas_note = "Pallas kernels: not checked (--skip-pallas)"
+  else:
+    try:
+      family = flashvjp.explain(x, x, x, implementation="pallas")
+    except ValueError as e:  # no Pallas family runs here: say why, check blockwise
+      pallas_note = f"Pallas kernels: not checked ({e})"
+    else:
+      impls.append(family.implementation)
+      if family.interpret:
+        pallas_note = (f"{family.implementation}: the Pallas kernels run in interpret mode on this"
+                       f" {plat.upper()} (how the test suite checks every kernel line)")
+  features = args.feature or list(check.FEATURES)
   dtype = jnp.dtype(args.dtype)
-  print(f"flashvjp {flashvjp.__version__} on jax {jax.__version__}, platform {_dispatch.platform()}")
-  print(f"gradient check against naive attention in float64; inputs {dtype.name},"
-        f" tolerance {check.TOL[dtype]:g} x max|ref|")
-  if "pallas" not in impls:
-    print(f"pallas: not checked ({'--skip-pallas' if ok else why})")
-  elif _dispatch.platform() == "cpu":
-    print("pallas: the kernels run in interpret mode on this CPU (how CI tests every kernel line)")
-  rows = check.run(impls, dtype=dtype)
-  head = f"{'implementation':<15}{'feature':<16}{'out':>10}{'dq':>10}{'dk':>10}{'dv':>10}  result"
+  n_rows = len(features) * len(impls)
+  print(f"flashvjp {flashvjp.__version__}, jax {jax.__version__}, platform {plat}")
+  print(f"Checking output and gradients (dq, dk, dv) of {', '.join(impls)} against naive"
+        f" attention in float64: {len(features)} features x {len(impls)} = {n_rows} rows.")
+  print(f"Inputs {dtype.name}; a row passes when max |error| <= {check.TOL[dtype]:g} x"
+        " max |reference|.")
+  if pallas_note:
+    print(pallas_note)
+  if plat == "cpu":
+    print(f"Expect about {round(2.5 * n_rows)} s on an idle 2-core CPU (up to 4x that with jax 0.10,"
+          " or when the machine is busy); each row prints as it finishes.")
+  print(flush=True)
+  head = (f"{'implementation':<15}{'feature':<16}{'out':>10}{'dq':>10}{'dk':>10}{'dv':>10}"
+          f"  {'result':<7}{'time':>8}")
   print(head)
-  print("-" * len(head))
-  for r in rows:
-    e = "".join(f"{x:>10.2e}" for x in r.errors)
-    print(f"{r.implementation:<15}{r.feature:<16}{e}  {'PASS' if r.passed else 'FAIL'}")
+  print("-" * len(head), flush=True)
+  done = [0]
+
+  def on_row(r):
+    done[0] += 1
+    if r.skipped is not None:
+      cells, result = f"{'-':>10}" * 4, "n/a"
+    else:
+      cells, result = "".join(f"{e:>10.2e}" for e in r.errors), "PASS" if r.passed else "FAIL"
+    print(f"{r.implementation:<15}{r.feature:<16}{cells}  {result:<7}{r.seconds:>6.1f} s"
+          f"   [{done[0]}/{n_rows}, {_fmt_seconds(time.perf_counter() - start)} elapsed]",
+          flush=True)
+    if r.skipped is not None:
+      print(f"    not run: {r.skipped}", flush=True)
+
+  rows = check.run(impls, dtype=dtype, on_row=on_row, features=features)
+  failed = [r for r in rows if r.skipped is None and not r.passed]
+  skipped = [r for r in rows if r.skipped is not None]
   print()
-  print(f"implementation=None here takes: {try_pallas}")
-  failed = sum(not r.passed for r in rows)
-  print(f"{len(rows) - failed} passed, {failed} failed")
+  print(f"implementation=None (the default) runs here: {default}")
+  summary = f"{len(rows) - len(failed) - len(skipped)} passed, {len(failed)} failed"
+  if skipped:
+    summary += f", {len(skipped)} not run (unsupported here)"
+  print(f"{summary} in {_fmt_seconds(time.perf_counter() - start)}")
+  if failed:
+    print("FAILED: " + ", ".join(f"{r.implementation} {r.feature}" for r in failed))
   return 1 if failed else 0
 
 
+def _feature_arg(name: str) -> str:
+  from flashvjp import _check as check
+  if name not in check.FEATURES:
+    raise argparse.ArgumentTypeError(
+        f"unknown feature {name!r}; choose from: {', '.join(check.FEATURES)}")
+  return name
+
+
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m flashvjp", description=__doc__)
-  sub = parser.add_subparsers(dest="command", required=True)
-  c = sub.add_parser("check", help="gradient check of every implementation against naive (float64)")
-  c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-  c.add_argument("--skip-pallas", action="store_true", help="check blockwise only (faster on CPU)")
+  parser = argparse.ArgumentParser(prog="python -m flashvjp", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="command", required=True, metavar="{check,bench}")
+  c = sub.add_parser("check", help=_CHECK_HELP, description=_CHECK_DESCRIPTION,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+  c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                 help="input dtype; the tolerance follows it (default: float32)")
+  c.add_argument("--skip-pallas", action="store_true",
+                 help="check the blockwise path only (fast on a CPU, where Pallas is interpreted)")
+  c.add_argument("--feature", nargs="+", type=_feature_arg, metavar="NAME",
+                 help="check only these features (quote names with spaces or parentheses),"
+                 " e.g. --feature causal 'dropout 0.2'")
   c.set_defaults(func=_check)
   b = _bench.add_bench_parser(sub)
   b.set_defaults(func=_bench.run_bench)

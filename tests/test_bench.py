@@ -1,7 +1,9 @@
 """Fast tests of the benchmark helpers (flashvjp/_bench.py) and of `python -m flashvjp bench`."""
 import argparse
+import dataclasses
 import json
 import os
+import sys
 import time
 
 import jax
@@ -67,7 +69,49 @@ def test_time_round_robin_respects_budget():
   assert res[0]["runs"] >= 3 and res[0]["median"] >= 0.001
   assert 1 <= res[1]["runs"] <= 2 and res[1]["median"] >= 0.05
   (too_slow,) = _bench.time_round_robin([(slow, ())], repeats=3, max_seconds=0.01)
-  assert too_slow["runs"] == 1  # the warm-up is the time
+  assert too_slow["runs"] == 0 and too_slow["warmup_only"]  # the warm-up is the time
+  assert too_slow["median"] == too_slow["warmup"] >= 0.05
+
+
+def test_time_round_robin_total_budget_trims_costliest_first():
+  calls = []
+  def make(t):
+    return (lambda: calls.append(t), ())
+  fast, slow = make("fast"), make("slow")
+  # Given warm-ups (nothing runs for them): 5 rounds would cost 5 * (0.01 + 0.1) = 0.55 s;
+  # 0.25 s of budget keeps the cheap call's runs and trims the costly one.
+  res = _bench.time_round_robin([fast, slow], repeats=5, min_seconds=0.0, total_seconds=0.25,
+                                warm=[0.01, 0.1])
+  assert res[0]["runs"] == 5 and res[1]["runs"] == 2
+  assert calls.count("fast") == 5 and calls.count("slow") == 2  # no extra warm-up call
+  (none,) = _bench.time_round_robin([slow], repeats=5, total_seconds=0.0, warm=[0.1])
+  assert none["runs"] == 0 and none["median"] == 0.1 and none["warmup_only"]
+
+
+def test_budget_lowers_repeats_never_cells():
+  """With no time at all, every cell is still timed (by its warm-up) and none is skipped."""
+  cfg = _bench.SuiteConfig(seqs=(32, 64), impls=("naive", "blockwise"), causals=(True,),
+                           heads=1, head_dim=16, repeats=5, budget_seconds=0.0,
+                           cheap_seconds=0.0, min_seconds_per_case=0.0, matmul_n=64)
+  report = _bench.run_suite(cfg)
+  res = report["results"]
+  assert len(res) == 3 * 2 * len(_bench.MODES)
+  assert all(r["skip_reason"] is None and r["time_s"] > 0 and r["runs"] == 0 for r in res)
+  assert all(r["time_s"] == r["warmup_s"] and r["compile_s"] > 0 for r in res)
+  assert report["meta"]["warmup_only_cells"] == len(res)
+  assert "cells timed by their warm-up call alone" in "\n".join(_bench.meta_lines(report))
+  assert "ms*" in _bench.results_table(report)
+  # An ample budget gives every cell its repeats; so does no budget at all.
+  cfg = dataclasses.replace(cfg, seqs=(32,), modes=("fwd",), repeats=3, budget_seconds=60.0)
+  assert all(r["runs"] >= 3 for r in _bench.run_suite(cfg)["results"])
+  cfg = dataclasses.replace(cfg, budget_seconds=None)
+  assert all(r["runs"] >= 3 for r in _bench.run_suite(cfg)["results"])
+
+
+def test_busy_warning():
+  assert _bench.busy_warning({"matmul_flops_per_s": 90e9, "matmul_flops_per_s_best": 100e9}) is None
+  line = _bench.busy_warning({"matmul_flops_per_s": 40e9, "matmul_flops_per_s_best": 100e9})
+  assert "busy" in line and "40 GFLOP/s" in line and "100" in line and "\n" not in line
 
 
 def test_run_suite_skips_timing_over_memory_limit_but_reads_memory():
@@ -94,18 +138,31 @@ def test_cpu_defaults():
   if jax.default_backend() != "cpu":
     pytest.skip("CPU defaults")
   cfg = _bench.config_from_args(_bench_args([]))
-  assert tuple(cfg.seqs) == (512, 1024, 2048, 4096)
-  assert cfg.dtype == "float32" and cfg.heads == 8 and cfg.head_dim == 64
+  assert tuple(cfg.seqs) == (256, 512, 1024, 2048)
+  assert cfg.dtype == "float32" and cfg.heads == 4 and cfg.head_dim == 64
   assert "pallas" not in cfg.impls  # interpret mode is not a benchmark
+  assert cfg.budget_seconds is not None and cfg.budget_seconds <= 60  # about a minute in all
+  # Nothing in the default grid is skipped for memory or for a predicted slow call: the
+  # largest default cell (jax.nn / naive fwd+bwd at seq 2048) needs ~0.3 GiB.
+  shape = _bench.Shape(cfg.batch, cfg.heads, max(cfg.seqs), cfg.head_dim, cfg.dtype)
+  for impl in ("naive", "jax.nn"):
+    mem = _bench.compiled_memory(_bench.benchmark_fn(impl, False, "fwd+bwd"),
+                                 *_bench.input_specs(impl, shape, "fwd+bwd"))
+    assert mem.total < cfg.max_time_memory_bytes
+  assert cfg.max_call_seconds >= 30
+  assert _bench.config_from_args(_bench_args(["--budget-seconds", "0"])).budget_seconds is None
 
 
-def test_run_bench_writes_json_and_png(tmp_path, capsys):
+def test_run_bench_writes_json_and_png(tmp_path, capsys, monkeypatch):
+  """Also: without tqdm, progress comes as plain lines on stderr (one per group)."""
   pytest.importorskip("matplotlib")
+  monkeypatch.setitem(sys.modules, "tqdm", None)  # `import tqdm...` raises ImportError
+  monkeypatch.setitem(sys.modules, "tqdm.auto", None)
   js, png = tmp_path / "bench.json", tmp_path / "bench.png"
   with pytest.raises(SystemExit) as exit_info:  # through `python -m flashvjp bench`'s parser
     cli.main(["bench", "--seq", "32", "64", "--impl", "blockwise", "--heads", "1", "--head-dim", "16",
               "--causal", "yes",
-              "--repeats", "1", "--min-seconds", "0", "--matmul-size", "256", "--no-progress",
+              "--repeats", "1", "--min-seconds", "0", "--matmul-size", "256",
               "--json", str(js), "--plot", str(png)])
   assert exit_info.value.code == 0
   report = json.loads(js.read_text())
@@ -120,8 +177,31 @@ def test_run_bench_writes_json_and_png(tmp_path, capsys):
     if impl == "jax.nn":
       assert r["ratio_to_baseline"] == 1.0
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-  out = capsys.readouterr().out
+  captured = capsys.readouterr()
+  out = captured.out
   assert "| impl | seq | causal |" in out and "blockwise" in out
+  assert out.startswith("bench: 4 groups")  # what runs, said before it runs
+  progress = [l for l in captured.err.splitlines() if l.startswith("bench ")]
+  assert [l.split(":")[0] for l in progress] == [f"bench {i}/4" for i in range(1, 5)]
+
+
+def test_plot_panels_show_every_implementation(tmp_path):
+  pytest.importorskip("matplotlib")
+  res = []
+  for impl in ("naive", "blockwise", "jax.nn"):
+    for seq in (256, 512, 1024):
+      for causal in (True, False):
+        for mode in _bench.MODES:
+          res.append(dict(impl=impl, seq=seq, causal=causal, mode=mode, time_s=1e-3 * seq,
+                          temp_bytes=seq * 1000 * (3 if impl == "naive" else 1)))
+  meta = dict(platform="cpu", device="cpu", nproc=2, jax=jax.__version__, date="today",
+              seconds=1.0, config=dict(batch=1, heads=4, head_dim=64, dtype="float32"))
+  drawn = _bench.plot({"meta": meta, "results": res}, str(tmp_path / "p.png"))
+  assert len(drawn) == 4  # time and memory, fwd and fwd+bwd
+  for panel, lines in drawn.items():
+    assert set(lines) == {f"{i} ({c})" for i in ("naive", "blockwise", "jax.nn")
+                          for c in ("causal", "full")}, panel
+    assert all(seqs == [256, 512, 1024] for seqs in lines.values()), panel
 
 
 def test_parse_impl():

@@ -1,0 +1,89 @@
+"""`python -m flashvjp check`: help written for users, rows printed as they finish, exit status."""
+import subprocess
+import sys
+
+import pytest
+
+import flashvjp
+from flashvjp import _check
+from flashvjp import cli
+
+
+def _run_main(argv):
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(argv)
+  return exit_info.value.code
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["check", "--help"], ["bench", "--help"]])
+def test_help_is_for_users(argv, capsys):
+  assert _run_main(argv) == 0
+  out = capsys.readouterr().out
+  assert "Room:" not in out and "public API only" not in out  # no internal notes
+  assert "usage: python -m flashvjp" in out
+  if argv[0] == "check":
+    assert "float64" in out and "interpret mode" in out and "minute" in out
+    assert "Exit status" in out and "--skip-pallas" in out and "--feature" in out
+  if argv[0] == "bench":
+    assert "about a minute" in out and "--budget" in out
+
+
+def test_features_match_the_checked_list():
+  import jax.numpy as jnp  # noqa: F401
+  assert tuple(name for name, _ in _check._features(1, 4, 70)) == _check.FEATURES
+
+
+def test_check_prints_each_row_and_a_summary(capsys):
+  code = _run_main(["check", "--skip-pallas", "--feature", "plain", "causal"])
+  out = capsys.readouterr().out
+  assert code == 0
+  lines = out.splitlines()
+  rows = [l for l in lines if l.startswith("blockwise ")]
+  assert [r.split()[1] for r in rows] == ["plain", "causal"]
+  assert all("PASS" in r for r in rows)
+  assert "[1/2," in rows[0] and "[2/2," in rows[1] and "elapsed]" in rows[1]  # progress per row
+  assert "Expect about" in out  # a duration hint before the first row
+  assert out.index("Expect about") < out.index(rows[0])
+  assert "not checked (--skip-pallas)" in out
+  assert "2 passed, 0 failed" in out
+
+
+def test_check_rejects_unknown_feature(capsys):
+  assert _run_main(["check", "--feature", "flash"]) == 2  # argparse's usage error
+  assert "unknown feature 'flash'" in capsys.readouterr().err
+
+
+def test_run_reports_rows_as_they_finish_and_unsupported_features(monkeypatch):
+  """on_row sees each row before run returns; a feature the limits refuse is 'not run'."""
+  real_explain = flashvjp.explain
+
+  def explain(q, k, v, **kw):
+    if kw.get("implementation") == "naive" and kw.get("causal"):
+      raise ValueError("implementation='naive' cannot run this input: test refusal")
+    return real_explain(q, k, v, **kw)
+
+  monkeypatch.setattr(flashvjp, "explain", explain)
+  seen = []
+  rows = _check.run(["naive"], features=["plain", "causal"], S=20, D=8,
+                    on_row=lambda r: seen.append((r.feature, r.passed, r.skipped)))
+  assert seen == [("plain", True, None),
+                  ("causal", False, "implementation='naive' cannot run this input: test refusal")]
+  assert rows[1].errors == () and rows[0].seconds > 0
+  with pytest.raises(ValueError, match="features"):
+    _check.run(["naive"], features=["nope"])
+
+
+def test_check_fails_loudly(monkeypatch, capsys):
+  """A row over tolerance prints FAIL, is named at the end, and the exit status is 1."""
+  monkeypatch.setattr(_check, "max_rel_err", lambda got, ref: 1.0)
+  code = _run_main(["check", "--skip-pallas", "--feature", "plain"])
+  out = capsys.readouterr().out
+  assert code == 1
+  assert "FAIL" in out and "0 passed, 1 failed" in out and "FAILED: blockwise plain" in out
+
+
+def test_module_entry_point():
+  """`python -m flashvjp` is wired to the CLI (exit status 2 and usage without a command)."""
+  res = subprocess.run([sys.executable, "-m", "flashvjp"], capture_output=True, text=True,
+                       timeout=120)
+  assert res.returncode == 2 and "usage: python -m flashvjp" in res.stderr
