@@ -384,6 +384,10 @@ def ttgir_loops(ttgir: str) -> list[dict]:
   loops = []
   for m in re.finditer(r"\bscf\.(for|while)\b", ttgir):
     body = _body(ttgir, m.end())
+    if m.group(1) == "while":  # scf.while: the condition region, then `do { body }`
+      end = ttgir.index(body, m.end()) + len(body)
+      if ttgir[end:end + 5] == " do {":
+        body += _body(ttgir, end)
     loops.append(dict(
         op=f"scf.{m.group(1)}",
         global_loads=len(re.findall(r"\btt\.load\b", body)),
@@ -416,7 +420,7 @@ def ptx_facts(ptx: str) -> dict:
       ptx_mma_sync=len(re.findall(r"\bmma\.sync\b", ptx)),
       ptx_cp_async=len(re.findall(r"\bcp\.async\.(?:ca|cg)\b", ptx)),
       ptx_tma=len(re.findall(r"\bcp\.async\.bulk\.tensor\b", ptx)),
-      ptx_tf32=len(re.findall(r"\.tf32\b", ptx)),
+      ptx_tf32=len(re.findall(r"^[^\n]*\.tf32\b", ptx, re.M)),  # instructions, not operands
       ptx_local=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
   )
 
