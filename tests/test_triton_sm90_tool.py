@@ -144,9 +144,17 @@ def test_render_and_summary():
   data["summary"] = T.summarize(data, 1.0, 2)
   s = data["summary"]
   assert (s["kernels"], s["failing_kernels"], s["spilling"], s["case_failures"]) == (1, 1, 1, 1)
+  assert [T.exit_status(data, m) for m in ("all", "compile", "none")] == [1, 1, 0]
+  data["cases"].pop()  # no export failure: spills fail "all" only
+  data["summary"] = T.summarize(data, 1.0, 2)
+  assert [T.exit_status(data, m) for m in ("all", "compile", "none")] == [1, 0, 0]
+  data["cases"].append(dict(case="c2", error="ValueError: no"))
+  data["summary"] = T.summarize(data, 1.0, 2)
+  data.update(fail_on="none", exit_status=0)
   md = T.render_md(data)
   assert "| c1 | 0 | flashvjp_fwd | 4/2 | 1x2x3 | ok | 255 | 8/8 |" in md
   assert "**spills 8/8 B**" in md and "| c2 | | (export) |" in md
+  assert "exit status 0 (--fail-on none; --fail-on all would exit 1)" in md
 
 
 def test_matrix_covers_the_issue():
