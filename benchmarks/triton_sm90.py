@@ -33,11 +33,13 @@ versions)::
     python benchmarks/triton_sm90.py                   # whole matrix -> benchmarks/results/triton_sm90.md, .json
     python benchmarks/triton_sm90.py --cases 'bf16_d128' --out-md /tmp/x.md --no-fail
 
-On a CPU host, JAX's Pallas-Triton lowering asks for the GPU's compute capability; this tool
-registers the host's device kind as an H100 in ``jax._src.pallas.triton.gpu_info.registry``
-(jax >= 0.11; jax 0.10 assumes sm_90 by itself). ``jax.sharding.use_abstract_mesh`` with an
+Exports run with JAX_PLATFORMS=cpu, on a GPU host too (same result, no device memory used).
+JAX's Pallas-Triton lowering then asks for the GPU's compute capability: this tool registers
+the CPU device kind as an H100 in ``jax._src.pallas.triton.gpu_info.registry`` (jax >= 0.11;
+jax 0.10 assumes sm_90 by itself). ``jax.sharding.use_abstract_mesh`` with an
 ``AbstractDevice`` would be the public way, but it refuses jaxprs holding
-``custom_partitioning`` (flashvjp's batch/head partitioning). On a GPU host nothing is patched.
+``custom_partitioning`` (flashvjp's batch/head partitioning). That registration is the only
+private hook: flashvjp is called through its public API, with its default block sizes.
 """
 from __future__ import annotations
 
@@ -702,8 +704,11 @@ def run(case_re: str, jobs: int, out_dir: str, cache_dir: str, timeout_s: float)
   def read_shard(shard):
     code = (f"import sys; sys.path.insert(0, {HERE!r}); import triton_sm90 as T; "
             f"T._extract_shard({out_dir!r}, {shard!r})")
+    # Exports run on the CPU backend everywhere: identical on a GPU host (no device memory, no
+    # CUDA context per shard), and the lowering for CUDA needs no device.
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     err = []
     t = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)
     t.start()

@@ -95,6 +95,9 @@ class AttentionConfig:
   # Dropout keep-mask shared across (batch, heads) where True (Flax's broadcast_dropout):
   # the counter hash then sees b = 0 / h = 0 (flashvjp._dropout.hash_coords).
   dropout_broadcast: Tuple[bool, bool] = (False, False)
+  # Dropout keep-mask shared across (batch, heads) where True (Flax's broadcast_dropout):
+  # the counter hash then sees b = 0 / h = 0 (flashvjp._dropout.hash_coords).
+  dropout_broadcast: Tuple[bool, bool] = (False, False)
 
   @property
   def dropout_active(self) -> bool:

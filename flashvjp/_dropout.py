@@ -23,8 +23,31 @@ def _fmix(x):
   return x
 
 
+def check_key(dropout_rng, name="dropout_rng"):
+  """Raise TypeError / ValueError unless `dropout_rng` is one JAX PRNG key.
+
+  Accepted: a new-style typed key of shape () (``jax.random.key``) or a legacy raw key,
+  uint32 of shape [2] (``jax.random.PRNGKey``; [4] for the "rbg" implementations).
+  """
+  if isinstance(dropout_rng, (bool, int, float, complex)) or not hasattr(dropout_rng, "dtype"):
+    raise TypeError(f"{name} must be a single JAX PRNG key (jax.random.key(seed) or"
+                    f" jax.random.PRNGKey(seed)), got {type(dropout_rng).__name__} {dropout_rng!r}")
+  shape = tuple(jnp.shape(dropout_rng))
+  if jax.dtypes.issubdtype(dropout_rng.dtype, jax.dtypes.prng_key):
+    if shape != ():
+      raise ValueError(f"{name} must be a single PRNG key (shape ()), got a key array of shape"
+                       f" {shape}; pass one key (e.g. keys[0]), not a batch of keys")
+    return
+  if dropout_rng.dtype != jnp.uint32:
+    raise TypeError(f"{name} must be a JAX PRNG key (a typed key, or a legacy uint32[2] key),"
+                    f" got an array of dtype {dropout_rng.dtype} and shape {shape}")
+  if shape not in ((2,), (4,)):
+    raise ValueError(f"{name} must be a single legacy PRNG key of shape (2,) (uint32), got shape"
+                     f" {shape}; pass one key (e.g. keys[0]), not a batch of keys")
+
+
 def seed_from_key(rng) -> jax.Array:
-  """uint32[2] seed words from a PRNG key (typed or raw uint32)."""
+  """uint32[2] seed words from one PRNG key (typed, or raw uint32[2] / [4])."""
   rng = jnp.asarray(rng) if not hasattr(rng, "dtype") else rng
   if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
     data = jax.random.key_data(rng)
@@ -33,6 +56,8 @@ def seed_from_key(rng) -> jax.Array:
   data = jnp.ravel(data).astype(jnp.uint32)
   if data.shape[0] == 1:
     return jnp.stack([data[0], _U32(0)])
+  if data.shape[0] == 2:
+    return data
   s0 = data[0::2]
   s1 = data[1::2]
   return jnp.stack([jnp.bitwise_xor.reduce(s0), jnp.bitwise_xor.reduce(s1)])
@@ -54,30 +79,55 @@ def random_bits(seed0, seed1, b, h, q_pos, kv_pos):
   return _fmix(x + cq2)
 
 
-def keep(seed0, seed1, b, h, q_pos, kv_pos, rate: float):
-  """Bool keep-mask: True with probability 1 - rate."""
+def hash_coords(broadcast, b, h):
+  """The (b, h) the hash sees: 0 along a broadcast dim (a mask shared over batch / heads).
+
+  `broadcast` is (batch, heads), AttentionConfig.dropout_broadcast. Every
+  implementation passes its (b, h) through here, so they all share the same mask.
+  """
+  bb, bh = broadcast
+  return (0 if bb else b), (0 if bh else h)
+
+
+def keep(seed0, seed1, b, h, q_pos, kv_pos, rate: float, broadcast=(False, False)):
+  """Bool keep-mask: True with probability 1 - rate (shared over the `broadcast` dims)."""
+  b, h = hash_coords(broadcast, b, h)
   return random_bits(seed0, seed1, b, h, q_pos, kv_pos) >= _U32(threshold(rate))
 
 
-def dropout_mask(dropout_rng, shape, rate: float) -> jax.Array:
+def dropout_mask(dropout_rng, shape, rate: float, broadcast=(False, False)) -> jax.Array:
   """The exact bool keep-mask [batch, num_heads, seq_q, seq_kv] every implementation uses.
 
   Args:
     dropout_rng: a JAX PRNG key.
     shape: (batch, num_heads, seq_q, seq_kv).
     rate: dropout probability in [0, 1).
+    broadcast: (batch, heads): share the mask across the batch and/or the heads, as
+      `flash_attention(..., dropout_broadcast=...)` and Flax's ``broadcast_dropout``
+      do (the returned mask still has the full shape).
   """
   if len(shape) != 4:
     raise ValueError(f"shape must be (batch, num_heads, seq_q, seq_kv), got {shape!r}")
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"rate must be in [0, 1), got {rate!r}")
+  broadcast = check_broadcast(broadcast, "broadcast")
+  check_key(dropout_rng)
   seed = seed_from_key(dropout_rng)
   B, H, Sq, Sk = shape
   b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
   h = jnp.arange(H, dtype=jnp.int32)[None, :, None, None]
   q = jnp.arange(Sq, dtype=jnp.int32)[None, None, :, None]
   k = jnp.arange(Sk, dtype=jnp.int32)[None, None, None, :]
-  return keep(seed[0], seed[1], b, h, q, k, rate)
+  m = keep(seed[0], seed[1], b, h, q, k, rate, broadcast)
+  return jnp.broadcast_to(m, (B, H, Sq, Sk))
 
 
-__all__ = ["dropout_mask", "keep", "seed_from_key", "threshold"]
+def check_broadcast(broadcast, name="dropout_broadcast"):
+  """(batch, heads) pair of bools."""
+  if (not isinstance(broadcast, (tuple, list)) or len(broadcast) != 2
+      or not all(isinstance(x, (bool,)) for x in broadcast)):
+    raise TypeError(f"{name} must be a pair of bools (batch, heads), got {broadcast!r}")
+  return (bool(broadcast[0]), bool(broadcast[1]))
+
+
+__all__ = ["check_key", "dropout_mask", "hash_coords", "keep", "seed_from_key", "threshold"]

@@ -95,8 +95,8 @@ def dot_product_attention(
     bias: float, broadcastable to [B, N, T, S] (or [N, T, S] for rank-3 inputs);
       added to the scaled logits; differentiable.
     mask: bool, broadcastable like bias; True = may attend.
-    scale: logit scale, a Python float (default 1 / sqrt(H)). Unlike jax.nn, a traced
-      scale is not accepted (flashvjp specialises its kernels on it).
+    scale: logit scale (default 1 / sqrt(H)): a Python float, or a scalar array such as
+      a traced, learned temperature (differentiable, as in jax.nn; see flash_attention).
     is_causal: key position <= query position (top-left aligned when T != S).
     query_seq_lengths: int [B]; query rows at positions >= length output 0.
     key_value_seq_lengths: int [B]; keys at positions >= length are ignored.

@@ -2,10 +2,10 @@
 
 Room: score_mod. A score_mod is elementwise:
 ``(scores, b, h, q_idx, kv_idx) -> scores`` with global int32 indices shaped to
-broadcast against the scores. flashvjp traces it once on scalars with
-`jax.closure_convert`, so that any array it closes over (an ALiBi slope vector, a
-learned relative-position table) becomes an explicit input of the custom_vjp and
-receives its gradient; every implementation then applies the scalar function to
+broadcast against the scores. flashvjp traces it once on scalars (`convert`), so that
+any array it closes over (an ALiBi slope vector, a learned relative-position table)
+becomes an explicit input of the custom_vjp and receives its gradient; `check`
+rejects a score_mod that is not elementwise; every implementation then applies the scalar function to
 its own tile shape through `jnp.vectorize`.
 """
 from __future__ import annotations
@@ -14,7 +14,9 @@ import math
 from typing import Callable, Protocol, Tuple
 
 import jax
+import jax.extend  # noqa: F401  (jax.extend.core.Literal)
 import jax.numpy as jnp
+import numpy as np
 
 
 class ScoreMod(Protocol):
@@ -79,28 +81,180 @@ def relative_position_bias(table: jax.Array, max_distance: int) -> ScoreMod:
   return mod
 
 
+class ScalarScoreMod:
+  """A score_mod traced on scalars: ``fn(s, b, h, q, kv, *consts) -> s``.
+
+  Every array the user's function reads is an explicit argument (the consts, in the
+  order `convert` returns them). Equality and hash are those of the traced
+  computation (the jaxpr's text), not of the Python function: the same score_mod
+  passed on every call, or rebuilt with the same code and array shapes, gives an
+  equal AttentionConfig, so a jitted attention body is traced and compiled once.
+  """
+
+  def __init__(self, jaxpr, perm, key):
+    self._jaxpr = jaxpr
+    self._perm = tuple(perm)
+    self._key = key
+
+  def __call__(self, s, b, h, q, kv, *consts):
+    orig = [None] * len(consts)
+    for new_i, old_i in enumerate(self._perm):
+      orig[old_i] = consts[new_i]
+    (out,) = jax.core.eval_jaxpr(self._jaxpr, orig, s, b, h, q, kv)
+    return out
+
+  def __eq__(self, other):
+    return isinstance(other, ScalarScoreMod) and self._key == other._key
+
+  def __hash__(self):
+    return hash(self._key)
+
+  def __repr__(self):
+    return f"ScalarScoreMod({self._key[:60]!r}...)"
+
+
+def _traced(what, fn, *args):
+  """Run a trace of the user's score_mod; wrap what it raises in an error naming score_mod."""
+  try:
+    return fn(*args)
+  except Exception as e:  # noqa: BLE001  (re-raised, chained)
+    cls = TypeError if isinstance(e, TypeError) else ValueError
+    raise cls(
+        f"score_mod raised {type(e).__name__} while flashvjp traced it ({what}): {e}\n"
+        "score_mod is traced by JAX, not run on concrete numbers: its arguments (scores, b, h,"
+        " q_idx, kv_idx) are tracers, so Python control flow on their values (`if s > 0`,"
+        " float(s)) is not allowed; use jnp.where / lax.cond instead") from e
+
+
 def convert(score_mod: Callable, acc_dtype) -> Tuple[Callable, tuple, int]:
-  """Closure-convert `score_mod` on scalars.
+  """Trace `score_mod` on scalars; every array it reads becomes an explicit input.
 
   Returns (fn, consts, num_diff) where fn(s, b, h, q, kv, *consts) is the scalar
-  function and the first num_diff consts are inexact (differentiable).
+  function (a hashable `ScalarScoreMod`) and the first num_diff consts are inexact
+  (differentiable). Closed-over arrays, concrete or traced (a learned table inside a
+  jitted training step), are all hoisted, so gradients reach every inexact one.
   """
-  s = jnp.zeros((), acc_dtype)
-  i = jnp.zeros((), jnp.int32)
-  fn, consts = jax.closure_convert(score_mod, s, i, i, i, i)
-  consts = list(consts)
-  diff = [c for c in consts if jnp.issubdtype(jnp.result_type(c), jnp.inexact)]
-  nondiff = [c for c in consts if not jnp.issubdtype(jnp.result_type(c), jnp.inexact)]
-  pos = {id(c): n for n, c in enumerate(consts)}
-  perm = [pos[id(c)] for c in diff + nondiff]
+  s = jax.ShapeDtypeStruct((), acc_dtype)
+  i = jax.ShapeDtypeStruct((), jnp.int32)
+  closed = _traced("on scalar scores", jax.make_jaxpr(score_mod), s, i, i, i, i)
+  out_avals = closed.out_avals
+  if len(out_avals) != 1 or out_avals[0].shape != ():
+    raise ValueError(
+        "score_mod must be elementwise: called on one scalar score it must return one scalar,"
+        f" got {[tuple(a.shape) for a in out_avals]}")
+  consts = [c if isinstance(c, jax.core.Tracer) else jnp.asarray(c) for c in closed.consts]
+  inexact = [jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in consts]
+  perm = ([n for n, f in enumerate(inexact) if f] + [n for n, f in enumerate(inexact) if not f])
+  key = (str(closed.jaxpr), tuple(perm))
+  fn = ScalarScoreMod(closed.jaxpr, perm, key)
+  return fn, tuple(consts[n] for n in perm), sum(inexact)
 
-  def reordered(s, b, h, q, kv, *cs):
-    orig = [None] * len(cs)
-    for new_i, old_i in enumerate(perm):
-      orig[old_i] = cs[new_i]
-    return fn(s, b, h, q, kv, *orig)
 
-  return reordered, tuple(diff + nondiff), len(diff)
+# Primitives that mix scores across positions when applied to (values derived from) the
+# scores: named in the error of `check_elementwise`.
+_MIXING = ("reduce_", "argmax", "argmin", "cum", "dot_general", "sort", "gather", "scatter",
+           "dynamic_slice", "dynamic_update_slice", "slice", "concatenate", "pad", "rev",
+           "transpose", "conv_general", "fft",
+           "top_k")
+
+
+def _mixing_prims(jaxpr, dep):
+  """Names of position-mixing primitives applied to values that depend on `dep` invars."""
+  dep = set(dep)
+  found = []
+  for eqn in jaxpr.eqns:
+    ins = [v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)]
+    if not any(v in dep for v in ins):
+      continue
+    name = eqn.primitive.name
+    if any(name.startswith(m) for m in _MIXING) and name != "reduce_precision":
+      found.append(name)
+    for p in eqn.params.values():
+      sub = getattr(p, "jaxpr", p)
+      if hasattr(sub, "eqns") and len(sub.invars) == len(eqn.invars):
+        sub_dep = [sv for sv, v in zip(sub.invars, eqn.invars)
+                   if not isinstance(v, jax.extend.core.Literal) and v in dep]
+        found += _mixing_prims(sub, sub_dep)
+    dep.update(eqn.outvars)
+  return found
+
+
+_ELEMENTWISE_OK: dict = {}
+
+
+def check(score_mod: Callable, target, acc_dtype):
+  """Validate `score_mod` for scores of shape `target` = (B, H, Sq, Skv).
+
+  Raises ValueError / TypeError naming score_mod when it changes the scores' shape,
+  raises while traced, or is not elementwise; returns `convert`'s (fn, consts, num_diff).
+  Elementwise means each output score depends only on its own score and indices:
+  applied to a small tile of random scores it must equal its scalar form applied to
+  each entry (what the kernels run). Checked once per distinct traced computation.
+  """
+  B, H, Sq, Skv = target
+  i32 = jnp.int32
+  sds = jax.ShapeDtypeStruct
+  idx = (sds((B, 1, 1, 1), i32), sds((1, H, 1, 1), i32), sds((1, 1, Sq, 1), i32),
+         sds((1, 1, 1, Skv), i32))
+  out = _traced(f"on scores of shape {tuple(target)}", jax.eval_shape, score_mod,
+                sds(tuple(target), acc_dtype), *idx)
+  if getattr(out, "shape", None) != tuple(target):
+    raise ValueError(f"score_mod must return scores of the same shape {tuple(target)}, got "
+                     f"{getattr(out, 'shape', type(out).__name__)}")
+  # A small tile at positions spread over the real ranges (first and last batch/head).
+  tb, th, tq, tk = min(B, 2), min(H, 2), min(Sq, 3), min(Skv, 4)
+  pos = lambda n, t: np.unique(np.linspace(0, n - 1, t).round().astype(np.int32))
+  bi, hi, qi, ki = pos(B, tb), pos(H, th), pos(Sq, tq), pos(Skv, tk)
+  tile = (len(bi), len(hi), len(qi), len(ki))
+  tile_idx = (sds((tile[0], 1, 1, 1), i32), sds((1, tile[1], 1, 1), i32),
+              sds((1, 1, tile[2], 1), i32), sds((1, 1, 1, tile[3]), i32))
+  try:
+    closed = jax.make_jaxpr(score_mod)(sds(tile, acc_dtype), *tile_idx)
+  except Exception as e:  # noqa: BLE001  (re-raised, chained)
+    raise ValueError(
+        f"score_mod must be elementwise: it runs on the full scores {tuple(target)} but fails on"
+        f" a block of scores of shape {tile} (flashvjp calls it block by block): {e}") from e
+  try:
+    fn, consts, n_diff = convert(score_mod, acc_dtype)
+  except (TypeError, ValueError) as e:
+    # It runs on blocks of scores but not on one scalar score: it depends on the scores'
+    # shape (slices, reductions or indexing along the score axes).
+    prims = sorted(set(_mixing_prims(closed.jaxpr, closed.jaxpr.invars[:1])))
+    why = f"it applies {', '.join(prims)} to the scores, and " if prims else ""
+    raise ValueError(
+        f"score_mod must be elementwise: {why}on one scalar score (how flashvjp's kernels"
+        f" call it) it fails: {e.__cause__ or e}") from e
+  key = (fn, str(closed.jaxpr), tile)
+  if key in _ELEMENTWISE_OK:
+    return fn, consts, n_diff
+  # Concrete stand-ins for traced consts (closed over inside a jit): zeros of their type.
+  zeros = lambda c: jnp.zeros(jnp.shape(c), jnp.result_type(c)) if isinstance(
+      c, jax.core.Tracer) else c
+  with jax.ensure_compile_time_eval():
+    rng = np.random.default_rng(0)
+    s = jnp.asarray(rng.standard_normal(tile) * 3.0, acc_dtype)
+    args = (jnp.asarray(bi.reshape(-1, 1, 1, 1)), jnp.asarray(hi.reshape(1, -1, 1, 1)),
+            jnp.asarray(qi.reshape(1, 1, -1, 1)), jnp.asarray(ki.reshape(1, 1, 1, -1)))
+    (whole,) = _traced("on a tile", jax.core.eval_jaxpr, closed.jaxpr,
+                       [zeros(c) for c in closed.consts], s, *args)
+    each = apply(fn, tuple(zeros(c) for c in consts), s, *args)
+    whole = np.asarray(jnp.broadcast_to(whole, tile), np.float64)
+    each = np.asarray(each, np.float64)
+  bad = ~np.isclose(whole, each, rtol=1e-5, atol=1e-6, equal_nan=True)
+  if bad.any():
+    prims = sorted(set(_mixing_prims(closed.jaxpr, closed.jaxpr.invars[:1])))
+    why = (f" (it applies {', '.join(prims)} to the scores)" if prims else "")
+    raise ValueError(
+        "score_mod must be elementwise: each output score may depend only on its own score"
+        " and its (b, h, q_idx, kv_idx), but applied to a tile of scores of shape"
+        f" {tile} it differs from applying it to each score alone{why}; max difference"
+        f" {np.nanmax(np.abs(whole - each)):.3g}. flashvjp runs score_mod on blocks of scores,"
+        " so reductions over the scores (jnp.max(s), s.sum(-1)), cumulative ops, matmuls or"
+        " gathers across score positions cannot be computed exactly")
+  if len(_ELEMENTWISE_OK) > 1024:
+    _ELEMENTWISE_OK.clear()
+  _ELEMENTWISE_OK[key] = True
+  return fn, consts, n_diff
 
 
 def apply(fn: Callable, consts, scores, b, h, q_idx, kv_idx):

@@ -30,10 +30,13 @@ Mapping from Flax's arguments:
     counter-based hash (`flashvjp.dropout_mask`), a pure function of
     (dropout_rng, batch index, head, q_pos, kv_pos), where the batch index is the
     row-major flattened index over the batch dims. ``broadcast_dropout=True``
-    (Flax's default: one mask shared across batch and heads) cannot be honoured
-    exactly: flashvjp always draws an independent mask per batch row and head.
-    Each probability is still kept with probability ``1 - dropout_rate`` and scaled
-    by ``1 / (1 - dropout_rate)``, so the expectation is the same;
+    (Flax's default) shares one [q_length, kv_length] keep-mask across every batch
+    dim and head, exactly as Flax's ``dropout_shape = (1,) * (key.ndim - 2) +
+    attn_weights.shape[-2:]``: the hash sees b = 0 and h = 0, so the mask is
+    ``flashvjp.dropout_mask(rng, shape, rate, broadcast=(True, True))``.
+    ``broadcast_dropout=False`` draws an independent mask per batch row and head.
+    (The bits differ from Flax's ``jax.random.bernoulli``; the distribution and the
+    sharing are the same);
   * ``dtype``: query, key and value are cast to it (default: their promoted dtype);
     accumulation is float32 (or float64 for float64 inputs) whatever the dtype, so
     ``force_fp32_for_softmax`` is always satisfied and ``precision`` is not used;
@@ -50,6 +53,7 @@ import math
 from typing import Callable, Optional, Tuple
 
 import jax.numpy as jnp
+import numpy as np
 
 from flashvjp import _api
 
@@ -116,8 +120,8 @@ def make_attention_fn(*, causal: bool = False,
       bias: float, broadcastable to [batch..., num_heads, q_length, kv_length].
       mask: bool or numeric (as Flax's make_attention_mask returns), broadcastable to
         [batch..., num_heads, q_length, kv_length]; True / nonzero = attend.
-      broadcast_dropout: accepted; masks are always independent per batch row and
-        head (see the module docstring).
+      broadcast_dropout: True (Flax's default): one keep-mask shared across the batch
+        dims and heads, as Flax; False: independent per batch row and head.
       dropout_rng: PRNG key; required when dropout is active.
       dropout_rate: dropout probability on the attention probabilities.
       deterministic: True disables dropout.
@@ -131,7 +135,9 @@ def make_attention_fn(*, causal: bool = False,
     Returns:
       [batch..., q_length, num_heads, v_depth] in the computation dtype.
     """
-    del broadcast_dropout, precision, force_fp32_for_softmax  # documented above
+    del precision, force_fp32_for_softmax  # documented above
+    if not isinstance(broadcast_dropout, (bool, np.bool_)):
+      raise TypeError(f"broadcast_dropout must be a bool, got {broadcast_dropout!r}")
     if module is not None:
       raise ValueError("module is set (sow_weights=True?): flashvjp's attention_fn never"
                        " materialises the attention weights, so it cannot sow them")
@@ -172,7 +178,8 @@ def make_attention_fn(*, causal: bool = False,
         mask=_broadcast_pair("mask", mask, batch_dims, tail),
         causal=bool(causal or is_causal), window=window, score_mod=score_mod, scale=scale,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, deterministic=bool(deterministic),
-        implementation=implementation, block_q=block_q, block_kv=block_kv)
+        implementation=implementation, block_q=block_q, block_kv=block_kv,
+        dropout_broadcast=(bool(broadcast_dropout), bool(broadcast_dropout)))
     out = jnp.swapaxes(out, 1, 2)  # [B, Lq, H, Dv]
     return jnp.reshape(out, batch_dims + tuple(out.shape[1:]))
 

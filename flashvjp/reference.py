@@ -46,7 +46,8 @@ def attention(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, co
   p = e / jnp.where(empty, 1.0, l)
   lse = jnp.where(empty, -jnp.inf, jnp.log(jnp.where(empty, 1.0, l)) + m)[..., 0]
   if cfg.dropout_active:
-    keep = _dropout.keep(seed[0], seed[1], b_idx, h_idx, q_idx, kv_idx, cfg.dropout_rate)
+    keep = _dropout.keep(seed[0], seed[1], b_idx, h_idx, q_idx, kv_idx, cfg.dropout_rate,
+                         cfg.dropout_broadcast)
     p = jnp.where(keep, p / (1.0 - cfg.dropout_rate), 0.0)
   out = jnp.einsum("bhqk,bhkd->bhqd", p, v.astype(acc))
   return out.astype(q.dtype), lse

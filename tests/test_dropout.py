@@ -52,3 +52,40 @@ def test_deterministic_true_disables_dropout():
                                deterministic=True, implementation="blockwise")
   b = flashvjp.flash_attention(q, k, v, implementation="blockwise")
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_broadcast_mask_is_shared_over_batch_and_heads():
+  key = jax.random.key(4)
+  full = np.asarray(flashvjp.dropout_mask(key, (3, 4, 16, 20), 0.5))
+  both = np.asarray(flashvjp.dropout_mask(key, (3, 4, 16, 20), 0.5, broadcast=(True, True)))
+  batch = np.asarray(flashvjp.dropout_mask(key, (3, 4, 16, 20), 0.5, broadcast=(True, False)))
+  heads = np.asarray(flashvjp.dropout_mask(key, (3, 4, 16, 20), 0.5, broadcast=(False, True)))
+  assert both.shape == batch.shape == heads.shape == (3, 4, 16, 20)
+  np.testing.assert_array_equal(both, np.broadcast_to(full[:1, :1], both.shape))  # (b, h) = (0, 0)
+  np.testing.assert_array_equal(batch, np.broadcast_to(full[:1], batch.shape))
+  np.testing.assert_array_equal(heads, np.broadcast_to(full[:, :1], heads.shape))
+  assert (full[1, 2] != full[0, 0]).mean() > 0.3  # unbroadcast masks differ
+  with pytest.raises(TypeError, match="broadcast"):
+    flashvjp.dropout_mask(key, (1, 1, 2, 2), 0.5, broadcast=True)
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "naive", "pallas"])
+@pytest.mark.parametrize("broadcast", [(True, True), (True, False), (False, True)])
+def test_dropout_broadcast_every_implementation(impl, broadcast):
+  """Forward and gradients with a shared mask equal float64 attention with that explicit mask."""
+  q, k, v = _util.random_qkv(5, 2, 4, 2, 12, 20, 8)
+  key = jax.random.key(2)
+  kw = dict(dropout_rate=0.3, dropout_rng=key, deterministic=False, dropout_broadcast=broadcast,
+            implementation=impl, block_q=8, block_kv=8)
+  f = lambda q, k, v: flashvjp.flash_attention(q, k, v, **kw)
+  keep = flashvjp.dropout_mask(key, (2, 4, 12, 20), 0.3, broadcast=broadcast)
+
+  def ref(q, k, v):
+    p = jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", q, jnp.repeat(k, 2, 1)) / np.sqrt(8.0), axis=-1)
+    return jnp.einsum("bhqk,bhkd->bhqd", jnp.where(keep, p / 0.7, 0.0), jnp.repeat(v, 2, 1))
+
+  loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a))))
+  with jax.default_matmul_precision("highest"):  # full float32 dots (Pallas: no TF32 emulation)
+    got = jax.value_and_grad(loss(f), (0, 1, 2))(q, k, v)
+  want = jax.value_and_grad(loss(ref), (0, 1, 2))(*_util.as64((q, k, v)))
+  _util.assert_close(got, want, jnp.float32)

@@ -41,6 +41,26 @@ CASES = [
     (dict(score_mod=lambda s, b, h, qi, ki: s.sum(-1)), ValueError, "score_mod.*shape"),
     (dict(score_mod=3), TypeError, "score_mod"),
     (dict(causal="yes"), TypeError, "causal"),
+    # dropout_rng: one PRNG key (typed, shape (); or legacy uint32[2])
+    (dict(dropout_rate=0.1, deterministic=False, dropout_rng=0), TypeError, "dropout_rng.*single JAX PRNG key"),
+    (dict(dropout_rate=0.1, deterministic=False, dropout_rng=0.5), TypeError, "dropout_rng"),
+    (dict(dropout_rate=0.1, deterministic=False, dropout_rng=jax.random.split(jax.random.key(0), 2)), ValueError, "dropout_rng.*single PRNG key.*shape \\(2,\\)"),
+    (dict(dropout_rate=0.1, deterministic=False, dropout_rng=jax.random.split(jax.random.PRNGKey(0), 2)), ValueError, "dropout_rng.*shape \\(2, 2\\)"),
+    (dict(dropout_rate=0.1, deterministic=False, dropout_rng=jnp.zeros((2,), jnp.int32)), TypeError, "dropout_rng.*dtype int32"),
+    (dict(dropout_rng=0), TypeError, "dropout_rng"),  # checked even when dropout is off
+    (dict(dropout_rate=0.1, deterministic=False, dropout_rng=jax.random.key(0), dropout_broadcast=(True,)), TypeError, "dropout_broadcast"),
+    # score_mod must be elementwise; errors while tracing it name it
+    (dict(score_mod=lambda s, b, h, qi, ki: s - jnp.max(s)), ValueError, "score_mod must be elementwise.*reduce_max"),
+    (dict(score_mod=lambda s, b, h, qi, ki: jnp.cumsum(s, axis=-1)), ValueError, "score_mod must be elementwise.*cumsum"),
+    (dict(score_mod=lambda s, b, h, qi, ki: s - s.mean(axis=-1, keepdims=True)), ValueError, "score_mod must be elementwise"),
+    (dict(score_mod=lambda s, b, h, qi, ki: s + s[:, :, :1]), ValueError, "score_mod must be elementwise"),
+    (dict(score_mod=lambda s, b, h, qi, ki: s + jnp.zeros((2, 4, 8, 10)) * h), ValueError, "score_mod must be elementwise.*block"),
+    (dict(score_mod=lambda s, b, h, qi, ki: s if s > 0 else -s), ValueError, "score_mod raised .* traced"),
+    (dict(score_mod=lambda s, b, h, qi, ki: s + float(qi)), TypeError, "score_mod raised .* traced"),
+    # scale: a Python number or a scalar float array
+    (dict(scale=jnp.ones((3,), jnp.float32)), ValueError, "scale must be a scalar"),
+    (dict(scale=jnp.int32(2)), TypeError, "scale.*dtype"),
+    (dict(scale="0.5"), TypeError, "scale"),
 ]
 
 
@@ -82,3 +102,43 @@ def test_builtin_score_mod_errors():
 def test_numpy_inputs_accepted():
   out = flashvjp.flash_attention(np.asarray(q), np.asarray(k), np.asarray(v), implementation="blockwise")
   assert out.shape == (2, 4, 8, 8)
+
+
+def test_score_mod_tracing_error_is_chained():
+  """The wrapped error names score_mod and keeps the original as its cause."""
+  with pytest.raises(ValueError, match="score_mod raised ValueError") as info:
+    flashvjp.flash_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s if s > 0 else -s)
+  assert "truth value of an array" in str(info.value.__cause__)
+  with pytest.raises(TypeError, match="score_mod raised TypeError") as info:
+    flashvjp.flash_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + float(qi))
+  assert isinstance(info.value.__cause__, TypeError)
+
+
+def test_elementwise_score_mods_are_accepted():
+  """The elementwise check rejects none of the built-ins or index-driven gathers from tables."""
+  table = jnp.linspace(-1.0, 1.0, 4 * 7, dtype=jnp.float32).reshape(4, 7)
+  for sm in (flashvjp.softcap(5.0), flashvjp.alibi(flashvjp.alibi_slopes(4)),
+             flashvjp.relative_position_bias(table, 3),
+             lambda s, b, h, qi, ki: jnp.where(ki > qi, s * 0.5, s) + b.astype(s.dtype),
+             lambda s, b, h, qi, ki: jnp.maximum(s, 0.0) + jnp.sum(table)):
+    out = flashvjp.flash_attention(q, k, v, score_mod=sm, implementation="blockwise")
+    assert out.shape == (2, 4, 8, 8) and bool(jnp.all(jnp.isfinite(out)))
+
+
+def test_score_mod_checked_under_jit_with_traced_closure():
+  """Inside jit a score_mod closing over a traced array is still checked (and rejected)."""
+  t = jnp.ones((4,), jnp.float32)
+  bad = jax.jit(lambda t: flashvjp.flash_attention(
+      q, k, v, score_mod=lambda s, b, h, qi, ki: s * t[h] - jnp.max(s)))
+  with pytest.raises(ValueError, match="score_mod must be elementwise"):
+    bad(t)
+  good = jax.jit(lambda t: flashvjp.flash_attention(
+      q, k, v, score_mod=lambda s, b, h, qi, ki: s * t[h], implementation="blockwise"))
+  assert good(t).shape == (2, 4, 8, 8)
+
+
+def test_single_keys_accepted():
+  for key in (jax.random.key(0), jax.random.PRNGKey(0), jax.random.split(jax.random.key(0), 2)[1]):
+    out = flashvjp.flash_attention(q, k, v, dropout_rate=0.5, dropout_rng=key, deterministic=False,
+                                   implementation="blockwise")
+    assert bool(jnp.all(jnp.isfinite(out)))

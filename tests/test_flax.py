@@ -140,14 +140,17 @@ def test_attention_fn_batch_dims_and_gqa_match_flax(batch_dims):
 
 
 def test_dropout_is_flashvjp_hash_on_probabilities_and_deterministic():
+  """broadcast_dropout=False: one mask per (flattened) batch row and head."""
   kq, kk, kv = jax.random.split(jax.random.key(7), 3)
   batch_dims, Lq, Lk, D, rate = (2, 3), 6, 9, 8, 0.3
   q = jax.random.normal(kq, batch_dims + (Lq, HEADS, D), F64)
   k = jax.random.normal(kk, batch_dims + (Lk, HEADS, D), F64)
   v = jax.random.normal(kv, batch_dims + (Lk, HEADS, D), F64)
   rng = jax.random.key(11)
-  fn = jax.jit(flashvjp.flax.attention_fn, static_argnames=("deterministic", "dropout_rate"))
-  run = lambda r, det: fn(q, k, v, dropout_rng=r, dropout_rate=rate, deterministic=det)
+  fn = jax.jit(flashvjp.flax.attention_fn, static_argnames=("deterministic", "dropout_rate",
+                                                             "broadcast_dropout"))
+  run = lambda r, det: fn(q, k, v, dropout_rng=r, dropout_rate=rate, deterministic=det,
+                          broadcast_dropout=False)
   got = run(rng, False)
   # Independent computation: softmax weights (Flax, no dropout) * keep / (1 - rate) @ v,
   # with keep from flashvjp.dropout_mask over the flattened batch [6, heads, Lq, Lk].
@@ -158,6 +161,38 @@ def test_dropout_is_flashvjp_hash_on_probabilities_and_deterministic():
   np.testing.assert_array_equal(np.asarray(run(rng, False)), np.asarray(got))  # same key
   assert not np.allclose(np.asarray(run(jax.random.key(12), False)), np.asarray(got))
   assert_close(run(None, True), nn.dot_product_attention(q, k, v), F64, "deterministic")
+
+
+def test_broadcast_dropout_shares_the_mask_as_flax_does():
+  """broadcast_dropout=True (Flax's default): Flax draws keep of shape
+  (1,) * (key.ndim - 2) + (q_length, kv_length), one mask for every batch dim and head.
+  The adapter's mask follows that rule, and is dropout_mask(..., broadcast=(True, True))."""
+  kq, kk, kv = jax.random.split(jax.random.key(5), 3)
+  batch_dims, Lq, Lk, D, rate = (2, 3), 6, 9, 8, 0.4
+  q = jax.random.normal(kq, batch_dims + (Lq, HEADS, D), F64)
+  k = jax.random.normal(kk, batch_dims + (Lk, HEADS, D), F64)
+  v = jax.random.normal(kv, batch_dims + (Lk, HEADS, D), F64)
+  rng = jax.random.key(3)
+  got = flashvjp.flax.attention_fn(q, k, v, dropout_rng=rng, dropout_rate=rate,
+                                   deterministic=False)  # broadcast_dropout defaults to True
+  # Flax's own shape rule for the broadcast keep-mask, filled with flashvjp's bits:
+  flax_shape = tuple([1] * (k.ndim - 2)) + (Lq, Lk)  # as flax.linen.dot_product_attention_weights
+  keep_small = flashvjp.dropout_mask(rng, (1, 1, Lq, Lk), rate).reshape(flax_shape)
+  keep_full = flashvjp.dropout_mask(rng, (6, HEADS, Lq, Lk), rate, broadcast=(True, True))
+  w = nn.dot_product_attention_weights(q, k)  # [2, 3, heads, Lq, Lk]
+  np.testing.assert_array_equal(np.asarray(keep_full), np.broadcast_to(
+      np.asarray(keep_small).reshape(1, 1, Lq, Lk), keep_full.shape))
+  np.testing.assert_array_equal(np.asarray(keep_full)[0, 0], np.asarray(keep_full)[5, HEADS - 1])
+  ref = jnp.einsum("...hqk,...khd->...qhd", jnp.where(keep_small, w / (1 - rate), 0.0), v)
+  assert_close(got, ref, F64, "broadcast dropout")
+  # Not the per-row masks of broadcast_dropout=False.
+  per_row = flashvjp.flax.attention_fn(q, k, v, dropout_rng=rng, dropout_rate=rate,
+                                       deterministic=False, broadcast_dropout=False)
+  assert not np.allclose(np.asarray(per_row), np.asarray(got))
+  # And Flax's module passes broadcast_dropout=True by default: the same shared mask, so the
+  # dropped positions coincide across the batch rows of a module call.
+  with pytest.raises(TypeError, match="broadcast_dropout"):
+    flashvjp.flax.attention_fn(q, k, v, broadcast_dropout="yes")
 
 
 def test_linen_module_dropout_determinism_and_grads():

@@ -108,7 +108,8 @@ class _Layout:
   def keep_scale(self, seed, i, j):
     """Dropout multiplier tile: 1/(1-rate) where kept, 0 where dropped."""
     b, h, qi, ki = self.indices(i, j)
-    keep = _dropout.keep(seed[0], seed[1], b, h, qi, ki, self.cfg.dropout_rate)
+    keep = _dropout.keep(seed[0], seed[1], b, h, qi, ki, self.cfg.dropout_rate,
+                         self.cfg.dropout_broadcast)
     return jnp.where(keep, jnp.asarray(1.0 / (1.0 - self.cfg.dropout_rate), self.acc), 0.0)
 
   def q_tile(self, x5, i):
