@@ -63,8 +63,18 @@ def default_block_sizes(implementation: str, interpret: bool) -> BlockSizes:
   if implementation == "pallas_triton":
     return PALLAS_INTERPRET_DEFAULT if interpret else PALLAS_GPU_DEFAULT
   if implementation == "pallas_tpu":
-    return PALLAS_INTERPRET_DEFAULT
+    return PALLAS_TPU_INTERPRET_DEFAULT if interpret else PALLAS_TPU_DEFAULT
   return BLOCKWISE_DEFAULT
+
+
+# Pallas on TPU (Mosaic): (8, 128)-legal blocks (kv blocks are score-tile lanes). Forward
+# 256 x 512, backward 256 x 256: every kernel's blocks x 2 buffers + scratch stay under
+# 16 MiB of VMEM at head_dim 256, float32, with a full bias and a dense mask
+# (tests/test_pallas_tpu.py::test_vmem_footprint). Untuned (no TPU was available).
+PALLAS_TPU_DEFAULT = BlockSizes(block_q=256, block_kv=512, block_q_dkv=256, block_kv_dkv=256,
+                                block_q_dq=256, block_kv_dq=256)
+# Interpret mode (CPU tests): small q blocks; kv blocks are rounded up to 128 lanes anyway.
+PALLAS_TPU_INTERPRET_DEFAULT = BlockSizes(block_q=64, block_kv=128)
 
 
 @dataclasses.dataclass(frozen=True)
