@@ -43,6 +43,17 @@ SUBLANES = 8
 MAX_HEAD_DIM = C.MAX_HEAD_DIM
 
 
+def div(x, n: int):
+  """x // n for traced non-negative int32 x (truncating lax.div: jnp's floor division
+  lowers through `sign`, which Mosaic lowers only with a known TPU generation)."""
+  return x if n == 1 else lax.div(x, jnp.asarray(n, jnp.int32))
+
+
+def rem(x, n: int):
+  """x % n for traced non-negative int32 x (see `div`)."""
+  return jnp.zeros_like(x) if n == 1 else lax.rem(x, jnp.asarray(n, jnp.int32))
+
+
 def round_up(x: int, m: int) -> int:
   return -(-int(x) // m) * m
 

@@ -82,7 +82,7 @@ def _dkdv_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, n
   r = dict(zip(names + ["dk", "dv", "dk_s", "dv_s"], refs))
   acc = r["dk_s"].dtype
   b, hk, j, t_ = (_compat.program_id(a) for a in range(4))
-  gi, s = t_ // lists.W, t_ % lists.W
+  gi, s = Lo.div(t_, lists.W), Lo.rem(t_, lists.W)
   h = hk * g.G + gi
   active, i, partial = F.step_info(lists, cnt_ref, ent_ref, b, h, j, s)
 
@@ -115,8 +115,8 @@ def _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed
   G, W = g.G, lists.W
 
   def index(b, hk, j, t, cnt, ent, *_):
-    h = hk * G + t // W
-    return b, h, lists.entry(ent, b, h, j, t % W) // 2
+    h = hk * G + Lo.div(t, W)
+    return b, h, Lo.div(lists.entry(ent, b, h, j, Lo.rem(t, W)), 2)
 
   def q_map(*a):
     b, h, i = index(*a)
@@ -290,8 +290,8 @@ def _decode(pids, bias_shape, red):
   out = list(pids[:4])
   rem = pids[4]
   for d in reversed(dims):
-    out[d] = rem % ext[d]
-    rem = rem // ext[d]
+    out[d] = Lo.rem(rem, ext[d])
+    rem = Lo.div(rem, ext[d])
   return tuple(out)
 
 
@@ -318,9 +318,9 @@ def _dbias(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, see
     ins.add(name, x, _bs((None, None, g.bq, Lo.LANES),
                          lambda *a: (index(*a)[0], index(*a)[1], index(*a)[2], 0)))
   ins.add("k", C.pad_seq_head(k, g.Skvp, g.Dp),
-          _bs((None, None, g.bk, g.Dp), lambda *a: (index(*a)[0], index(*a)[1] // G, index(*a)[3], 0)))
+          _bs((None, None, g.bk, g.Dp), lambda *a: (index(*a)[0], Lo.div(index(*a)[1], G), index(*a)[3], 0)))
   ins.add("v", C.pad_seq_head(v, g.Skvp, g.Dvp),
-          _bs((None, None, g.bk, g.Dvp), lambda *a: (index(*a)[0], index(*a)[1] // G, index(*a)[3], 0)))
+          _bs((None, None, g.bk, g.Dvp), lambda *a: (index(*a)[0], Lo.div(index(*a)[1], G), index(*a)[3], 0)))
   F.add_common(ins, cfg, g, index, bias_p=bias_p,
                mask_p=None if mask_p is None else mask_p.astype(jnp.int8),
                seg_l=(q_l, k_l), seed=seed, const_arrays=carrays, meta=meta)

@@ -93,7 +93,7 @@ def row_inputs(cfg: AttentionConfig, g: C.Geometry, lists: Lo.Lists, q, k, v, bi
   G, W = g.G, lists.W
 
   def kv_block(b, h, i, s, cnt, ent):
-    return lists.entry(ent, b, h, i, s) // 2
+    return Lo.div(lists.entry(ent, b, h, i, s), 2)
 
   def index(b, h, i, s, cnt, ent, *_):
     return b, h, i, kv_block(b, h, i, s, cnt, ent)
@@ -103,10 +103,10 @@ def row_inputs(cfg: AttentionConfig, g: C.Geometry, lists: Lo.Lists, q, k, v, bi
           _bs((None, None, g.bq, g.Dp), lambda b, h, i, s, *_: (b, h, i, 0)))
   ins.add("k", C.pad_seq_head(k, g.Skvp, g.Dp),
           _bs((None, None, g.bk, g.Dp),
-              lambda b, h, i, s, cnt, ent, *_: (b, h // G, kv_block(b, h, i, s, cnt, ent), 0)))
+              lambda b, h, i, s, cnt, ent, *_: (b, Lo.div(h, G), kv_block(b, h, i, s, cnt, ent), 0)))
   ins.add("v", C.pad_seq_head(v, g.Skvp, g.Dvp),
           _bs((None, None, g.bk, g.Dvp),
-              lambda b, h, i, s, cnt, ent, *_: (b, h // G, kv_block(b, h, i, s, cnt, ent), 0)))
+              lambda b, h, i, s, cnt, ent, *_: (b, Lo.div(h, G), kv_block(b, h, i, s, cnt, ent), 0)))
   add_common(ins, cfg, g, index, bias_p=C.pad_pair(bias, g),
              mask_p=None if mask is None else C.pad_pair(mask, g).astype(jnp.int8),
              seg_l=(q_seg, kv_seg), seed=seed, const_arrays=const_arrays, meta=meta)
@@ -124,7 +124,7 @@ def prepare(cfg, g, q_seg, kv_seg, mask, by):
 def step_info(lists: Lo.Lists, cnt_ref, ent_ref, b, h, row, s):
   """(active, block, needs_mask) of step s of `row`'s list."""
   e = lists.entry(ent_ref, b, h, row, s)
-  return s < cnt_ref[lists.row(b, h, row)], e // 2, (e % 2) == 1
+  return s < cnt_ref[lists.row(b, h, row)], Lo.div(e, 2), Lo.rem(e, 2) == 1
 
 
 def when_active(active, partial, may_mask: bool, compute):
