@@ -548,6 +548,10 @@ def notes(k: dict) -> list[str]:
     out.append("regs at 255 cap")
   if r.get("tf32_dots"):
     out.append(f"{r['tf32_dots']} f32 dot(s) as tf32")
+  small = sum(d.get("count", 1) for d in r.get("dots", [])
+              if d.get("kind") in ("mma.sync", "fma") and d.get("precision") != "ieee")
+  if small:
+    out.append(f"{small} dot(s) without wgmma (< 64 rows)")
   ieee = sum(d.get("count", 1) for d in r.get("dots", []) if d.get("precision") == "ieee")
   if ieee:
     out.append(f"{ieee} ieee f32 dot(s)")
@@ -632,7 +636,66 @@ def render_md(data: dict) -> str:
           f"| {r.get('cp_async', 0)}/{r.get('tma', 0)} | {_loops(r)} | {dots} "
           f"| {r.get('tf32_dots', 0)} | {flag} |")
   L.append("")
+  if data.get("compare"):
+    L += render_compare(data["compare"], data)
   return "\n".join(L)
+
+
+def _kernel_index(data: dict) -> dict:
+  """(case, kernel name, n-th kernel of that name in the case) -> kernel row."""
+  out = {}
+  for c in data["cases"]:
+    seen = collections.Counter()
+    for k in c.get("kernels", []):
+      out[(c["case"], k["name"], seen[k["name"]])] = k
+      seen[k["name"]] += 1
+  return out
+
+
+def _brief(k: dict | None) -> dict:
+  """The compared facts of a kernel row, as strings."""
+  if k is None:
+    return dict(regs="(none)")
+  r = k.get("result") or {}
+  if not r.get("ok"):
+    return dict(regs="FAIL")
+  kinds = collections.Counter()
+  for d in r.get("dots", []):
+    kinds[d.get("kind")] += d.get("count", 1)
+  return dict(regs=str(r.get("regs")), spill=f"{r.get('spill_st')}/{r.get('spill_ld')}",
+              smem=_kib(r.get("shared")), warps=f"{r.get('num_warps_final')}/{k['num_stages']}",
+              dots=", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) or "-",
+              asyn=f"{r.get('cp_async', 0)}/{r.get('tma', 0)}", loops=_loops(r),
+              tf32=str(r.get("tf32_dots", 0)), fail=str(len(findings(k))))
+
+
+def render_compare(before: dict, data: dict) -> list[str]:
+  """Per kernel, before -> after (only the facts that changed are shown as a -> b)."""
+  b_idx, a_idx = _kernel_index(before), _kernel_index(data)
+  cases = {c["case"] for c in data["cases"]}
+  order = list(a_idx) + [k for k in b_idx if k not in a_idx and k[0] in cases]
+  bs = before.get("summary", {})
+  s = data["summary"]
+  L = ["## Before -> after", "",
+       f"Before: {before.get('source')} ({before.get('date')}): {bs.get('failing_kernels')} "
+       f"failing kernels, {bs.get('spilling')} spilling, {bs.get('unpipelined')} with unpipelined "
+       f"loops, {bs.get('tf32_kernels')} with tf32 dots, max smem {_kib(bs.get('max_smem'))} KiB. "
+       f"After: {s['failing_kernels']} failing, {s['spilling']} spilling, {s['unpipelined']} "
+       f"unpipelined, {s['tf32_kernels']} with tf32 dots, max smem {_kib(s['max_smem'])} KiB.", "",
+       "| case | kernel | warps/stages | regs | spill st/ld (B) | smem (KiB) | async cp/TMA "
+       "| loops piped/loading | dots by MMA kind | tf32 dots | findings |",
+       "|---|---|---|---|---|---|---|---|---|---|---|"]
+  cols = ("warps", "regs", "spill", "smem", "asyn", "loops", "dots", "tf32", "fail")
+  for key in order:
+    b, a = _brief(b_idx.get(key)), _brief(a_idx.get(key))
+    cells = []
+    for col in cols:
+      x, y = b.get(col, ""), a.get(col, "")
+      cells.append(y if x == y else f"{x or '-'} -> **{y or '-'}**")
+    name = key[1] + (f" #{key[2] + 1}" if key[2] else "")
+    L.append(f"| {key[0]} | {name} | " + " | ".join(cells) + " |")
+  L.append("")
+  return L
 
 
 def summarize(data: dict, seconds: float, jobs: int) -> dict:
@@ -803,6 +866,7 @@ def main(argv=None):
                   "none: report only")
   ap.add_argument("--no-fail", "--report-only", dest="fail_on", action="store_const",
                   const="none", help="= --fail-on none: write the report and exit 0")
+  ap.add_argument("--compare", help="a previous run's .json: adds a before -> after table")
   ap.add_argument("--list", action="store_true", help="print the case names and exit")
   ap.add_argument("--compile-one", nargs=3, help=argparse.SUPPRESS)
   a = ap.parse_args(argv)
@@ -824,9 +888,16 @@ def main(argv=None):
   data["fail_on"] = a.fail_on
   data["cases_regex"] = a.cases
   data["exit_status"] = exit_status(data, a.fail_on)
+  if a.compare:
+    with open(a.compare) as f:
+      before = json.load(f)
+    before.pop("compare", None)
+    md_data = dict(data, compare=before)
+  else:
+    md_data = data
   out_json = a.out_json or os.path.splitext(a.out_md)[0] + ".json"
   os.makedirs(os.path.dirname(os.path.abspath(a.out_md)), exist_ok=True)
-  md = render_md(data)
+  md = render_md(md_data)
   with open(a.out_md, "w") as f:
     f.write(md)
   with open(out_json, "w") as f:

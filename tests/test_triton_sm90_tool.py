@@ -157,6 +157,24 @@ def test_render_and_summary():
   assert "exit status 0 (--fail-on none; --fail-on all would exit 1)" in md
 
 
+def test_compare_before_after():
+  def data(regs, spill, case="c1"):
+    k = dict(index=0, key="k", name="flashvjp_bwd_dkdv", num_warps=8, num_stages=2, grid=[1, 1, 1],
+             result=dict(ok=True, regs=regs, spill_st=spill, spill_ld=spill, stack=0,
+                         shared=1024, num_warps_final=8, loops=[], cp_async=2, tma=0,
+                         tf32_dots=0, dots=[dict(M=64, N=64, K=64, operand="bf16",
+                                                 kind="wgmma", precision=None, count=2)]))
+    d = dict(date="d", source="s", versions={}, cases=[dict(case=case, kernels=[k])])
+    d["summary"] = T.summarize(d, 1.0, 1)
+    return d
+  before, after = data(255, 588), data(232, 0)
+  before["cases"].append(data(1, 0, case="other")["cases"][0])  # not in the after run: left out
+  rows = [l for l in T.render_compare(before, after) if l.startswith(("| c1", "| other"))]
+  assert rows == ["| c1 | flashvjp_bwd_dkdv | 8/2 | 255 -> **232** | 588/588 -> **0/0** | 1.0 "
+                  "| 2/0 | - | 2 wgmma | 0 | 1 -> **0** |"]
+  assert "| c1 |" in T.render_md(dict(after, compare=before, fail_on="all", exit_status=0))
+
+
 def test_matrix_covers_the_issue():
   names = [c.name for c in T.matrix()]
   assert len(names) == len(set(names))
