@@ -90,3 +90,43 @@ def test_training_loop_loss_decreases_identically():
   a, b = train("blockwise"), train("naive")
   assert a[-1] < 0.9 * a[0] and np.all(np.diff(a) < 0), a
   np.testing.assert_allclose(a, b, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_traced_scale_is_differentiable(dtype):
+  """scale as a traced array (a learned temperature): value and gradients (incl. d/dscale)
+  against float64 autodiff of naive attention, under jit."""
+  q, k, v = _util.random_qkv(7, 2, 4, 2, 24, 20, 8, dtype=dtype)
+  bias = jax.random.normal(jax.random.key(1), (1, 4, 24, 20), jnp.float64).astype(dtype)
+  t = jnp.asarray(0.37, jnp.float32)
+
+  def loss(impl, q, k, v, t):
+    out = flashvjp.flash_attention(q, k, v, bias=bias, scale=t, causal=True, implementation=impl,
+                                   block_q=8, block_kv=8)
+    return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+  got = jax.jit(jax.value_and_grad(functools.partial(loss, "blockwise"), (0, 1, 2, 3)))(q, k, v, t)
+  ref = jax.value_and_grad(functools.partial(loss, "naive"), (0, 1, 2, 3))(
+      *_util.as64((q, k, v, t)))
+  (val, (dq, dk, dv, dt)), (val_r, (dq_r, dk_r, dv_r, dt_r)) = got, ref
+  _util.assert_close((val, dq, dk, dv), (val_r, dq_r, dk_r, dv_r), dtype)
+  # d/dscale = sum(q * dL/d(scale q)) sums 2*4*24*8 terms that cancel: its tolerance is
+  # relative to the sum of their magnitudes.
+  terms = jnp.sum(jnp.abs(q.astype(jnp.float64) * dq_r / 0.37))
+  assert abs(float(dt) - float(dt_r)) <= flashvjp._check.tolerance(dtype) * float(terms), (dt, dt_r, terms)
+  # The same value as a Python float scale.
+  fixed = flashvjp.flash_attention(q, k, v, bias=bias, scale=0.37, causal=True,
+                                   implementation="blockwise", block_q=8, block_kv=8)
+  _util.assert_close(flashvjp.flash_attention(q, k, v, bias=bias, scale=t, causal=True,
+                                              implementation="blockwise", block_q=8, block_kv=8),
+                     fixed.astype(jnp.float64), dtype)
+
+
+def test_traced_scale_in_dot_product_attention_matches_jax_nn():
+  q, k, v = (jnp.swapaxes(x, 1, 2) for x in _util.random_qkv(8, 1, 2, 2, 16, 16, 8))
+  f = lambda fn: jax.grad(lambda t: jnp.sum(fn(q, k, v, scale=t, is_causal=True) ** 2))
+  got = jax.jit(f(flashvjp.dot_product_attention))(jnp.float32(0.3))
+  ref = jax.grad(
+      lambda t: jnp.sum(jax.nn.dot_product_attention(*_util.as64((q, k, v)), scale=t,
+                                                     is_causal=True) ** 2))(jnp.float64(0.3))
+  _util.assert_close(got, ref, jnp.float32)
