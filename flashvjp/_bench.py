@@ -397,7 +397,7 @@ class SuiteConfig:
   # the cells: every (impl, seq, causal, mode) that fits in memory gets a time.
   budget_seconds: Optional[float] = None
   # ...except that a call whose repeats cost less than this in all keeps them.
-  cheap_seconds: float = 0.05
+  cheap_seconds: float = 0.1
   matmul_n: int = 2048
 
 
@@ -610,7 +610,7 @@ def skipped_lines(report: dict) -> List[str]:
           f" {r['skip_reason']}" for r in report["results"] if r["skip_reason"]]
 
 
-def meta_lines(report: dict) -> List[str]:
+def meta_lines(report: dict, warning: bool = True) -> List[str]:
   m = report["meta"]
   return [
       f"- date: {m['date']}",
@@ -635,7 +635,7 @@ def meta_lines(report: dict) -> List[str]:
       + (f"; * = {m['warmup_only_cells']} cells timed by their warm-up call alone (the time"
          " budget left no repeat)" if m.get("warmup_only_cells") else ""),
       "- temp mem: compiled temp_size_in_bytes (arguments and outputs excluded)",
-  ] + ([f"- {m['busy_warning']}"] if m.get("busy_warning") else [])
+  ] + ([f"- {m['busy_warning']}"] if warning and m.get("busy_warning") else [])
 
 
 def plot(report: dict, path: str) -> Dict[str, Dict[str, List[int]]]:
@@ -867,7 +867,7 @@ def run_bench(args) -> int:
   report = run_suite(cfg, progress)
   if bar is not None:
     bar.close()
-  print("\n".join(meta_lines(report)))
+  print("\n".join(meta_lines(report, warning=False)))  # the warning comes last, once
   print()
   print(results_table(report))
   skipped = skipped_lines(report)
