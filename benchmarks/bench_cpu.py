@@ -107,7 +107,8 @@ def main(argv=None) -> int:
   p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--budget-seconds", type=float, default=420.0,
-                 help="after this long, remaining (largest) cases get compiled memory only")
+                 help="target wall time: lowers the repeats of the largest cases (down to the"
+                 " warm-up call alone), never drops a case; 0 = no budget")
   p.add_argument("--no-write", action="store_true", help="print only; write no files")
   p.add_argument("--out-dir", default=str(RESULTS))
   args = p.parse_args(argv)
@@ -116,11 +117,6 @@ def main(argv=None) -> int:
       _bench.parse_impl(name)
     except ValueError as e:
       p.error(str(e))
-  try:
-    from tqdm.auto import tqdm
-  except ImportError:
-    sys.exit("benchmarks/bench_cpu.py shows progress with tqdm: pip install 'flashvjp[bench]'")
-
   seqs = tuple(args.seq) if args.seq else ((1024, 2048, 4096) if args.quick else SEQS)
   cfg = _bench.SuiteConfig(
       seqs=seqs, impls=tuple(args.impl),
@@ -128,12 +124,16 @@ def main(argv=None) -> int:
       modes=_bench.MODES, batch=1, heads=8, head_dim=64, dtype="float32", repeats=args.repeats,
       # jax.nn / naive fwd+bwd at seq 4096 need 2.1 GiB; at 8192, 8 GiB: memory only there.
       max_time_memory_bytes=3 * _bench.GiB,
-      max_call_seconds=30.0, max_seconds_per_case=15.0, max_suite_seconds=args.budget_seconds)
-  with tqdm(total=len(_bench.cases(cfg)), desc="bench_cpu", unit="case") as bar:
-    def progress(desc):
-      bar.set_postfix_str(desc)
-      bar.update(1)
-    report = _bench.run_suite(cfg, progress)
+      max_call_seconds=30.0, max_seconds_per_case=15.0,
+      budget_seconds=args.budget_seconds or None)
+  bar = _bench.progress_bar(len(_bench.cases(cfg)), "bench_cpu")  # plain lines without tqdm
+
+  def progress(desc):
+    bar.set_postfix_str(desc)
+    bar.update(1)
+
+  report = _bench.run_suite(cfg, progress)
+  bar.close()
 
   targets = check_targets(report)
   report["targets"] = [dict(target=t, measured=m, result=v) for t, m, v in targets]
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
       "",
       "Regenerate: `python benchmarks/bench_cpu.py` (conventions: `flashvjp/_bench.py`).",
       "",
-      *_bench.meta_lines(report),
+      *_bench.meta_lines(report),  # (with the busy-machine warning, if any)
       "",
       "## Targets",
       "",

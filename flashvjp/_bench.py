@@ -252,7 +252,7 @@ def time_round_robin(calls: Sequence[tuple], *, repeats: int = 5, max_seconds: f
                      min_seconds: float = 0.5, max_repeats: int = 50,
                      total_seconds: Optional[float] = None,
                      warm: Optional[Sequence[float]] = None,
-                     cheap_seconds: float = 0.05) -> List[dict]:
+                     cheap_seconds: float = 0.05, keep_one_below: float = 0.25) -> List[dict]:
   """Times each (fn, args) round-robin; returns one dict per call.
 
   Each dict: "median", "min" (seconds), "runs" (timed calls), "times", "warmup" (the
@@ -263,7 +263,9 @@ def time_round_robin(calls: Sequence[tuple], *, repeats: int = 5, max_seconds: f
   about `min_seconds` of timed calls; fewer for a call whose warm-up says its rounds
   would exceed `max_seconds`, and fewer for the most expensive calls until all timed
   calls together fit in `total_seconds` (a call whose runs cost under `cheap_seconds`
-  in all keeps them: they cost nothing). A call with no timed call left is timed by its
+  in all keeps them: they cost nothing; a call whose warm-up took under `keep_one_below`
+  keeps one: a first call can be several times slower than the next ones, and that is
+  noticeable on short calls). A call with no timed call left is timed by its
   warm-up (a compiled call, no tracing): every call gets a time. Interleaving makes
   the ratios between calls robust to load from other users.
   """
@@ -275,8 +277,12 @@ def time_round_robin(calls: Sequence[tuple], *, repeats: int = 5, max_seconds: f
     n = max(repeats, min(max_repeats, int(min_seconds / t0)))
     runs.append(max(0, min(n, int(max_seconds // t0))))
   if total_seconds is not None:  # trim the costliest calls first, one run at a time
+    floor = [min(n, 1) if t < keep_one_below else 0 for n, t in zip(runs, warm)]
     while sum(n * t for n, t in zip(runs, warm)) > total_seconds:
-      i = max(range(len(runs)), key=lambda i: runs[i] * warm[i])
+      trimmable = [i for i in range(len(runs)) if runs[i] > floor[i]]
+      if not trimmable:
+        break
+      i = max(trimmable, key=lambda i: runs[i] * warm[i])
       if runs[i] * warm[i] <= cheap_seconds:
         break
       runs[i] -= 1
@@ -398,6 +404,8 @@ class SuiteConfig:
   budget_seconds: Optional[float] = None
   # ...except that a call whose repeats cost less than this in all keeps them.
   cheap_seconds: float = 0.1
+  # ...and a call whose warm-up took less than this keeps one timed call.
+  keep_one_below: float = 0.25
   matmul_n: int = 2048
 
 
@@ -533,7 +541,8 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
       *timed, mm = time_round_robin(calls, repeats=cfg.repeats,
                                     max_seconds=cfg.max_seconds_per_case,
                                     min_seconds=cfg.min_seconds_per_case, total_seconds=total,
-                                    warm=warm, cheap_seconds=cfg.cheap_seconds)
+                                    warm=warm, cheap_seconds=cfg.cheap_seconds,
+                                    keep_one_below=cfg.keep_one_below)
       rates.append(mm_flops / mm["median"])
       best_mm = min(best_mm, mm["min"])
       for (r, _), t in zip(to_time, timed):

@@ -84,15 +84,19 @@ def test_time_round_robin_total_budget_trims_costliest_first():
                                 warm=[0.01, 0.1])
   assert res[0]["runs"] == 5 and res[1]["runs"] == 2
   assert calls.count("fast") == 5 and calls.count("slow") == 2  # no extra warm-up call
-  (none,) = _bench.time_round_robin([slow], repeats=5, total_seconds=0.0, warm=[0.1])
+  (none,) = _bench.time_round_robin([slow], repeats=5, total_seconds=0.0, warm=[0.1],
+                                    keep_one_below=0.05)
   assert none["runs"] == 0 and none["median"] == 0.1 and none["warmup_only"]
+  (one,) = _bench.time_round_robin([slow], repeats=5, total_seconds=0.0, warm=[0.1])
+  assert one["runs"] == 1 and not one["warmup_only"]  # a short call keeps one timed call
 
 
 def test_budget_lowers_repeats_never_cells():
   """With no time at all, every cell is still timed (by its warm-up) and none is skipped."""
   cfg = _bench.SuiteConfig(seqs=(32, 64), impls=("naive", "blockwise"), causals=(True,),
                            heads=1, head_dim=16, repeats=5, budget_seconds=0.0,
-                           cheap_seconds=0.0, min_seconds_per_case=0.0, matmul_n=64)
+                           cheap_seconds=0.0, keep_one_below=0.0, min_seconds_per_case=0.0,
+                           matmul_n=64)
   report = _bench.run_suite(cfg)
   res = report["results"]
   assert len(res) == 3 * 2 * len(_bench.MODES)
