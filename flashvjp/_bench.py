@@ -706,7 +706,9 @@ def plot(report: dict, path: str) -> Dict[str, Dict[str, List[int]]]:
                f" {cfg['dtype']} on {m['platform']} ({m['device']}, {m['nproc']} cores),"
                f" jax {m['jax']}, {m['date']}, {m['seconds']:.0f} s\njax.nn ="
                " dot_product_attention(implementation='xla'); time = median of the compiled call"
-               + (f"; {n_skipped} cells not timed (memory limit)" if n_skipped else ""),
+               + (f"; {n_skipped} cells not timed (memory limit)" if n_skipped else "")
+               + ("\nthe machine was busy during this run (other processes held the cores):"
+                  " absolute times are inflated and noisy" if m.get("busy_warning") else ""),
                fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -761,16 +763,20 @@ other work was competing for the machine.""")
                  help=f"implementations, of {', '.join(IMPLEMENTATIONS)}; blockwise:BQxBK or"
                  " pallas:BQxBK fixes block sizes, and several can be compared in one run"
                  " (jax.nn is always measured: it is the baseline)")
-  p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
-  p.add_argument("--mode", choices=("both",) + MODES, default="both")
-  p.add_argument("--batch", type=int)
-  p.add_argument("--heads", type=int)
-  p.add_argument("--head-dim", type=int)
-  p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+  p.add_argument("--causal", choices=("both", "yes", "no"), default="both",
+                 help="causal attention, full attention, or both (default)")
+  p.add_argument("--mode", choices=("both",) + MODES, default="both",
+                 help="time the forward, forward+backward, or both (default)")
+  p.add_argument("--batch", type=int, help="batch size")
+  p.add_argument("--heads", type=int, help="number of heads (query and kv)")
+  p.add_argument("--head-dim", type=int, help="head dim")
+  p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="input dtype")
   p.add_argument("--budget-seconds", type=float,
                  help="target wall time of the whole run (CPU default 50, GPU 120); 0 = no"
                  " budget: every cell gets --repeats timed calls")
-  p.add_argument("--repeats", type=int, help="timed calls per cell (median), at most")
+  p.add_argument("--repeats", type=int,
+                 help="timed calls per cell, of which the median is reported (fast calls get"
+                 " more, up to 50; a short budget gives slow ones fewer)")
   p.add_argument("--min-seconds", type=float,
                  help="repeat fast calls (up to 50 times) until about this many seconds")
   p.add_argument("--matmul-size", type=int, help="n of the [n, n] x [n, n] reference matmul")
