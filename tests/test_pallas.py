@@ -167,6 +167,127 @@ def test_block_skipping_keeps_empty_blocks_exact():
   np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-6)
 
 
+def _kernel_primitives(closed_jaxpr):
+  """{pallas_call name: set of primitive names inside its kernel body}."""
+  found = {}
+  for e in _eqns(closed_jaxpr.jaxpr, into_kernels=False):
+    if e.primitive.name == "pallas_call":
+      name = str(e.params.get("name", e.params.get("name_and_src_info")))
+      found[name] = {x.primitive.name for sub in _subjaxprs(e) for x in _eqns(sub)}
+  return found
+
+
+_SPARSE_SEG = np.repeat([[0] * 20 + [1] * 30 + [2] * 14], 2, axis=0).astype(np.int32)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(segment_ids=_SPARSE_SEG),
+    dict(mask=np.random.default_rng(0).random((2, 4, 64, 64)) > 0.5),
+    dict(mask=np.random.default_rng(1).random((1, 4, 1, 64)) > 0.5, causal=True,
+         bias=np.zeros((2, 4, 64, 64), np.float32)),  # dbias per (q, kv) block: block classes
+    dict(segment_ids=_SPARSE_SEG, bias=np.zeros((1, 4, 64, 1), np.float32)),  # dbias: lists
+], ids=["segments", "mask_per_head", "mask_q_broadcast_causal_bias", "segments_bias_rows"])
+def test_block_sparse_kernels_loop_without_a_branch(kw):
+  """Segment ids / a dense mask: every kernel (forward, dK/dV, dQ, dbias) loops over the
+  compacted block lists; no `cond` (an scf.if around the K/V loads under Triton, which
+  stops software pipelining) is left in any kernel body, and the loops are there."""
+  q, k, v = _util.random_qkv(9, 2, 4, 2, 64, 64, 16)
+  kw = {n: jnp.asarray(x) for n, x in kw.items() if not isinstance(x, bool)} | {
+      n: x for n, x in kw.items() if isinstance(x, bool)}
+  bias = kw.pop("bias", None)
+
+  def loss(q, k, v, bias):
+    return jnp.sum(_pallas(q, k, v, bias=bias, block_q=16, block_kv=16, **kw) ** 2)
+
+  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+  kernels = _kernel_primitives(jax.make_jaxpr(jax.grad(loss, argnums))(q, k, v, bias))
+  want = {"flashvjp_fwd", "flashvjp_bwd_dkdv", "flashvjp_bwd_dq"} | (
+      set() if bias is None else {"flashvjp_bwd_dbias"})
+  assert {w for w in want if any(w in n for n in kernels)} == want, sorted(kernels)
+  for name, prims in kernels.items():
+    assert "cond" not in prims, f"{name}: a branch in the kernel body"
+    assert "while" in prims, f"{name}: no loop"
+
+
+_PER_HEAD_MASK = np.random.default_rng(4).random((1, 4, 64, 64)) > 0.4
+_PER_HEAD_MASK[..., 16:32, :] = False  # whole empty block rows and columns
+_PER_HEAD_MASK[..., 48:] = False
+
+
+@pytest.mark.parametrize("kw, bias_shape", [
+    (dict(segment_ids=_SPARSE_SEG, causal=True), None),
+    (dict(segment_ids=_SPARSE_SEG), (2, 4, 64, 1)),  # dbias: kv lists per q block
+    (dict(mask=_PER_HEAD_MASK), (1, 4, 1, 64)),  # dbias: q lists per kv block
+    (dict(segment_ids=_SPARSE_SEG, mask=_PER_HEAD_MASK), (1, 4, 1, 1)),  # every q block's lists
+    (dict(mask=_PER_HEAD_MASK[:, :, :1], causal=True), (2, 1, 64, 64)),  # dbias: one tile
+], ids=["segments_causal", "segments_bias_rows", "mask_bias_cols", "both_bias_scalar",
+        "mask_q_broadcast_bias_full"])
+def test_block_sparse_numerics(kw, bias_shape):
+  """Packed documents / per-head masks with whole empty block pairs, through every kernel
+  (forward, dK/dV, dQ, dbias on each of its block-list paths): out, lse and all gradients
+  against float64 naive attention."""
+  q, k, v = _util.random_qkv(10, 2, 4, 2, 64, 64, 16)
+  kw = {n: (jnp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+  bias = None if bias_shape is None else 0.5 * jax.random.normal(
+      jax.random.key(11), bias_shape, jnp.float64).astype(jnp.float32)
+
+  def run(impl, q, k, v, bias):
+    blocks = dict(block_q=16, block_kv=16) if impl != "naive" else {}
+
+    def loss(q, k, v, bias):
+      out, lse = flashvjp.flash_attention(q, k, v, bias=bias, return_lse=True,
+                                          implementation=impl, **blocks, **kw)
+      finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+      return jnp.sum(jnp.sin(out)) + jnp.sum(finite_lse * jnp.cos(finite_lse)), (out, lse)
+
+    argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+    (_, res), grads = jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))(q, k, v, bias)
+    return res, grads
+
+  with jax.default_matmul_precision("highest"):
+    got = run("pallas", q, k, v, bias)
+  ref = run("naive", *_util.as64((q, k, v)), None if bias is None else bias.astype(jnp.float64))
+  _util.assert_close(got, ref, jnp.float32, what="pallas/block_sparse")
+
+
+# ---- jax.debug_infs: no inf produced for finite inputs ------------------------------
+
+@pytest.mark.parametrize("impl", ["pallas", "blockwise"])
+def test_debug_infs_jax_regression_case(impl):
+  """jax-ml/jax#37422 (zeros, float64, a key mask) and its key-length variant, under
+  jax.debug_infs, eager: no InternalFloatingPointError, and the output is exact."""
+  T, S, K, N, H = 5, 7, 3, 6, 11
+  z = lambda *shape: np.zeros(shape, np.float64)
+  with jax.debug_infs(True):
+    out = flashvjp.dot_product_attention(z(T, N, H), z(S, K, H), z(S, K, H),
+                                         mask=np.r_[:S] <= S // 2, implementation=impl)
+    out_len = flashvjp.dot_product_attention(
+        z(2, T, N, H), z(2, S, K, H), z(2, S, K, H),
+        key_value_seq_lengths=np.array([S // 2 + 1, S], np.int32), implementation=impl)
+  np.testing.assert_array_equal(np.asarray(out), 0.0)
+  np.testing.assert_array_equal(np.asarray(out_len), 0.0)
+
+
+def test_debug_infs_grads_every_kernel_output_finite():
+  """Random float64 inputs, key lengths and a causal mask (padded rows and masked
+  entries in every kernel): forward and backward run op by op under jax.debug_infs
+  (jax.disable_jit: every pallas_call's outputs and every XLA op outside are checked),
+  and match float64 naive attention."""
+  rng = np.random.default_rng(3)
+  q, k, v = (rng.standard_normal((2, n, 4, 8)) for n in (7, 9, 9))
+  lengths = np.array([4, 9], np.int32)
+
+  def loss(impl, q, k, v):
+    out = flashvjp.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, is_causal=True,
+                                         implementation=impl)
+    return jnp.sum(jnp.sin(out))
+
+  with jax.debug_infs(True), jax.disable_jit():
+    got = jax.value_and_grad(lambda *a: loss("pallas", *a), (0, 1, 2))(q, k, v)
+  ref = jax.value_and_grad(lambda *a: loss("naive", *a), (0, 1, 2))(q, k, v)
+  _util.assert_close(got, ref, jnp.float64, what="pallas/debug_infs")
+
+
 # ---- limits ------------------------------------------------------------------------
 
 def _supports(**kw):

@@ -2,7 +2,7 @@
 
 Room: Pallas kernels (shared part). Reads the mask model, score_mod, dropout and
 config; never the API. Everything here runs either outside the kernels (padding,
-block tables) or inside a kernel body on one [block_q, block_kv] tile.
+block lists) or inside a kernel body on one [block_q, block_kv] tile.
 """
 from __future__ import annotations
 
@@ -267,10 +267,42 @@ def pad_segments(q_seg, kv_seg, g: Geometry):
           _mask.pad_axis(kv_seg, 1, g.Skvp, "edge", keep_broadcast=False))
 
 
-def block_table(q_seg_p, kv_seg_p, mask_p, g: Geometry):
-  """int32 [B', H', nq, nk]: 0 where segment ids / dense mask leave the block pair empty."""
-  table = _mask.block_any_table(q_seg_p, kv_seg_p, mask_p, g.bq, g.bk, g.nq, g.nk)
-  return None if table is None else table.astype(jnp.int32)
+def block_lists(cfg: AttentionConfig, g: Geometry, q_seg_p, kv_seg_p, mask_p, by: str):
+  """Compacted block lists for segment ids / a dense mask, as two kernel inputs; None without.
+
+  Returns (counts int32 [B', H', 2, n_rows], lists int32 [B', H', n_rows, 2, n_cols]):
+  index 0 of the "2" axis is the PARTIAL list (elementwise mask needed), 1 the FULL
+  list (no mask). Rows are q blocks (by="q") or kv blocks (by="kv"); see
+  `_mask.block_lists` (it also applies causal / window / padding). `mask_p` is the
+  padded bool mask.
+  """
+  if q_seg_p is None and mask_p is None:
+    return None
+  cls = _mask.block_classes(mask_spec(cfg), q_seg_p, kv_seg_p, mask_p, g.bq, g.bk, g.nq, g.nk)
+  # block_classes keeps a size-1 q (or kv) axis when nothing varies along it (a mask
+  # broadcast over queries, no causal/window); the lists need every row and column.
+  cls = jnp.broadcast_to(cls, cls.shape[:2] + (g.nq, g.nk))
+  if by == "kv":
+    cls = jnp.swapaxes(cls, -1, -2)
+  num_partial, partial = _mask._compact(cls == _mask.PARTIAL)
+  num_full, full = _mask._compact(cls == _mask.FULL)
+  counts = jnp.stack([num_partial, num_full], axis=-2).astype(jnp.int32)
+  lists = jnp.stack([partial, full], axis=-2).astype(jnp.int32)
+  return counts, lists
+
+
+def list_loops(counts, block_at, body, carry):
+  """`body(block, masked, carry)` over the PARTIAL list (masked) then the FULL list (unmasked).
+
+  counts: (n_partial, n_full) int32 scalars; block_at(kind, t): the t-th block index of
+  list `kind` (0 partial, 1 full), read from the list ref inside the loop, so the loop
+  has no branch around its loads (Triton pipelines them) and empty blocks cost nothing.
+  """
+  zero = jnp.asarray(0, jnp.int32)
+  for kind, masked in ((0, True), (1, False)):
+    step = lambda t, c, kind=kind, masked=masked: body(block_at(kind, t), masked, c)
+    carry = lax.fori_loop(zero, counts[kind], step, carry)
+  return carry
 
 
 # ---- per-tile math (inside kernel bodies) --------------------------------------
@@ -327,10 +359,13 @@ class TileInputs:
 
 def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, masked,
            diff_consts=None):
-  """Scores of one tile: scale * q k^T + bias, score_mod, mask -> (s [bq, bk], vjp or None).
+  """Scores of one tile: scale * q k^T + bias, score_mod -> (s [bq, bk], ok, vjp or None).
 
+  `ok` is the mask model's bool [bq, bk] (None when not `masked`). `s` is returned
+  unmasked: callers select with `ok` (against the finite `mask_value`, never -inf, so
+  that no inf is produced inside the kernels for finite inputs, see `mask_value`).
   With `diff_consts` (a tuple, possibly empty) the score_mod is differentiated:
-  the second result maps d(score) [bq, bk] -> (d(pre-mod score), d(diff consts)).
+  the third result maps d(score) [bq, bk] -> (d(pre-mod score), d(diff consts)).
   `consts` are then the fixed (non-differentiable) consts only.
   """
   s = dot_nt(q, k, acc) * jnp.asarray(cfg.scale, acc)
@@ -346,13 +381,30 @@ def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, 
       s, sm_vjp = jax.vjp(
           lambda s_, c_: _score_mod.apply(cfg.score_mod, tuple(c_) + fixed, s_, t.b, t.h, qi, ki),
           s, tuple(diff_consts))
+  ok = None
   if masked:
     qs = None if t.q_seg is None else t.q_seg[:, None]
     ks = None if t.kv_seg is None else t.kv_seg[None, :]
     dense = None if t.mask is None else (t.mask != 0)
     ok = mask_spec(cfg).allowed(qi, ki, q_seg=qs, kv_seg=ks, dense=dense)
-    s = jnp.where(ok, s, -jnp.inf)
-  return s, sm_vjp
+  return s, ok, sm_vjp
+
+
+def mask_value(acc):
+  """The finite stand-in for -inf inside the kernels: the most negative `acc` number.
+
+  Masked scores, the running max's start and the empty-row lse use it instead of -inf,
+  so a kernel produces no inf / NaN for finite inputs (`jax.debug_infs` checks the
+  kernels' outputs). p is 0 for a masked entry by a select (exp(mask_value) == 0), not
+  by arithmetic on the sentinel; and `mask_value - x` stays finite for |x| below ~1e31
+  (float32): it rounds back to `mask_value`.
+  """
+  return jnp.asarray(jnp.finfo(acc).min, acc)
+
+
+def lse_pad_value(acc):
+  """Backward lse of padded and empty rows: exp(s - lse) == 0 for any moderate score s."""
+  return jnp.asarray(jnp.finfo(acc).max, acc)
 
 
 def dropout_scale(cfg: AttentionConfig, g: Geometry, seed_ref, t: TileInputs, acc):
@@ -361,13 +413,6 @@ def dropout_scale(cfg: AttentionConfig, g: Geometry, seed_ref, t: TileInputs, ac
   keep = _dropout.keep(seed_ref[0], seed_ref[1], t.b, t.h, qi, ki, cfg.dropout_rate,
                        cfg.dropout_broadcast)
   return jnp.where(keep, jnp.asarray(1.0 / (1.0 - cfg.dropout_rate), acc), jnp.asarray(0.0, acc))
-
-
-def maybe_skip(table_value, compute, carry):
-  """`compute(carry)` unless the block table entry is 0 (None: always compute)."""
-  if table_value is None:
-    return compute(carry)
-  return lax.cond(table_value != 0, compute, lambda c: c, carry)
 
 
 # ---- masked / unmasked loop split (the mask model's block classification) ----------

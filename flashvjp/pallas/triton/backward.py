@@ -4,17 +4,22 @@ Room: Pallas kernels (backward). Probabilities are recomputed from the saved
 logsumexp; nothing O(seq_q * seq_kv) is kept or written.
 
 * preprocess: delta = rowsum(dO * O) - dlse (an XLA fusion, O(seq) work); empty
-  and padded rows get lse = +inf so that exp(s - lse) = 0 there (zero, finite grads).
+  and padded rows get lse = the largest finite number (`_common.lse_pad_value`) so
+  that exp(s - lse) = 0 there (zero, finite grads; masked entries get p = 0 by a
+  select), and no inf is produced for finite inputs.
 * dK/dV kernel: grid (batch, kv head, kv block); loops over the G query heads of
   the group and, for each, over the q blocks that see this kv block
-  (`MaskSpec.q_block_range`), so GQA gradients are summed in-kernel without
-  repeating K/V per query head.
-* dQ kernel: grid (batch, head, q block); loops over the allowed kv blocks. When
+  (`MaskSpec.q_block_range`; with segment ids / a dense mask the compacted PARTIAL
+  and FULL q block lists of this kv block, `_mask.block_lists(by="kv")`), so GQA
+  gradients are summed in-kernel without repeating K/V per query head.
+* dQ kernel: grid (batch, head, q block); loops over the allowed kv blocks (static
+  bounds, or the forward's kind of block lists). When
   score_mod has differentiable consts it also writes one partial dconsts per program,
   summed outside the kernel (deterministic, no atomics).
 * dbias kernel: grid over the bias' own blocks; loops over the dims the bias is
   broadcast along, so a bias broadcast over batch/heads/rows gets its reduced
-  gradient without any [B, H, Sq, Skv] array. A separate pallas_call, so XLA drops
+  gradient without any [B, H, Sq, Skv] array (with segment ids / a dense mask, over
+  the block lists along the broadcast seq dim). A separate pallas_call, so XLA drops
   it when the bias gradient is unused.
 
 Every output block is written by exactly one program with a sequential loop:
@@ -50,8 +55,11 @@ def _tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, maske
   if cfg.score_mod is not None:
     diff = tuple(consts[:n_diff])
     consts = tuple(consts[n_diff:])
-  s, sm_vjp = C.scores(cfg, g, q, k, t, consts, acc, masked, diff_consts=diff)
-  p = jnp.exp(s - lse[:, None])
+  s, ok, sm_vjp = C.scores(cfg, g, q, k, t, consts, acc, masked, diff_consts=diff)
+  d = s - lse[:, None]
+  if ok is not None:  # p = exp(mask_value) = 0 on masked entries, whatever the row's lse
+    d = jnp.where(ok, d, C.mask_value(acc))
+  p = jnp.exp(d)
   dp = C.dot_nt(do, v, acc)
   pd = p
   if cfg.dropout_active:
@@ -65,19 +73,23 @@ def _tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, maske
 
 
 def _preprocess(out, lse, dout, dlse, g: C.Geometry, acc):
-  """delta = rowsum(dO * O) - dlse and the backward lse (+inf on empty/padded rows), padded."""
+  """delta = rowsum(dO * O) - dlse and the backward lse, padded.
+
+  Empty (lse = -inf) and padded rows get `lse_pad_value` (finite): p = 0 there.
+  """
   delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)
   if dlse is not None:
     delta = delta - dlse.astype(acc)
-  lse_b = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(acc))
+  big = C.lse_pad_value(acc)
+  lse_b = jnp.where(jnp.isfinite(lse), lse.astype(acc), big)  # no -inf operand (debug_infs)
   pad = ((0, 0), (0, 0), (0, g.Sqp - g.Sq))
-  return jnp.pad(delta, pad), jnp.pad(lse_b, pad, constant_values=jnp.inf)
+  return jnp.pad(delta, pad), jnp.pad(lse_b, pad, constant_values=big)
 
 
 # ---- dK / dV ------------------------------------------------------------------
 
 def _group5(x, g: C.Geometry):
-  """A padded rank-4 bias/mask [B', H', ., .] -> [B', Hkv|1, G|1, ., .] (free reshape)."""
+  """A bias / mask / block-list array [B', H', ...] -> [B', Hkv|1, G|1, ...] (free reshape)."""
   if x.shape[1] == 1:
     return x[:, :, None]
   return x.reshape((x.shape[0], g.Hkv, g.G) + x.shape[2:])
@@ -92,8 +104,6 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked):
   const_refs = [r[f"const{n}"] for n in range(n_consts)]  # [G, ...] per-head residuals
   kv_seg = r["kv_seg"][...] if "kv_seg" in r else None
   lo, hi = C.mask_spec(cfg).q_block_range(j, g.bq, g.bk, g.nq)
-  elementwise = "q_seg" in r or "mask" in r
-  full = None if elementwise else C.full_q_blocks(cfg, g, j)
 
   def lead(name, gi):
     return (gi if r[name].shape[0] != 1 else 0,)
@@ -102,34 +112,34 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked):
     h = hk * g.G + gi
     consts = C.load_head_consts(const_refs, scalar, (gi,))
 
-    def q_body(i, carry, masked):
-      def compute(carry):
-        dk, dv = carry
-        rows = _compat.ds(i * g.bq, g.bq)
-        q, do = r["q"][gi, rows, :], r["do"][gi, rows, :]
-        t = C.TileInputs(b=b, h=h, i=i, j=j, kv_seg=kv_seg)
-        for name in ("bias", "mask"):
-          if name in r:
-            setattr(t, name, C.pair_tile(r[name], lead(name, gi), i, j, g,
-                                         full_q=True, full_kv=False))
-        if kv_seg is not None:
-          t.q_seg = r["q_seg"][rows]
-        pd, ds, _ = _tile_grads(cfg, g, q, k, v, do, r["lse"][gi, rows], r["delta"][gi, rows],
-                                t, consts, r.get("seed"), acc, masked, 0)
-        dv = dv + C.dot_tn(pd.astype(do.dtype), do, acc)
-        ds = ds * jnp.asarray(cfg.scale, acc)
-        dk = dk + C.dot_tn(ds.astype(q.dtype), q, acc)
-        return dk, dv
-
-      table = r["table"][lead("table", gi) + (i,)] if "table" in r else None
-      return C.maybe_skip(table, compute, carry)
+    def q_body(i, masked, carry):
+      dk, dv = carry
+      rows = _compat.ds(i * g.bq, g.bq)
+      q, do = r["q"][gi, rows, :], r["do"][gi, rows, :]
+      t = C.TileInputs(b=b, h=h, i=i, j=j, kv_seg=kv_seg)
+      for name in ("bias", "mask"):
+        if name in r:
+          setattr(t, name, C.pair_tile(r[name], lead(name, gi), i, j, g,
+                                       full_q=True, full_kv=False))
+      if kv_seg is not None:
+        t.q_seg = r["q_seg"][rows]
+      pd, ds, _ = _tile_grads(cfg, g, q, k, v, do, r["lse"][gi, rows], r["delta"][gi, rows],
+                              t, consts, r.get("seed"), acc, masked, 0)
+      dv = dv + C.dot_tn(pd.astype(do.dtype), do, acc)
+      ds = ds * jnp.asarray(cfg.scale, acc)
+      dk = dk + C.dot_tn(ds.astype(q.dtype), q, acc)
+      return dk, dv
 
     def run(start, stop, masked, carry):
-      return lax.fori_loop(start, stop, functools.partial(q_body, masked=masked), carry)
+      return lax.fori_loop(start, stop, lambda i, c: q_body(i, masked, c), carry)
 
+    if "lists" in r:  # segment ids / dense mask: this kv block's compacted q block lists
+      gl = lead("lists", gi)
+      counts = (r["counts"][gl + (0, j)], r["counts"][gl + (1, j)])
+      return C.list_loops(counts, lambda kind, t: r["lists"][gl + (kind, t)], q_body, carry)
     if not masked_any:
       return run(lo, hi, False, carry)
-    return C.split_loop(run, lo, hi, full, carry)
+    return C.split_loop(run, lo, hi, C.full_q_blocks(cfg, g, j), carry)
 
   init = (jnp.zeros((g.bk, g.Dp), acc), jnp.zeros((g.bk, g.Dvp), acc))
   dk, dv = lax.fori_loop(_i32(0), _i32(g.G), group_body, init)
@@ -137,7 +147,7 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked):
   r["dv"][...] = dv.astype(r["dv"].dtype)
 
 
-def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, table,
+def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, lists_kv,
           seed, consts, scalar, masked, acc):
   G = g.G
   ins = F._Inputs()
@@ -162,12 +172,14 @@ def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_s
   if q_seg_p is not None:
     ins.add("q_seg", q_seg_p, _compat.block_spec((None, g.Sqp), lambda b, h, j: (b, 0)))
     ins.add("kv_seg", kv_seg_p, _compat.block_spec((None, g.bk), lambda b, h, j: (b, j)))
-  if table is not None:
-    t5 = _group5(jnp.swapaxes(table, 2, 3), g)  # [B', Hkv|1, G|1, nk, nq]
-    tb, th = t5.shape[0], t5.shape[1]
-    ins.add("table", t5, _compat.block_spec(
-        (None, None, t5.shape[2], None, g.nq),
-        lambda b, h, j: (b if tb != 1 else 0, h if th != 1 else 0, 0, j, 0)))
+  if lists_kv is not None:  # _common.block_lists(by="kv"), grouped like the bias / mask
+    counts, blocks = (_group5(x, g) for x in lists_kv)  # [B', Hkv|1, G|1, 2, nk], [.., nk, 2, nq]
+    Bl, Hl, Gl = counts.shape[:3]
+    bh = lambda b, h: (b if Bl != 1 else 0, h if Hl != 1 else 0)
+    ins.add("counts", counts, _compat.block_spec(
+        (None, None, Gl, 2, g.nk), lambda b, h, j: bh(b, h) + (0, 0, 0)))
+    ins.add("lists", blocks, _compat.block_spec(
+        (None, None, Gl, None, 2, g.nq), lambda b, h, j: bh(b, h) + (0, j, 0, 0)))
   if cfg.dropout_active:
     ins.add("seed", seed, F._full_spec(seed))
   for n, c in enumerate(consts):  # per-(b, h) residuals [B, H, ...] -> [B, Hkv, G, ...]
@@ -202,33 +214,29 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, n_diff, maske
   consts = C.load_head_consts([r[f"const{n}"] for n in range(n_consts)], scalar)
   lo, hi = C.mask_spec(cfg).kv_block_range(i, g.bq, g.bk, g.nk)
 
-  def body(j, carry, masked):
-    def compute(carry):
-      dq, dcs = carry
-      t = F.load_tile_inputs(r, g, b, h, i, j)
-      cols = _compat.ds(j * g.bk, g.bk)
-      k = r["k"][cols, :]
-      _, ds, dc = _tile_grads(cfg, g, q, k, r["v"][cols, :], do, lse, delta, t, consts,
-                              r.get("seed"), acc, masked, n_diff)
-      ds = ds * jnp.asarray(cfg.scale, acc)
-      dq = dq + C.dot_nn(ds.astype(k.dtype), k, acc)
-      dcs = tuple(a + c.astype(a.dtype) for a, c in zip(dcs, dc))
-      return dq, dcs
-
-    table = r["table"][j] if "table" in r else None
-    return C.maybe_skip(table, compute, carry)
+  def body(j, masked, carry):
+    dq, dcs = carry
+    t = F.load_tile_inputs(r, g, b, h, i, j)
+    cols = _compat.ds(j * g.bk, g.bk)
+    k = r["k"][cols, :]
+    _, ds, dc = _tile_grads(cfg, g, q, k, r["v"][cols, :], do, lse, delta, t, consts,
+                            r.get("seed"), acc, masked, n_diff)
+    ds = ds * jnp.asarray(cfg.scale, acc)
+    dq = dq + C.dot_nn(ds.astype(k.dtype), k, acc)
+    dcs = tuple(a + c.astype(a.dtype) for a, c in zip(dcs, dc))
+    return dq, dcs
 
   def run(start, stop, masked, carry):
-    return lax.fori_loop(start, stop, functools.partial(body, masked=masked), carry)
+    return lax.fori_loop(start, stop, lambda j, c: body(j, masked, c), carry)
 
   dc0 = tuple(jnp.zeros(jnp.shape(consts[n]), r[f"dconst{n}"].dtype) for n in range(n_diff))
   init = (jnp.zeros((g.bq, g.Dp), acc), dc0)
-  if not masked_any:
+  if "lists" in r:  # segment ids / dense mask: the compacted kv block lists of q block i
+    dq, dcs = F.list_loops(r, i, body, init)
+  elif not masked_any:
     dq, dcs = run(lo, hi, False, init)
   else:
-    elementwise = "q_seg" in r or "mask" in r
-    full = None if elementwise else C.full_kv_blocks(cfg, g, i)
-    dq, dcs = C.split_loop(run, lo, hi, full, init)
+    dq, dcs = C.split_loop(run, lo, hi, C.full_kv_blocks(cfg, g, i), init)
   r["dq"][...] = dq.astype(r["dq"].dtype)
   for n, d in enumerate(dcs):
     r[f"dconst{n}"][...] = jnp.reshape(d, r[f"dconst{n}"].shape)
@@ -272,45 +280,55 @@ def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, bi
   nb = g.B if Bb == 1 else 1
   nh = g.H if Hb == 1 else 1
   spec = C.mask_spec(cfg)
+  sparse = "q_seg" in r or "mask" in r  # segment ids / dense mask
 
   def bh_body(t_bh, accum):
     b = pb if Bb != 1 else (t_bh // nh if nh != 1 else t_bh)
     h = ph if Hb != 1 else (t_bh % nh if nh != 1 else t_bh)
     consts = C.load_head_consts(const_refs, scalar, (b, h))
 
+    def tile(i, j, masked, accum):
+      rows, cols = _compat.ds(i * g.bq, g.bq), _compat.ds(j * g.bk, g.bk)
+      q, do = r["q"][b, h, rows, :], r["do"][b, h, rows, :]
+      hkv = h // g.G
+      k, v = r["k"][b, hkv, cols, :], r["v"][b, hkv, cols, :]
+      t = C.TileInputs(b=b, h=h, i=i, j=j, bias=bias_tile)
+      if "mask" in r:
+        m = r["mask"]
+        t.mask = C.pair_tile(m, (0 if m.shape[0] == 1 else b, 0 if m.shape[1] == 1 else h),
+                             i, j, g, full_q=True, full_kv=True)
+      if "q_seg" in r:
+        t.q_seg, t.kv_seg = r["q_seg"][b, rows], r["kv_seg"][b, cols]
+      _, ds, _ = _tile_grads(cfg, g, q, k, v, do, r["lse"][b, h, rows],
+                             r["delta"][b, h, rows], t, consts, r.get("seed"), acc, masked, 0)
+      if Sqb == 1:
+        ds = ds.sum(axis=0, keepdims=True)
+      if Skb == 1:
+        ds = ds.sum(axis=1, keepdims=True)
+      return accum + ds
+
+    if sparse and Sqb != 1 and Skb != 1:
+      # One (q, kv) block per program: the tile itself, with the elementwise mask (an
+      # empty block gives p = 0, ds = 0); no loop or branch inside the (b, h) loop.
+      return tile(pi, pj, True, accum)
+    if sparse:  # the compacted block lists: of q block i (by="q") or kv block pj (by="kv")
+      x = r["lists"]
+      lb = (0 if x.shape[0] == 1 else b, 0 if x.shape[1] == 1 else h)
+
+      def row_lists(row, body, accum):
+        counts = (r["counts"][lb + (0, row)], r["counts"][lb + (1, row)])
+        return C.list_loops(counts, lambda kind, n: x[lb + (row, kind, n)], body, accum)
+
+      if Skb != 1:  # bias broadcast over q: the q blocks that see kv block pj
+        return row_lists(pj, lambda i, mk, a: tile(i, pj, mk, a), accum)
+      q_row = lambda i, a: row_lists(i, lambda j, mk, a_: tile(i, j, mk, a_), a)
+      return q_row(pi, accum) if Sqb != 1 else lax.fori_loop(_i32(0), _i32(g.nq), q_row, accum)
+
     def i_body(i, accum):
       lo, hi = spec.kv_block_range(i, g.bq, g.bk, g.nk)
       if Skb != 1:
         lo, hi = jnp.maximum(lo, pj), jnp.minimum(hi, pj + 1)
-
-      def j_body(j, accum):
-        def compute(accum):
-          rows, cols = _compat.ds(i * g.bq, g.bq), _compat.ds(j * g.bk, g.bk)
-          q, do = r["q"][b, h, rows, :], r["do"][b, h, rows, :]
-          hkv = h // g.G
-          k, v = r["k"][b, hkv, cols, :], r["v"][b, hkv, cols, :]
-          t = C.TileInputs(b=b, h=h, i=i, j=j, bias=bias_tile)
-          if "mask" in r:
-            m = r["mask"]
-            t.mask = C.pair_tile(m, (0 if m.shape[0] == 1 else b, 0 if m.shape[1] == 1 else h),
-                                 i, j, g, full_q=True, full_kv=True)
-          if "q_seg" in r:
-            t.q_seg, t.kv_seg = r["q_seg"][b, rows], r["kv_seg"][b, cols]
-          _, ds, _ = _tile_grads(cfg, g, q, k, v, do, r["lse"][b, h, rows],
-                                 r["delta"][b, h, rows], t, consts, r.get("seed"), acc, masked, 0)
-          if Sqb == 1:
-            ds = ds.sum(axis=0, keepdims=True)
-          if Skb == 1:
-            ds = ds.sum(axis=1, keepdims=True)
-          return accum + ds
-
-        table = None
-        if "table" in r:
-          tr = r["table"]
-          table = tr[0 if tr.shape[0] == 1 else b, 0 if tr.shape[1] == 1 else h, i, j]
-        return C.maybe_skip(table, compute, accum)
-
-      return lax.fori_loop(lo, hi, j_body, accum)
+      return lax.fori_loop(lo, hi, lambda j, a: tile(i, j, masked, a), accum)
 
     i_lo, i_hi = (pi, pi + 1) if Sqb != 1 else (_i32(0), _i32(g.nq))
     return lax.fori_loop(i_lo, i_hi, i_body, accum)
@@ -319,14 +337,21 @@ def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, bi
   r["dbias"][...] = lax.fori_loop(_i32(0), _i32(nb * nh), bh_body, init).astype(r["dbias"].dtype)
 
 
-def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, table,
+def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, mask_b,
            seed, consts, scalar, masked, acc):
   ins = F._Inputs()
   Bb, Hb, Sqb, Skb = bias_p.shape
   bq, bk = (g.bq if Sqb != 1 else 1), (g.bk if Skb != 1 else 1)
+  counts = lists = None
+  if (q_seg_p is not None or mask_b is not None) and (Sqb == 1 or Skb == 1):
+    # A program loops over kv blocks (bias broadcast over kv: lists per q block) or over
+    # q blocks (broadcast over q: lists per kv block). A bias with both seq dims has one
+    # block per program and needs no list.
+    by = "q" if Skb == 1 else "kv"
+    counts, lists = C.block_lists(cfg, g, q_seg_p, kv_seg_p, mask_b, by=by)
   for name, x in (("q", qp), ("k", kp), ("v", vp), ("do", dop), ("lse", lse_p),
                   ("delta", delta_p), ("mask", mask_p), ("q_seg", q_seg_p), ("kv_seg", kv_seg_p),
-                  ("table", table)):
+                  ("counts", counts), ("lists", lists)):
     if x is not None:
       ins.add(name, x, F._full_spec(x))
   ins.add("bias", bias_p, _compat.block_spec((None, None, bq, bk), lambda b, h, i, j: (b, h, i, j)))
@@ -381,15 +406,15 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   bias_p, mask_b = C.pad_pair(bias, g), C.pad_pair(mask, g)
   mask_p = None if mask_b is None else mask_b.astype(jnp.int8)
   q_seg_p, kv_seg_p = C.pad_segments(q_seg, kv_seg, g)
-  table = C.block_table(q_seg_p, kv_seg_p, mask_b, g)
+  lists_kv = C.block_lists(cfg, g, q_seg_p, kv_seg_p, mask_b, by="kv")
   dk, dv = _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p,
-                 table, seed, consts, scalar, masked, acc)
+                 lists_kv, seed, consts, scalar, masked, acc)
   dk = dk[:, :, : g.Skv, : g.D].astype(k.dtype)
   dv = dv[:, :, : g.Skv, : g.Dv].astype(v.dtype)
   dbias = None
   if bias is not None:
     dbias = _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p,
-                   table, seed, consts, scalar, masked, acc)
+                   mask_b, seed, consts, scalar, masked, acc)
     dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
 
   # dQ (and the score_mod consts' grads).

@@ -1,10 +1,16 @@
 """Pallas forward kernel: online softmax, writes out and logsumexp.
 
 Room: Pallas kernels (forward). Grid (batch, head, q block); each program keeps
-its q tile, loops over the kv blocks the mask model's static bounds allow
-(causal / window, `MaskSpec.kv_block_range` on the program id), skips block pairs
-that segment ids or a dense mask leave empty (a per-block table input), and
-accumulates in float32 (float64 for float64 inputs in interpret mode).
+its q tile and loops over kv blocks, accumulating in float32 (float64 for float64
+inputs in interpret mode). Causal / window / padding only: the mask model's static
+bounds (`MaskSpec.kv_block_range` on the program id), the elementwise mask only on
+edge blocks (`split_loop`). With segment ids or a dense mask: two loops over this q
+block's compacted kv block lists (`_mask.block_lists`, kernel inputs), the PARTIAL
+list with the elementwise mask and the FULL list without; empty blocks are never
+visited and no branch surrounds the K/V loads, so Triton pipelines them.
+
+No inf is produced inside the kernel for finite inputs (`_common.mask_value`); the
+-inf lse of an empty row is made outside it.
 
 GQA: the K/V index maps read kv head h // G, so K/V are never repeated.
 """
@@ -66,12 +72,7 @@ def kernel_inputs(cfg: AttentionConfig, g: C.Geometry, q, k, v, bias, mask, q_se
   if q_seg_p is not None:
     ins.add("q_seg", q_seg_p, _compat.block_spec((None, g.bq), lambda b, h, i: (b, i)))
     ins.add("kv_seg", kv_seg_p, _compat.block_spec((None, g.Skvp), lambda b, h, i: (b, 0)))
-  table = C.block_table(q_seg_p, kv_seg_p, mask_p, g)
-  if table is not None:
-    tb, th = table.shape[0], table.shape[1]
-    ins.add("table", table, _compat.block_spec(
-        (None, None, None, g.nk),
-        lambda b, h, i: (b if tb != 1 else 0, h if th != 1 else 0, i, 0)))
+  add_block_lists(ins, C.block_lists(cfg, g, q_seg_p, kv_seg_p, mask_p, by="q"), g)
   if cfg.dropout_active:
     ins.add("seed", seed, _full_spec(seed))
   for n, c in enumerate(consts):  # per-(b, h) score_mod residuals [B, H, ...]
@@ -79,6 +80,26 @@ def kernel_inputs(cfg: AttentionConfig, g: C.Geometry, q, k, v, bias, mask, q_se
     ins.add(f"const{n}", c, _compat.block_spec(
         (None, None) + c.shape[2:], functools.partial(lambda nd, b, h, i: (b, h) + (0,) * nd, nd)))
   return ins
+
+
+def add_block_lists(ins, lists, g: C.Geometry):
+  """Add `_common.block_lists(..., by="q")` for a (batch, head, q block) grid: this
+  program's row of lists; a broadcast (size-1) batch / head dim maps to 0."""
+  if lists is None:
+    return
+  counts, blocks = lists
+  Bl, Hl = counts.shape[0], counts.shape[1]
+  ins.add("counts", counts, _compat.block_spec(
+      (None, None, 2, g.nq), lambda b, h, i: (b if Bl != 1 else 0, h if Hl != 1 else 0, 0, 0)))
+  ins.add("lists", blocks, _compat.block_spec(
+      (None, None, None, 2, g.nk),
+      lambda b, h, i: (b if Bl != 1 else 0, h if Hl != 1 else 0, i, 0, 0)))
+
+
+def list_loops(r, i, body, carry):
+  """`_common.list_loops` over this q block's lists (the inputs of `add_block_lists`)."""
+  counts = (r["counts"][0, i], r["counts"][1, i])
+  return C.list_loops(counts, lambda kind, t: r["lists"][kind, t], body, carry)
 
 
 def pair_spec_q(x, g: C.Geometry):
@@ -113,41 +134,43 @@ def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
   consts = C.load_head_consts([r[f"const{n}"] for n in range(n_consts)], scalar)
   lo, hi = C.mask_spec(cfg).kv_block_range(i, g.bq, g.bk, g.nk)
 
-  def body(j, carry, masked):
-    def compute(carry):
-      m, l, o = carry
-      t = load_tile_inputs(r, g, b, h, i, j)
-      kv = _compat.ds(j * g.bk, g.bk)
-      s, _ = C.scores(cfg, g, q, r["k"][kv, :], t, consts, acc, masked)
-      m_new = jnp.maximum(m, s.max(axis=-1))
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      p = jnp.exp(s - m_safe[:, None])
-      alpha = jnp.exp(m - m_safe)
-      l = alpha * l + p.sum(axis=-1)
-      if cfg.dropout_active:
-        p = p * C.dropout_scale(cfg, g, r["seed"], t, acc)
-      vt = r["v"][kv, :]
-      o = alpha[:, None] * o + C.dot_nn(p.astype(vt.dtype), vt, acc)
-      return m_new, l, o
+  neg = C.mask_value(acc)
 
-    table = r["table"][j] if "table" in r else None
-    return C.maybe_skip(table, compute, carry)
+  def body(j, masked, carry):
+    m, l, o = carry
+    t = load_tile_inputs(r, g, b, h, i, j)
+    kv = _compat.ds(j * g.bk, g.bk)
+    s, ok, _ = C.scores(cfg, g, q, r["k"][kv, :], t, consts, acc, masked)
+    if ok is None:
+      m_new = jnp.maximum(m, s.max(axis=-1))
+      p = jnp.exp(s - m_new[:, None])
+    else:  # masked entries: out of the max, and p = exp(mask_value) = 0 by a select
+      m_new = jnp.maximum(m, jnp.where(ok, s, neg).max(axis=-1))
+      p = jnp.exp(jnp.where(ok, s - m_new[:, None], neg))
+    alpha = jnp.exp(m - m_new)
+    l = alpha * l + p.sum(axis=-1)
+    if cfg.dropout_active:
+      p = p * C.dropout_scale(cfg, g, r["seed"], t, acc)
+    vt = r["v"][kv, :]
+    o = alpha[:, None] * o + C.dot_nn(p.astype(vt.dtype), vt, acc)
+    return m_new, l, o
 
   def run(start, stop, masked, carry):
-    return lax.fori_loop(start, stop, functools.partial(body, masked=masked), carry)
+    return lax.fori_loop(start, stop, lambda j, c: body(j, masked, c), carry)
 
-  init = (jnp.full((g.bq,), -jnp.inf, acc), jnp.zeros((g.bq,), acc),
-          jnp.zeros((g.bq, g.Dvp), acc))
-  if not masked:
+  # m starts at mask_value (not -inf): a row that sees no allowed entry keeps l == 0.
+  init = (jnp.full((g.bq,), neg, acc), jnp.zeros((g.bq,), acc), jnp.zeros((g.bq, g.Dvp), acc))
+  if "lists" in r:  # segment ids / dense mask: the compacted block lists
+    m, l, o = list_loops(r, i, body, init)
+  elif not masked:
     m, l, o = run(lo, hi, False, init)
   else:
-    elementwise = "q_seg" in r or "mask" in r
-    full = None if elementwise else C.full_kv_blocks(cfg, g, i)
-    m, l, o = C.split_loop(run, lo, hi, full, init)
+    m, l, o = C.split_loop(run, lo, hi, C.full_kv_blocks(cfg, g, i), init)
   empty = l == 0.0
   o = o / jnp.where(empty, 1.0, l)[:, None]
   r["out"][...] = o.astype(r["out"].dtype)
-  r["lse"][...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+  # Empty (and padded) rows: lse = mask_value here, -inf outside the kernel (`forward`).
+  r["lse"][...] = jnp.where(empty, neg, m + jnp.log(jnp.where(empty, 1.0, l)))
 
 
 def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts):
@@ -183,4 +206,10 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
       interpret=cfg.interpret, name="flashvjp_fwd",
       num_warps=C.num_warps(g), num_stages=2,
   )(*ins.arrays)
-  return out[:, :, : g.Sq, : g.Dv], lse[:, :, : g.Sq]
+  lse = lse[:, :, : g.Sq]
+  # The API's -inf lse of an empty row, made outside the kernel after slicing off the
+  # padded rows, and by log(0) at the empty rows only: no array of -inf is built (a
+  # broadcast -inf operand would trip jax.debug_infs op by op) when no row is empty.
+  empty = lse == C.mask_value(acc)
+  lse = lse + jnp.log(jnp.where(empty, 0.0, 1.0).astype(acc))
+  return out[:, :, : g.Sq, : g.Dv], lse
