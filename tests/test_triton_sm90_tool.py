@@ -155,6 +155,12 @@ def test_render_and_summary():
   assert "| c1 | 0 | flashvjp_fwd | 4/2 | 1x2x3 | ok | 255 | 8/8 |" in md
   assert "**spills 8/8 B**" in md and "| c2 | | (export) |" in md
   assert "exit status 0 (--fail-on none; --fail-on all would exit 1)" in md
+  # JAX's mha rows are reported, never gated
+  data["cases"] = [dict(case="jax_mha_x", baseline="jax_mha", kernels=[k])]
+  data["summary"] = T.summarize(data, 1.0, 2)
+  assert (data["summary"]["failing_kernels"], data["summary"]["baseline_failing"]) == (0, 1)
+  assert T.exit_status(data, "all") == 0
+  assert "spills 8/8 B; stack 8 B; regs at 255 cap (baseline, not gated)" in T.render_md(data)
 
 
 def test_compare_before_after():
