@@ -738,7 +738,8 @@ def summarize(data: dict, seconds: float, jobs: int) -> dict:
 def run(case_re: str, jobs: int, out_dir: str, cache_dir: str, timeout_s: float) -> dict:
   os.makedirs(os.path.join(out_dir, "kernels"), exist_ok=True)
   os.makedirs(cache_dir, exist_ok=True)
-  names = [c.name for c in matrix() if not case_re or re.search(case_re, c.name)]
+  by_name = {c.name: c for c in matrix()}
+  names = [n for n in by_name if not case_re or re.search(case_re, n)]
   if not names:
     raise SystemExit(f"no case matches {case_re!r}")
   shards = [names[i::max(1, jobs)] for i in range(max(1, jobs))]
@@ -765,17 +766,16 @@ def run(case_re: str, jobs: int, out_dir: str, cache_dir: str, timeout_s: float)
       r = (json.loads(lines[-1][7:]) if lines else
            dict(ok=False, stage="crash", error=f"exit {p.returncode}: {p.stderr[-2000:]}"))
     except subprocess.TimeoutExpired:
-      r = dict(ok=False, stage="timeout", error=f"compile took over {timeout_s:.0f} s")
+      r = dict(ok=False, stage="timeout", error=f"compile took over {timeout_s:g} s")
     counts["compiled_now"] += 1
     if r.get("ok") or r.get("stage") not in ("timeout", "crash"):
       with open(cached + ".tmp", "w") as f:
         json.dump(r, f)
       os.replace(cached + ".tmp", cached)
-    r0 = r if r.get("ok") else r
     print(f"[compile] {k['name']} {k['key']}: " + (
-        f"regs={r0.get('regs')} spill={r0.get('spill_st')}/{r0.get('spill_ld')} "
-        f"smem={r0.get('shared')} {r0.get('seconds')}s" if r0.get("ok")
-        else f"FAIL at {r0.get('stage')}: {(r0.get('error') or '')[:200]}"), flush=True)
+        f"regs={r.get('regs')} spill={r.get('spill_st')}/{r.get('spill_ld')} "
+        f"smem={r.get('shared')} {r.get('seconds')}s" if r.get("ok")
+        else f"FAIL at {r.get('stage')}: {(r.get('error') or '')[:200]}"), flush=True)
     return r
 
   def read_shard(shard):
@@ -809,7 +809,8 @@ def run(case_re: str, jobs: int, out_dir: str, cache_dir: str, timeout_s: float)
     t.join(5)
     for name in shard:
       if name not in seen:  # the extraction process died
-        case_rows[name] = dict(case=name, error=f"extract process exit {p.returncode}: "
+        case_rows[name] = dict(case=name, baseline=by_name[name].baseline,
+                               error=f"extract process exit {p.returncode}: "
                                + "".join(err)[-2000:])
 
   t0 = time.time()
