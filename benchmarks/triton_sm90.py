@@ -22,6 +22,10 @@ that does not use wgmma. ``--fail-on compile`` fails only on export/compile fail
 findings are reported); ``--no-fail`` (alias ``--report-only``, = ``--fail-on none``) records the
 same report and exits 0, for a baseline while findings remain.
 
+Caveat: on a GPU, XLA compiles these kernels with the Triton built into jaxlib's CUDA plugin,
+not pip triton 3.6.0 (the GPU image's version), so registers and shared memory there may differ a
+little; the TTIR is the same.
+
 Processes: jax and pip triton each bundle their own MLIR, so extraction (jax) runs in
 ``--jobs`` shard processes and every kernel compiles in its own process (a compiler crash is a
 recorded failure). Kernels are compiled once per (TTIR, warps, stages, triton) hash and cached
