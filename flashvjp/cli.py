@@ -122,11 +122,16 @@ def _check(args) -> int:
 
 
 def _feature_arg(name: str) -> str:
+  """A feature name, or an unambiguous start of one ("window", "mask", "dropout")."""
   from flashvjp import _check as check
-  if name not in check.FEATURES:
+  if name in check.FEATURES:
+    return name
+  hits = [f for f in check.FEATURES if f.startswith(name)]
+  if len(hits) != 1:
     raise argparse.ArgumentTypeError(
-        f"unknown feature {name!r}; choose from: {', '.join(check.FEATURES)}")
-  return name
+        f"{'ambiguous' if hits else 'unknown'} feature {name!r}; choose from:"
+        f" {', '.join(check.FEATURES)}")
+  return hits[0]
 
 
 def main(argv=None) -> None:
@@ -140,8 +145,8 @@ def main(argv=None) -> None:
   c.add_argument("--skip-pallas", action="store_true",
                  help="check the blockwise path only (fast on a CPU, where Pallas is interpreted)")
   c.add_argument("--feature", nargs="+", type=_feature_arg, metavar="NAME",
-                 help="check only these features (quote names with spaces or parentheses),"
-                 " e.g. --feature causal 'dropout 0.2'")
+                 help="check only these features (a name or its start), e.g."
+                 " --feature causal window dropout")
   c.set_defaults(func=_check)
   b = _bench.add_bench_parser(sub)
   b.set_defaults(func=_bench.run_bench)

@@ -51,6 +51,14 @@ def test_check_prints_each_row_and_a_summary(capsys):
 def test_check_rejects_unknown_feature(capsys):
   assert _run_main(["check", "--feature", "flash"]) == 2  # argparse's usage error
   assert "unknown feature 'flash'" in capsys.readouterr().err
+  assert _run_main(["check", "--feature", "s"]) == 2  # segment_ids or softcap
+  assert "ambiguous feature 's'" in capsys.readouterr().err
+
+
+def test_feature_names_by_their_start():
+  assert cli._feature_arg("dropout") == "dropout 0.2"
+  assert cli._feature_arg("window") == "window(8,4)"
+  assert cli._feature_arg("causal") == "causal"
 
 
 def test_run_reports_rows_as_they_finish_and_unsupported_features(monkeypatch):
