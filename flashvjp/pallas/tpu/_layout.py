@@ -109,8 +109,8 @@ def static_tiles(cfg: AttentionConfig, g: C.Geometry, by: str = "q") -> int:
 class Lists:
   """Static layout of the flat SMEM block lists (arrays travel as scalar-prefetch args).
 
-  counts: int32 [Bl * Hl * R]; entries: int32 [Bl * Hl * R * W], entry = 2 * block +
-  needs_mask. Bl / Hl / R are 1 when the lists do not vary along batch / heads / rows.
+  counts: [Bl * Hl * R]; entries: [Bl * Hl * R * W], entry = 2 * block + needs_mask
+  (int16 when they fit, else int32; read back as int32). Bl / Hl / R are 1 when the lists do not vary along batch / heads / rows.
   """
 
   Bl: int
@@ -125,7 +125,10 @@ class Lists:
     return (bb * self.Hl + hh) * self.R + rr
 
   def entry(self, ent_ref, b, h, r, s):
-    return ent_ref[self.row(b, h, r) * self.W + s]
+    return ent_ref[self.row(b, h, r) * self.W + s].astype(jnp.int32)
+
+  def count(self, cnt_ref, b, h, r):
+    return cnt_ref[self.row(b, h, r)].astype(jnp.int32)
 
 
 def visit_lists(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p, by: str):
@@ -155,15 +158,17 @@ def visit_lists(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p, 
   posw = lax.broadcasted_iota(jnp.int32, keys.shape, keys.ndim - 1)
   entries = jnp.where(posw < count[..., None], keys, last).astype(jnp.int32)
   Bl, Hl, R = count.shape
-  return Lists(Bl, Hl, R, W), count.reshape(-1), entries.reshape(-1)
+  # SMEM is small: int16 words when the entries fit (as splash attention downcasts).
+  small = jnp.int16 if 2 * n_cols + 2 < 2**15 else jnp.int32
+  return Lists(Bl, Hl, R, W), count.reshape(-1).astype(small), entries.reshape(-1).astype(small)
 
 
 def block_class_table(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p):
-  """(Bl, Hl, flat int32 [Bl * Hl * nq * nk]): EMPTY / PARTIAL / FULL per block pair."""
+  """(Bl, Hl, flat int8 [Bl * Hl * nq * nk]): EMPTY / PARTIAL / FULL per block pair (SMEM)."""
   cls = _mask.block_classes(C.mask_spec(cfg), q_seg_p, kv_seg_p, mask_p, g.bq, g.bk, g.nq,
                             g.nk)
   cls = jnp.broadcast_to(cls, cls.shape[:2] + (g.nq, g.nk))
-  return cls.shape[0], cls.shape[1], cls.astype(jnp.int32).reshape(-1)
+  return cls.shape[0], cls.shape[1], cls.astype(jnp.int8).reshape(-1)
 
 
 def maybe_partial(cfg: AttentionConfig, g: C.Geometry, has_seg: bool, has_mask: bool) -> bool:
@@ -283,7 +288,8 @@ def scores(cfg: AttentionConfig, g: C.Geometry, q, k, t: Tile, consts, acc, mask
           lambda s_, c_: _score_mod.apply(cfg.score_mod, tuple(c_) + fixed, s_, t.b, t.h, qi, ki),
           s, tuple(diff_consts))
   if masked:
-    dense = None if t.mask is None else (t.mask != 0)
+    # int8 tile widened before the compare (int8 vector compares are not on every TPU).
+    dense = None if t.mask is None else (t.mask.astype(jnp.int32) != 0)
     ok = C.mask_spec(cfg).allowed(qi, ki, q_seg=t.q_seg, kv_seg=t.kv_seg, dense=dense)
     s = jnp.where(ok, s, -jnp.inf)
   return s, sm_vjp

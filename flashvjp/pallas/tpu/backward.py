@@ -248,6 +248,7 @@ def _dbias_kernel(cls_ref, *refs, cfg, g: C.Geometry, names, meta, may_mask, bia
   b, h, i, j = _decode(pids, bias_shape, red)
   rr = pids[4]
   c = cls_ref[(((b if Bl != 1 else 0) * Hl + (h if Hl != 1 else 0)) * g.nq + i) * g.nk + j]
+  c = c.astype(jnp.int32)
 
   @pl.when(rr == 0)
   def _init():

@@ -124,7 +124,7 @@ def prepare(cfg, g, q_seg, kv_seg, mask, by):
 def step_info(lists: Lo.Lists, cnt_ref, ent_ref, b, h, row, s):
   """(active, block, needs_mask) of step s of `row`'s list."""
   e = lists.entry(ent_ref, b, h, row, s)
-  return s < cnt_ref[lists.row(b, h, row)], Lo.div(e, 2), Lo.rem(e, 2) == 1
+  return s < lists.count(cnt_ref, b, h, row), Lo.div(e, 2), Lo.rem(e, 2) == 1
 
 
 def when_active(active, partial, may_mask: bool, compute):
