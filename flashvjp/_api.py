@@ -20,6 +20,7 @@ from flashvjp import _dropout
 from flashvjp import _score_mod
 from flashvjp import _vjp
 from flashvjp import reference
+from flashvjp import _config
 from flashvjp._config import AttentionConfig, BlockSizes, default_block_sizes
 
 _FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
@@ -166,7 +167,10 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       implementation, interpret=interpret, query_shape=query.shape, key_shape=key.shape,
       value_shape=value.shape, dtype=query.dtype, has_score_mod=score_mod is not None,
       has_dropout=dropout_active, score_mod=sm_fn, score_mod_consts=consts)
-  defaults = default_block_sizes(decision.implementation, decision.interpret)
+  precision = _config.canonical_precision(jax.config.jax_default_matmul_precision)
+  defaults = default_block_sizes(decision.implementation, decision.interpret,
+                                 head_dim=max(D, value.shape[3]), dtype=query.dtype,
+                                 precision=precision)
   if block_q is None and block_kv is None:
     blocks = defaults  # includes the tuned backward block sizes
   else:
@@ -175,7 +179,7 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       scale=scale, causal=bool(causal), window=window, seq_q=Sq, seq_kv=Skv,
       dropout_rate=float(dropout_rate) if dropout_active else 0.0, blocks=blocks,
       score_mod=sm_fn, num_diff_consts=n_diff, interpret=decision.interpret,
-      implementation=decision.implementation,
+      implementation=decision.implementation, precision=precision,
       dropout_broadcast=dropout_broadcast if dropout_active else (False, False))
   seed = _dropout.seed_from_key(dropout_rng) if dropout_active else None
   if not allow_shapes:
@@ -205,13 +209,16 @@ def _check_scale(scale, head_dim):
   return 1.0, jnp.reshape(scale, ())
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _run(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scale_array):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("return_lse",))
+def _run(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scale_array,
+         return_lse=True):
   """The attention body, jitted on the static config: compiled once per configuration.
 
   Outside jit, every call with the same shapes, dtypes and options reuses one
   executable (the score_mod in cfg compares by its traced computation); inside a
-  user's jit it is an inlined nested call.
+  user's jit it is an inlined nested call. Returns (out, lse), or (out, None) without
+  return_lse: lse is then no output of the jit, so an empty row's -inf lse is never
+  materialized (nor seen by jax.debug_infs, which checks a jit's outputs).
   """
   if scale_array is not None:
     # A traced scale: pre-scale the query in the accumulation dtype (rounded once to the
@@ -219,10 +226,12 @@ def _run(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
     acc = jnp.promote_types(q.dtype, jnp.float32)
     q = (q.astype(acc) * scale_array.astype(acc)).astype(q.dtype)
   if cfg.implementation == "naive":
-    return reference.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
-  n = cfg.num_diff_consts
-  return _vjp.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
-                        tuple(consts[:n]), tuple(consts[n:]))
+    out, lse = reference.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
+  else:
+    n = cfg.num_diff_consts
+    out, lse = _vjp.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
+                              tuple(consts[:n]), tuple(consts[n:]))
+  return (out, lse) if return_lse else (out, None)
 
 
 def flash_attention(
@@ -282,7 +291,7 @@ def flash_attention(
       block_q=block_q, block_kv=block_kv, interpret=interpret,
       dropout_broadcast=dropout_broadcast)
   _dispatch.log(decision)
-  out, lse = _run(cfg, *arrays)
+  out, lse = _run(cfg, *arrays, return_lse=bool(return_lse))
   return (out, lse) if return_lse else out
 
 

@@ -46,22 +46,106 @@ class BlockSizes:
 # 512x512 514 / 801 (and twice the temp memory: 30 vs 16 MiB). 256x256 tiles keep the
 # matmuls efficient while skipping most of the causal triangle.
 BLOCKWISE_DEFAULT = BlockSizes(block_q=256, block_kv=256)
-# Pallas on GPU: forward 128x64 tiles; backward 64x64 (the dK/dV and dQ kernels keep two
-# [64, head_dim] float32 accumulators in registers). Untuned: benchmarks/gpu_check.py
-# sweeps alternatives. Head dims > 128 shrink them further (flashvjp.pallas._common).
-PALLAS_GPU_DEFAULT = BlockSizes(block_q=128, block_kv=64, block_q_dkv=64, block_kv_dkv=64,
-                                block_q_dq=64, block_kv_dq=64)
 PALLAS_INTERPRET_DEFAULT = BlockSizes(block_q=64, block_kv=64)
 
 
-def default_block_sizes(implementation: str, interpret: bool) -> BlockSizes:
+# ---- Pallas-Triton launch table -------------------------------------------------------------
+# Float32 matmul precision, as jax.default_matmul_precision names it, reduced to what the
+# kernels' float32 dots do (16-bit inputs are unaffected):
+#   "default": TF32 on the GPU (jax.nn's float32 default there; 10 explicit mantissa bits,
+#              the tensor cores ignore the low 13 bits of each operand),
+#   "highest": full float32 (Triton's 3xTF32 split: three TF32 products, float32 accuracy).
+PRECISIONS = ("default", "highest")
+_PRECISION_NAMES = {
+    None: "default", "default": "default", "fastest": "default", "bfloat16": "default",
+    "tensorfloat32": "default", "high": "default", "DEFAULT": "default", "HIGH": "default",
+    "TF32_TF32_F32": "default",
+    "highest": "highest", "float32": "highest", "HIGHEST": "highest", "F32_F32_F32": "highest",
+    "TF32_TF32_F32_X3": "highest",
+}
+
+
+def canonical_precision(value) -> str:
+  """`jax.default_matmul_precision` value -> one of PRECISIONS (ValueError otherwise)."""
+  name = getattr(value, "name", value)  # a lax.Precision / DotAlgorithmPreset member
+  if name in _PRECISION_NAMES:
+    return _PRECISION_NAMES[name]
+  raise ValueError(
+      f"jax_default_matmul_precision={value!r} is not supported by flashvjp's kernels; use None,"
+      " 'default', 'bfloat16', 'tensorfloat32', 'high' (TF32 float32 matmuls on GPU) or 'highest',"
+      " 'float32' (full float32)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """Launch parameters of one Pallas-Triton kernel."""
+
+  block_q: int
+  block_kv: int
+  num_warps: int
+  num_stages: int
+
+
+def head_dim_bucket(head_dim: int) -> int:
+  """The padded head dim the kernels see (a power of 2, 64..256; smaller ones share 64's row)."""
+  b = 64
+  while b < head_dim:
+    b *= 2
+  return b
+
+
+def matmul_kind(dtype, precision: str) -> str:
+  """"16bit" (bf16/f16 operands), "tf32" or "f32" (float32 operands at `precision`)."""
+  import numpy as np
+  if np.dtype(dtype).itemsize <= 2:
+    return "16bit"
+  return "f32" if precision == "highest" else "tf32"
+
+
+# (padded head dim, matmul kind, kernel role) -> Launch. Roles: "fwd" (rows = block_q),
+# "dkdv" (rows = block_kv; dbias shares its blocks), "dq" (rows = block_q), "dbias".
+# Chosen from the sm_90a compile check (Triton 3.6 + ptxas, no GPU): no register spill,
+# shared memory <= 227 KiB, >= 64-row tiles so every dot is a wgmma. Rationale per entry
+# in benchmarks/results/triton_sm90.md; see _config_table() below for the measured rows.
+LAUNCH_TABLE = {}
+
+
+def _fill(hd, kind, fwd, dkdv, dq, dbias=None):
+  for role, p in (("fwd", fwd), ("dkdv", dkdv), ("dq", dq), ("dbias", dbias or dkdv)):
+    LAUNCH_TABLE[(hd, kind, role)] = Launch(*p)
+
+
+#      head dim, kind      fwd (bq, bk, warps, stages)  dK/dV            dQ               dbias
+_fill(64, "16bit", (128, 64, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2))
+_fill(128, "16bit", (128, 64, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2))
+_fill(256, "16bit", (64, 32, 8, 2), (16, 64, 8, 2), (64, 32, 8, 2))
+_fill(64, "tf32", (128, 64, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2))
+_fill(128, "tf32", (128, 64, 8, 2), (16, 64, 8, 2), (64, 32, 8, 2))
+_fill(256, "tf32", (64, 16, 8, 2), (16, 64, 8, 2), (32, 32, 8, 2))
+_fill(64, "f32", (64, 64, 4, 2), (16, 64, 4, 2), (64, 32, 8, 2))
+_fill(128, "f32", (32, 32, 4, 2), (16, 64, 8, 2), (16, 32, 4, 2))
+_fill(256, "f32", (16, 16, 4, 2), (16, 16, 4, 2), (16, 16, 4, 2))
+
+
+def launch(head_dim: int, dtype, precision: str, role: str) -> Launch:
+  """The table's launch parameters for one kernel (head_dim: the larger of D and Dv)."""
+  return LAUNCH_TABLE[(head_dim_bucket(head_dim), matmul_kind(dtype, precision), role)]
+
+
+def default_block_sizes(implementation: str, interpret: bool, head_dim: int = 64,
+                        dtype="bfloat16", precision: str = "default") -> BlockSizes:
   """Default blocks of a concrete implementation ("pallas_triton", "blockwise", ...).
 
-  Compiled Pallas-Triton kernels get the GPU table whatever the host (an export for
-  CUDA on a CPU host compiles what a GPU would); interpret mode gets small blocks.
+  Compiled Pallas-Triton kernels get the launch table's blocks for (head_dim, dtype,
+  precision) whatever the host (an export for CUDA on a CPU host compiles what a GPU
+  would); interpret mode gets small blocks.
   """
   if implementation == "pallas_triton":
-    return PALLAS_INTERPRET_DEFAULT if interpret else PALLAS_GPU_DEFAULT
+    if interpret:
+      return PALLAS_INTERPRET_DEFAULT
+    f, dkv, dq = (launch(head_dim, dtype, precision, r) for r in ("fwd", "dkdv", "dq"))
+    return BlockSizes(block_q=f.block_q, block_kv=f.block_kv, block_q_dkv=dkv.block_q,
+                      block_kv_dkv=dkv.block_kv, block_q_dq=dq.block_q, block_kv_dq=dq.block_kv)
   if implementation == "pallas_tpu":
     return PALLAS_TPU_INTERPRET_DEFAULT if interpret else PALLAS_TPU_DEFAULT
   return BLOCKWISE_DEFAULT
@@ -75,6 +159,10 @@ PALLAS_TPU_DEFAULT = BlockSizes(block_q=256, block_kv=512, block_q_dkv=256, bloc
                                 block_q_dq=256, block_kv_dq=256)
 # Interpret mode (CPU tests): small q blocks; kv blocks are rounded up to 128 lanes anyway.
 PALLAS_TPU_INTERPRET_DEFAULT = BlockSizes(block_q=64, block_kv=128)
+
+
+# The GPU defaults at head_dim 64, bfloat16 (what the benchmarks' tables name "default").
+PALLAS_GPU_DEFAULT = default_block_sizes("pallas_triton", False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +190,9 @@ class AttentionConfig:
   num_diff_consts: int = 0  # the first num_diff_consts score_mod consts are differentiable
   interpret: bool = False
   implementation: str = "blockwise"  # one of flashvjp._dispatch.CONCRETE
-  # Dropout keep-mask shared across (batch, heads) where True (Flax's broadcast_dropout):
-  # the counter hash then sees b = 0 / h = 0 (flashvjp._dropout.hash_coords).
-  dropout_broadcast: Tuple[bool, bool] = (False, False)
+  # float32 matmuls: "default" (TF32 on GPU, as jax.nn) or "highest" (full float32);
+  # from jax.default_matmul_precision when the call is prepared (_config.PRECISIONS).
+  precision: str = "default"
   # Dropout keep-mask shared across (batch, heads) where True (Flax's broadcast_dropout):
   # the counter hash then sees b = 0 / h = 0 (flashvjp._dropout.hash_coords).
   dropout_broadcast: Tuple[bool, bool] = (False, False)

@@ -13,12 +13,17 @@ import numpy as np
 
 import flashvjp
 
-from flashvjp._check import TOL  # the one tolerance table, stated in the package
+from flashvjp._check import TOL, tolerance  # the one tolerance table, stated in the package
 
 
-def assert_close(got, ref, dtype, what=""):
-  """Every leaf of `got` matches the float64 `ref` within TOL[dtype] of its scale; no NaN."""
-  tol = TOL[jnp.dtype(dtype)]
+def assert_close(got, ref, dtype, what="", impl="naive"):
+  """Every leaf of `got` matches the float64 `ref` within the tolerance of its scale; no NaN.
+
+  The tolerance is `flashvjp._check.tolerance(dtype, impl)`: TOL[dtype], or TOL_TF32 for
+  float32 through Pallas-Triton at the default matmul precision (TF32 on the GPU, emulated
+  in interpret mode).
+  """
+  tol = tolerance(dtype, impl)
   got_l, ref_l = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)
   assert len(got_l) == len(ref_l), what
   for n, (g, r) in enumerate(zip(got_l, ref_l)):

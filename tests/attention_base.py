@@ -128,7 +128,8 @@ class AttentionTests:
   def check(self, name, dtype, **kw):
     got = run_case(self.IMPLEMENTATION, name, dtype, extra=self.EXTRA_KWARGS, **kw)
     ref = run_case("naive", name, dtype, **kw)
-    _util.assert_close(got, ref, dtype, what=f"{self.IMPLEMENTATION}/{name}/{jnp.dtype(dtype).name}")
+    _util.assert_close(got, ref, dtype, what=f"{self.IMPLEMENTATION}/{name}/{jnp.dtype(dtype).name}",
+                       impl=self.IMPLEMENTATION)
 
   @pytest.mark.parametrize("name", sorted(CASES))
   def test_feature_float32(self, name):

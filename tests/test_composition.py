@@ -23,7 +23,7 @@ def test_jit_and_value_and_grad(impl):
   f = lambda q, k, v, impl: jnp.sum(jnp.sin(attn(q, k, v, implementation=impl)))
   got = jax.jit(jax.value_and_grad(f, (0, 1, 2)), static_argnums=3)(q, k, v, impl)
   ref = jax.value_and_grad(f, (0, 1, 2))(*_util.as64((q, k, v)), "naive")
-  _util.assert_close(got, ref, jnp.float32)
+  _util.assert_close(got, ref, jnp.float32, impl=impl)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -33,7 +33,7 @@ def test_vmap_over_extra_axis(impl):
   g = jax.vmap(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v, implementation=impl) ** 2), (0, 1, 2)))
   got = g(qs, ks, vs)
   ref = jax.vmap(jax.grad(lambda q, k, v: jnp.sum(_ref(q, k, v) ** 2), (0, 1, 2)))(*_util.as64((qs, ks, vs)))
-  _util.assert_close(got, ref, jnp.float32)
+  _util.assert_close(got, ref, jnp.float32, impl=impl)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -42,7 +42,7 @@ def test_remat(impl):
   f = jax.checkpoint(lambda q, k, v: jnp.sum(attn(q, k, v, implementation=impl) ** 2))
   got = jax.grad(f, (0, 1, 2))(q, k, v)
   ref = jax.grad(lambda q, k, v: jnp.sum(_ref(q, k, v) ** 2), (0, 1, 2))(*_util.as64((q, k, v)))
-  _util.assert_close(got, ref, jnp.float32)
+  _util.assert_close(got, ref, jnp.float32, impl=impl)
 
 
 def _layers(x, ws, impl):
@@ -61,7 +61,7 @@ def test_scan_over_layers(impl):
   f = lambda x, ws, impl: jnp.sum(_layers(x, ws, impl) ** 2)
   got = jax.jit(jax.value_and_grad(f, (0, 1)), static_argnums=2)(x, ws, impl)
   ref = jax.value_and_grad(f, (0, 1))(*_util.as64((x, ws)), "naive")
-  _util.assert_close(got, ref, jnp.float32)
+  _util.assert_close(got, ref, jnp.float32, impl=impl)
 
 
 def test_training_loop_loss_decreases_identically():

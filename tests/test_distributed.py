@@ -206,7 +206,8 @@ def test_ring_pallas_interpret_matches_naive():
   got = prog(*(flashvjp.to_zigzag(x, n) for x in (q, k, v, dout, dlse)), ids, ids)
   ref = _naive_vjp(*_util.as64((q, k, v, dout, dlse)), causal=True, segment_ids=None)
   for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
-    _util.assert_close(flashvjp.from_zigzag(g, n), r, jnp.float32, f"pallas ring {name}")
+    _util.assert_close(flashvjp.from_zigzag(g, n), r, jnp.float32, f"pallas ring {name}",
+                       impl="pallas")
 
 
 def test_ring_memory_per_device_shrinks_with_devices():
@@ -257,7 +258,8 @@ def test_jit_batch_head_sharding_has_no_collectives(spec, segments, implementati
   assert _collectives(compiled) == set(), _collectives(compiled)
   got = compiled(q, k, v, dout, ids)
   ref = f(*_util.as64((q, k, v, dout)), ids, impl="naive")
-  _util.assert_close(got, ref, jnp.float32, f"sharded {spec} {implementation}")
+  _util.assert_close(got, ref, jnp.float32, f"sharded {spec} {implementation}",
+                     impl=implementation)
 
 
 @pytest.mark.parametrize("case", ["bias_mask", "alibi_dropout", "seq_sharded"])
@@ -327,7 +329,7 @@ def test_sharded_attention_batch_heads_and_ring():
   q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
   got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q32, k32, v32)
   ref = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
-  _util.assert_close(got, ref, jnp.float32, "batch x heads, pallas grads")
+  _util.assert_close(got, ref, jnp.float32, "batch x heads, pallas grads", impl="pallas")
 
   mesh = _mesh((2, 4), ("b", "sp"))
   bias = jax.random.normal(jax.random.key(6), (1, 4, seq, seq), jnp.float64)

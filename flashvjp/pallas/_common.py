@@ -7,6 +7,7 @@ block lists) or inside a kernel body on one [block_q, block_kv] tile.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -16,6 +17,7 @@ from jax import lax
 from flashvjp import _dropout
 from flashvjp import _mask
 from flashvjp import _score_mod
+from flashvjp import _config
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _compat
 
@@ -45,6 +47,8 @@ class Geometry:
   bk: int
   Dp: int
   Dvp: int
+  num_warps: int = 4  # launch parameters (from _config.LAUNCH_TABLE via `geometry`)
+  num_stages: int = 2
 
   @property
   def G(self) -> int:
@@ -81,28 +85,37 @@ def padded_head_dim(d: int) -> int:
   return max(MIN_TRITON_DIM, _compat.next_power_of_2(d))
 
 
-# Head dims above 128 shrink the blocks: the accumulators ([rows, head_dim] float32)
-# live in registers under Triton. "rows" is bq in the forward / dQ kernels and bk in
-# the dK/dV kernel.
-LARGE_HEAD_DIM = 128
-LARGE_HEAD_BLOCK = 64
-LARGE_HEAD_ACC_ROWS = 32
+# Head dims above this take at most the launch table's blocks, whatever the caller asked:
+# the accumulators ([rows, head_dim] float32) live in registers under Triton, and larger
+# tiles spill ("rows" is bq in the forward / dQ kernels and bk in the dK/dV kernel).
+CAPPED_HEAD_DIM = 128
 
 
 def geometry(cfg: AttentionConfig, q_shape, k_shape, v_shape, block_q, block_kv,
-             role: str = "fwd") -> Geometry:
-  """Geometry of one kernel; `role` ("fwd", "dkdv" or "dq") picks the accumulator rows."""
+             role: str = "fwd", dtype=jnp.bfloat16) -> Geometry:
+  """Geometry and launch parameters of one kernel (`role`: "fwd", "dkdv", "dq" or "dbias").
+
+  num_warps / num_stages come from `_config.LAUNCH_TABLE` for (head dim, dtype,
+  cfg.precision, role); so do the blocks for head dims > CAPPED_HEAD_DIM (as an upper bound).
+  """
   B, H, Sq, D = q_shape
   Hkv, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
   Dp, Dvp = padded_head_dim(D), padded_head_dim(Dv)
   bq, bk = effective_block(block_q, Sq), effective_block(block_kv, Skv)
-  if max(Dp, Dvp) > LARGE_HEAD_DIM:
-    bq, bk = min(bq, LARGE_HEAD_BLOCK), min(bk, LARGE_HEAD_BLOCK)
-    if role == "dkdv":
-      bk = min(bk, LARGE_HEAD_ACC_ROWS)
-    else:
-      bq = min(bq, LARGE_HEAD_ACC_ROWS if role == "dq" else LARGE_HEAD_BLOCK)
-  return Geometry(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=Dv, bq=bq, bk=bk, Dp=Dp, Dvp=Dvp)
+  table = _config.launch(max(Dp, Dvp), dtype, cfg.precision, role)
+  if max(Dp, Dvp) > CAPPED_HEAD_DIM:
+    bq, bk = min(bq, table.block_q), min(bk, table.block_kv)
+  rows, table_rows = ((bk, table.block_kv) if role in ("dkdv", "dbias") else (bq, table.block_q))
+  warps = table.num_warps if rows >= min(table_rows, 64) else min(table.num_warps, 4)
+  return Geometry(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=Dv, bq=bq, bk=bk, Dp=Dp, Dvp=Dvp,
+                  num_warps=warps, num_stages=table.num_stages)
+
+
+def relaunch(cfg: AttentionConfig, g: Geometry, role: str, dtype) -> Geometry:
+  """`g` (same blocks) with the launch table's num_warps / num_stages of another role."""
+  table = _config.launch(max(g.Dp, g.Dvp), dtype, cfg.precision, role)
+  warps = table.num_warps if g.bk >= 64 else min(table.num_warps, 4)
+  return dataclasses.replace(g, num_warps=warps, num_stages=table.num_stages)
 
 
 def mask_spec(cfg: AttentionConfig) -> _mask.MaskSpec:
@@ -307,19 +320,69 @@ def list_loops(counts, block_at, body, carry):
 
 # ---- per-tile math (inside kernel bodies) --------------------------------------
 
-def dot_nt(a, b, acc):
-  """a [m, d] @ b[n, d]^T -> [m, n] in `acc`."""
-  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+# What "highest" asks of Triton for float32 operands: the 3xTF32 split (float32 accuracy on
+# the tensor cores, wgmma kept) rather than IEEE FMA loops, which spill tens of KB.
+HIGHEST_F32_ALGORITHM = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
-def dot_nn(a, b, acc):
-  """a [m, k] @ b [k, n] -> [m, n] in `acc`."""
-  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=acc)
+def tf32_truncate(x):
+  """float32 -> what a TF32 tensor-core operand holds: the low 13 mantissa bits dropped."""
+  u = lax.bitcast_convert_type(x, jnp.uint32)
+  return lax.bitcast_convert_type(u & jnp.uint32(0xFFFFE000), jnp.float32)
 
 
-def dot_tn(a, b, acc):
-  """a [k, m]^T @ b [k, n] -> [m, n] in `acc`."""
-  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=acc)
+def tf32_round(x):
+  """float32 rounded to TF32, to nearest with ties away from zero (PTX cvt.rna.tf32.f32)."""
+  u = lax.bitcast_convert_type(x, jnp.uint32)
+  r = lax.bitcast_convert_type((u + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000), jnp.float32)
+  return jnp.where(jnp.isfinite(x), r, x)
+
+
+def dot_kind(cfg: Optional[AttentionConfig], dtype) -> str:
+  """How a dot on `dtype` operands runs: "native" (16-bit / float64 / no config), "tf32",
+  "tf32x3" (the float32 "highest" precision)."""
+  if cfg is None or jnp.dtype(dtype) != jnp.float32:
+    return "native"
+  return "tf32x3" if cfg.precision == "highest" else "tf32"
+
+
+def _emulated_dot(a, b, dims, acc, kind):
+  """Interpret mode: the float32 dot the GPU's tensor cores compute, on the CPU."""
+  dot = functools.partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=acc,
+                          precision=lax.Precision.HIGHEST)
+  if kind == "tf32":
+    return dot(tf32_truncate(a), tf32_truncate(b))
+  # Triton's 3xTF32 (F32DotTC pass): big = cvt.rna(x), small = x - big; the tensor cores
+  # read `small` as TF32 (truncated); small*big + big*small (NaN -> 0) + big*big.
+  a_big, b_big = tf32_round(a), tf32_round(b)
+  a_small, b_small = tf32_truncate(a - a_big), tf32_truncate(b - b_big)
+  low = dot(a_small, b_big) + dot(a_big, b_small)
+  return dot(a_big, b_big) + jnp.where(jnp.isnan(low), jnp.zeros_like(low), low)
+
+
+def _dot(a, b, dims, acc, cfg):
+  kind = dot_kind(cfg, a.dtype)
+  if kind == "native":
+    return lax.dot_general(a, b, dims, preferred_element_type=acc)
+  if cfg.interpret:
+    return _emulated_dot(a, b, dims, acc, kind)
+  precision = lax.Precision.DEFAULT if kind == "tf32" else HIGHEST_F32_ALGORITHM
+  return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc)
+
+
+def dot_nt(a, b, acc, cfg: Optional[AttentionConfig] = None):
+  """a [m, d] @ b[n, d]^T -> [m, n] in `acc`; float32 operands at cfg.precision."""
+  return _dot(a, b, (((1,), (1,)), ((), ())), acc, cfg)
+
+
+def dot_nn(a, b, acc, cfg: Optional[AttentionConfig] = None):
+  """a [m, k] @ b [k, n] -> [m, n] in `acc`; float32 operands at cfg.precision."""
+  return _dot(a, b, (((1,), (0,)), ((), ())), acc, cfg)
+
+
+def dot_tn(a, b, acc, cfg: Optional[AttentionConfig] = None):
+  """a [k, m]^T @ b [k, n] -> [m, n] in `acc`; float32 operands at cfg.precision."""
+  return _dot(a, b, (((0,), (0,)), ((), ())), acc, cfg)
 
 
 def tile_indices(g: Geometry, i, j):
@@ -368,7 +431,7 @@ def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, 
   the third result maps d(score) [bq, bk] -> (d(pre-mod score), d(diff consts)).
   `consts` are then the fixed (non-differentiable) consts only.
   """
-  s = dot_nt(q, k, acc) * jnp.asarray(cfg.scale, acc)
+  s = dot_nt(q, k, acc, cfg) * jnp.asarray(cfg.scale, acc)
   if t.bias is not None:
     s = s + t.bias.astype(acc)
   qi, ki = tile_indices(g, t.i, t.j)
@@ -431,4 +494,5 @@ split_loop = _mask.split_loop
 
 
 def num_warps(g: Geometry) -> int:
-  return 4 if max(g.Dp, g.Dvp) <= 64 else 8
+  """The launch table's num_warps for this kernel (kept for callers of the old helper)."""
+  return g.num_warps

@@ -60,7 +60,7 @@ def _tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, maske
   if ok is not None:  # p = exp(mask_value) = 0 on masked entries, whatever the row's lse
     d = jnp.where(ok, d, C.mask_value(acc))
   p = jnp.exp(d)
-  dp = C.dot_nt(do, v, acc)
+  dp = C.dot_nt(do, v, acc, cfg)
   pd = p
   if cfg.dropout_active:
     keep = C.dropout_scale(cfg, g, seed_ref, t, acc)
@@ -125,9 +125,9 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked):
         t.q_seg = r["q_seg"][rows]
       pd, ds, _ = _tile_grads(cfg, g, q, k, v, do, r["lse"][gi, rows], r["delta"][gi, rows],
                               t, consts, r.get("seed"), acc, masked, 0)
-      dv = dv + C.dot_tn(pd.astype(do.dtype), do, acc)
+      dv = dv + C.dot_tn(pd.astype(do.dtype), do, acc, cfg)
       ds = ds * jnp.asarray(cfg.scale, acc)
-      dk = dk + C.dot_tn(ds.astype(q.dtype), q, acc)
+      dk = dk + C.dot_tn(ds.astype(q.dtype), q, acc, cfg)
       return dk, dv
 
     def run(start, stop, masked, carry):
@@ -198,7 +198,7 @@ def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_s
       out_specs=(_compat.block_spec((None, None, g.bk, g.Dp), lambda b, h, j: (b, h, j, 0)),
                  _compat.block_spec((None, None, g.bk, g.Dvp), lambda b, h, j: (b, h, j, 0))),
       interpret=cfg.interpret, name="flashvjp_bwd_dkdv",
-      num_warps=C.num_warps(g), num_stages=2,
+      num_warps=g.num_warps, num_stages=g.num_stages,
   )(*ins.arrays)
 
 
@@ -222,7 +222,7 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, n_diff, maske
     _, ds, dc = _tile_grads(cfg, g, q, k, r["v"][cols, :], do, lse, delta, t, consts,
                             r.get("seed"), acc, masked, n_diff)
     ds = ds * jnp.asarray(cfg.scale, acc)
-    dq = dq + C.dot_nn(ds.astype(k.dtype), k, acc)
+    dq = dq + C.dot_nn(ds.astype(k.dtype), k, acc, cfg)
     dcs = tuple(a + c.astype(a.dtype) for a, c in zip(dcs, dc))
     return dq, dcs
 
@@ -261,7 +261,7 @@ def _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop, l
   outs = _compat.pallas_call(
       kernel, out_shape=tuple(out_shape), grid=(g.B, g.H, g.nq), in_specs=ins.specs,
       out_specs=tuple(out_specs), interpret=cfg.interpret, name="flashvjp_bwd_dq",
-      num_warps=C.num_warps(g), num_stages=2,
+      num_warps=g.num_warps, num_stages=g.num_stages,
   )(*ins.arrays)
   dq, partials = outs[0], outs[1:]
   dres = tuple(p.sum(axis=2) for p in partials)  # [B, H, ...]
@@ -362,11 +362,12 @@ def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_
   kernel = functools.partial(_dbias_kernel, cfg=cfg, g=g, names=ins.names, n_consts=len(consts),
                              scalar=scalar, masked=masked, bias_shape=bias_p.shape)
   grid = (Bb, Hb, g.nq if Sqb != 1 else 1, g.nk if Skb != 1 else 1)
+  gb = C.relaunch(cfg, g, "dbias", qp.dtype)
   return _compat.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct(bias_p.shape, acc), grid=grid, in_specs=ins.specs,
       out_specs=_compat.block_spec((None, None, bq, bk), lambda b, h, i, j: (b, h, i, j)),
       interpret=cfg.interpret, name="flashvjp_bwd_dbias",
-      num_warps=C.num_warps(g), num_stages=2,
+      num_warps=gb.num_warps, num_stages=gb.num_stages,
   )(*ins.arrays)
 
 
@@ -398,7 +399,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   has_seg, has_mask = q_seg is not None, mask is not None
 
   # dK / dV (and dbias, which shares its blocks).
-  g = C.geometry(cfg, q.shape, k.shape, v.shape, bq_dkv, bk_dkv, role="dkdv")
+  g = C.geometry(cfg, q.shape, k.shape, v.shape, bq_dkv, bk_dkv, role="dkdv",
+                 dtype=q.dtype)
   masked = C.needs_mask(cfg, g, has_seg, has_mask)
   delta_p, lse_p = _preprocess(out, lse, dout, dlse, g, acc)
   qp, dop = C.pad_seq_head(q, g.Sqp, g.Dp), C.pad_seq_head(dout, g.Sqp, g.Dvp)
@@ -418,7 +420,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
 
   # dQ (and the score_mod consts' grads).
-  g = C.geometry(cfg, q.shape, k.shape, v.shape, bq_dq, bk_dq, role="dq")
+  g = C.geometry(cfg, q.shape, k.shape, v.shape, bq_dq, bk_dq, role="dq",
+                 dtype=q.dtype)
   masked = C.needs_mask(cfg, g, has_seg, has_mask)
   delta_p, lse_p = _preprocess(out, lse, dout, dlse, g, acc)
   dop = C.pad_seq_head(dout, g.Sqp, g.Dvp)

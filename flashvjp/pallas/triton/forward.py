@@ -152,7 +152,7 @@ def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
     if cfg.dropout_active:
       p = p * C.dropout_scale(cfg, g, r["seed"], t, acc)
     vt = r["v"][kv, :]
-    o = alpha[:, None] * o + C.dot_nn(p.astype(vt.dtype), vt, acc)
+    o = alpha[:, None] * o + C.dot_nn(p.astype(vt.dtype), vt, acc, cfg)
     return m_new, l, o
 
   def run(start, stop, masked, carry):
@@ -186,7 +186,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   Returns:
     (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32 (float64 for float64 inputs)).
   """
-  g = C.geometry(cfg, q.shape, k.shape, v.shape, cfg.blocks.block_q, cfg.blocks.block_kv)
+  g = C.geometry(cfg, q.shape, k.shape, v.shape, cfg.blocks.block_q, cfg.blocks.block_kv,
+                 dtype=q.dtype)
   acc = C.acc_dtype(q.dtype)
   cfg, consts = C.hoist_score_mod(cfg, consts, acc)
   split = C.split_per_head(cfg, consts, acc, g.B, g.H, grads=False)
@@ -204,7 +205,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
       out_specs=(_compat.block_spec((None, None, g.bq, g.Dvp), lambda b, h, i: (b, h, i, 0)),
                  _compat.block_spec((None, None, g.bq), lambda b, h, i: (b, h, i))),
       interpret=cfg.interpret, name="flashvjp_fwd",
-      num_warps=C.num_warps(g), num_stages=2,
+      num_warps=g.num_warps, num_stages=g.num_stages,
   )(*ins.arrays)
   lse = lse[:, :, : g.Sq]
   # The API's -inf lse of an empty row, made outside the kernel after slicing off the
