@@ -82,16 +82,34 @@ def test_mosaic_simulator_subset(name, monkeypatch):
   _util.assert_close(got, ref, jnp.float32, what=f"pallas_tpu[InterpretParams]/{name}")
 
 
+def test_mosaic_simulator_several_blocks(monkeypatch):
+  """Several q and kv blocks (lane-major lse / delta, skipped causal blocks, a broadcast
+  bias' gradient) under the simulator, against the blockwise path."""
+  params = _compat.tpu_interpret_params(detect_races=True)
+  if params is None:
+    pytest.skip("this jax has no pltpu.InterpretParams")
+  monkeypatch.setattr(pallas_tpu, "INTERPRET_PARAMS", params)
+  monkeypatch.setattr(_partition._Wrapped, "_global_indices", staticmethod(lambda cfg: True))
+  q, k, v = _util.random_qkv(0, 1, 2, 1, 256, 384, 32, 16)
+  bias = jax.random.normal(jax.random.key(1), (1, 2, 1, 384), jnp.float32)
+  with jax.default_matmul_precision("highest"):
+    got = _value_and_grads("pallas_tpu", q, k, v, bias, causal=True, block_q=128,
+                           block_kv=128)
+    ref = _value_and_grads("blockwise", q, k, v, bias, causal=True)
+  _assert_float32_rounding(got, ref, rel=5e-6)
+
+
 # ---- several blocks along both sequences -------------------------------------------
 
 @pytest.mark.parametrize("kw", [
-    dict(causal=True),
-    dict(window=(100, 37), segment_ids="docs"),
-    dict(mask="per_head", bias="rows", dropout_rate=0.2),
+    dict(causal=True, block_q=128),  # lse / delta lane-major (block_q a multiple of 128)
+    dict(window=(100, 37), segment_ids="docs", block_q=64),  # lane-broadcast
+    dict(mask="per_head", bias="rows", dropout_rate=0.2, block_q=64),
 ], ids=["causal", "window_segments", "mask_bias_dropout"])
 def test_long_sequences_several_kv_blocks(kw):
   """Sequences of several 128-lane kv blocks (the shared base's fit in one): lists with
-  empty, partial and full blocks, GQA, head_dim_v != head_dim; against float64 naive."""
+  empty, partial and full blocks, GQA, head_dim_v != head_dim, both layouts of the per-row
+  lse / delta; against float64 naive."""
   B, H, Hkv, Sq, Skv, D, Dv = 2, 4, 2, 200, 330, 32, 16
   kw = dict(kw)
   if kw.get("segment_ids") == "docs":
@@ -110,7 +128,8 @@ def test_long_sequences_several_kv_blocks(kw):
   if kw.get("dropout_rate"):
     kw.update(dropout_rng=jax.random.key(1), deterministic=False)
   q, k, v = _util.random_qkv(3, B, H, Hkv, Sq, Skv, D, Dv)
-  got = _value_and_grads("pallas_tpu", q, k, v, bias, block_q=64, block_kv=128, **kw)
+  block_q = kw.pop("block_q")
+  got = _value_and_grads("pallas_tpu", q, k, v, bias, block_q=block_q, block_kv=128, **kw)
   ref = _value_and_grads("naive", *_util.as64((q, k, v)),
                          None if bias is None else bias.astype(jnp.float64), **kw)
   _util.assert_close(got, ref, jnp.float32, what="pallas_tpu/long")

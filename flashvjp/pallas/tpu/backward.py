@@ -5,7 +5,8 @@ logsumexp; nothing O(seq_q * seq_kv) is kept or written.
 
 * preprocess (XLA, O(seq)): delta = rowsum(dO * O) - dlse; empty and padded rows get
   lse = +inf so that exp(s - lse) = 0 there (zero, finite grads). Both travel
-  lane-broadcast [B, H, Sq, 128].
+  lane-major [B, H, 1, Sq] when block_q is a multiple of 128, else lane-broadcast
+  [B, H, Sq, 128] (`add_rows`).
 * dK/dV: grid (batch, kv head, kv block, step); the step axis ("arbitrary") walks the
   G query heads of the group and, for each, this kv block's compacted list of
   non-empty q blocks (`_mask.block_lists(by="kv")`), so GQA gradients are summed in
@@ -66,13 +67,37 @@ def tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, masked
 
 
 def preprocess(out, lse, dout, dlse, Sqp, acc):
-  """(delta, lse_b) lane-broadcast [B, H, Sqp, 128]: lse +inf on empty / padded rows."""
+  """(delta, lse_b) [B, H, Sqp]: lse +inf on empty / padded rows, delta 0 on padded rows."""
   delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)
   if dlse is not None:
     delta = delta - dlse.astype(acc)
   lse_b = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(acc))
   lse_b = jnp.pad(lse_b, ((0, 0), (0, 0), (0, Sqp - lse.shape[2])), constant_values=jnp.inf)
-  return Lo.lane_rows(delta, Sqp), Lo.lane_rows(lse_b, Sqp)
+  return C.pad_to(delta, 2, Sqp), lse_b
+
+
+def add_rows(ins, g: C.Geometry, delta, lse, index):
+  """lse / delta for the kernel; `index(*grid, *prefetch) -> (b, h, q block)`.
+
+  Lane-major [B, H, 1, Sqp] (block (1, bq), read as a [bq, 1] column, as splash's dQ
+  kernel does) when bq is a multiple of 128 or the whole padded sequence; else
+  lane-broadcast [B, H, Sqp, 128] (block (bq, 128), 128x the memory).
+  """
+  lanes = g.bq % Lo.LANES == 0 or g.nq == 1
+  for name, x in (("lse", lse), ("delta", delta)):
+    if lanes:
+      ins.add(name, x[:, :, None, :], _bs(
+          (None, None, 1, g.bq), lambda *a: (index(*a)[0], index(*a)[1], 0, index(*a)[2])))
+    else:
+      ins.add(name, Lo.lane_rows(x, g.Sqp), _bs(
+          (None, None, g.bq, Lo.LANES), lambda *a: (index(*a)[0], index(*a)[1], index(*a)[2], 0)))
+
+
+def read_rows(ref):
+  """[bq, 1] column of a lse / delta block in either layout of `add_rows`."""
+  if ref.shape[0] == 1:  # lane-major (1, bq)
+    return jnp.expand_dims(ref[0], -1)
+  return ref[:, 0:1]
 
 
 # ---- dK / dV ------------------------------------------------------------------------
@@ -95,8 +120,8 @@ def _dkdv_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, n
     consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
     t = Lo.load_tile(r, b, h, i, j)
     q, do = r["q"][...], r["do"][...]
-    pd, ds, _ = tile_grads(cfg, g, q, r["k"][...], r["v"][...], do, r["lse"][:, 0:1],
-                           r["delta"][:, 0:1], t, consts, r.get("seed"), acc, masked, 0)
+    pd, ds, _ = tile_grads(cfg, g, q, r["k"][...], r["v"][...], do, read_rows(r["lse"]),
+                           read_rows(r["delta"]), t, consts, r.get("seed"), acc, masked, 0)
     r["dv_s"][...] += Lo.dot_tn(pd.astype(do.dtype), do, acc, cfg)
     ds = ds * jnp.asarray(cfg.scale, acc)
     r["dk_s"][...] += Lo.dot_tn(ds.astype(q.dtype), q, acc, cfg)
@@ -130,8 +155,7 @@ def _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed
   ins = F.Inputs()
   ins.add("q", C.pad_seq_head(q, g.Sqp, g.Dp), _bs((None, None, g.bq, g.Dp), q_map))
   ins.add("do", C.pad_seq_head(dout, g.Sqp, g.Dvp), _bs((None, None, g.bq, g.Dvp), q_map))
-  ins.add("lse", lse_l, _bs((None, None, g.bq, Lo.LANES), q_map))
-  ins.add("delta", delta_l, _bs((None, None, g.bq, Lo.LANES), q_map))
+  add_rows(ins, g, delta_l, lse_l, index)
   ins.add("k", C.pad_seq_head(k, g.Skvp, g.Dp), _bs((None, None, g.bk, g.Dp), kv_map))
   ins.add("v", C.pad_seq_head(v, g.Skvp, g.Dvp), _bs((None, None, g.bk, g.Dvp), kv_map))
   F.add_common(ins, cfg, g, tile_index, bias_p=C.pad_pair(bias, g),
@@ -179,8 +203,8 @@ def _dq_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, nam
     consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
     t = Lo.load_tile(r, b, h, i, j)
     k = r["k"][...]
-    _, ds, dc = tile_grads(cfg, g, r["q"][...], k, r["v"][...], r["do"][...], r["lse"][:, 0:1],
-                           r["delta"][:, 0:1], t, consts, r.get("seed"), acc, masked, n_diff)
+    _, ds, dc = tile_grads(cfg, g, r["q"][...], k, r["v"][...], r["do"][...], read_rows(r["lse"]),
+                           read_rows(r["delta"]), t, consts, r.get("seed"), acc, masked, n_diff)
     ds = ds * jnp.asarray(cfg.scale, acc)
     r["dq_s"][...] += Lo.dot_nn(ds.astype(k.dtype), k, acc, cfg)
     for n, (d, size) in enumerate(zip(dc, dc_sizes)):
@@ -205,8 +229,7 @@ def _dq(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, 
   ins = F.row_inputs(cfg, g, lists, q, k, v, bias, mask, *seg_l, seed, carrays, meta)
   row_map = lambda b, h, i, s, *_: (b, h, i, 0)
   ins.add("do", C.pad_seq_head(dout, g.Sqp, g.Dvp), _bs((None, None, g.bq, g.Dvp), row_map))
-  ins.add("lse", lse_l, _bs((None, None, g.bq, Lo.LANES), row_map))
-  ins.add("delta", delta_l, _bs((None, None, g.bq, Lo.LANES), row_map))
+  add_rows(ins, g, delta_l, lse_l, lambda b, h, i, s, *_: (b, h, i))
   out_shape = [jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dp), q.dtype)]
   out_specs = [_bs((None, None, g.bq, g.Dp), row_map)]
   scratch = [_compat.tpu_vmem((g.bq, g.Dp), acc)]
@@ -258,7 +281,7 @@ def _dbias_kernel(cls_ref, *refs, cfg, g: C.Geometry, names, meta, may_mask, bia
     consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
     t = Lo.load_tile(r, b, h, i, j)
     _, ds, _ = tile_grads(cfg, g, r["q"][...], r["k"][...], r["v"][...], r["do"][...],
-                          r["lse"][:, 0:1], r["delta"][:, 0:1], t, consts, r.get("seed"), acc,
+                          read_rows(r["lse"]), read_rows(r["delta"]), t, consts, r.get("seed"), acc,
                           masked, 0)
     if bias_shape[2] == 1:
       ds = ds.sum(axis=0, keepdims=True)
@@ -315,9 +338,7 @@ def _dbias(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, see
           _bs((None, None, g.bq, g.Dp), lambda *a: (index(*a)[0], index(*a)[1], index(*a)[2], 0)))
   ins.add("do", C.pad_seq_head(dout, g.Sqp, g.Dvp),
           _bs((None, None, g.bq, g.Dvp), lambda *a: (index(*a)[0], index(*a)[1], index(*a)[2], 0)))
-  for name, x in (("lse", lse_l), ("delta", delta_l)):
-    ins.add(name, x, _bs((None, None, g.bq, Lo.LANES),
-                         lambda *a: (index(*a)[0], index(*a)[1], index(*a)[2], 0)))
+  add_rows(ins, g, delta_l, lse_l, lambda *a: index(*a)[:3])
   ins.add("k", C.pad_seq_head(k, g.Skvp, g.Dp),
           _bs((None, None, g.bk, g.Dp), lambda *a: (index(*a)[0], Lo.div(index(*a)[1], G), index(*a)[3], 0)))
   ins.add("v", C.pad_seq_head(v, g.Skvp, g.Dvp),
