@@ -29,7 +29,11 @@ def _backend(name: str):
   else:
     raise ValueError(f"no custom_vjp backend named {name!r}")
   # Under jit with inputs sharded over batch/heads, each device runs the backend on its
-  # own slice, with no collective (a custom_partitioning rule; a no-op on one device).
+  # own slice, with no collective (a custom_partitioning rule). With one device there is
+  # nothing to partition: the rule would only trace and lower the backend a second time
+  # (about a third of jit(grad)'s trace+lower time; benchmarks/results/compile_time.md).
+  if jax.device_count() == 1:
+    return backend
   from flashvjp.distributed import _partition
   return _partition.wrap(backend)
 

@@ -71,6 +71,18 @@ class _Layout:
     table = _mask.block_any_table(q_seg, kv_seg, mask, self.bq, self.bk, self.nq, self.nk)
     return None if table is None else table.any(axis=(0, 1))
 
+  def needs_mask(self, elementwise):
+    """Whether any visited block needs the elementwise mask (static).
+
+    One loop body per pass, masked wherever any block may need it. Splitting the loop
+    into masked edge blocks and unmasked interior blocks (`_mask.split_loop`) saved
+    about 3% of causal run time but gave each pass two distinct loop bodies in three
+    while loops: 50 compiled XLA kernels for jit(grad) instead of 36
+    (benchmarks/results/compile_time.md).
+    """
+    return bool(elementwise or self.cfg.causal or self.cfg.window is not None
+                or self.Sqp != self.Sq or self.Skvp != self.Skv)
+
   # ---- tile access -----------------------------------------------------------
   def pair_tile(self, x5, i, j):
     if x5 is None:
@@ -154,7 +166,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   shape_r = (L.B, L.Hkv, L.G, L.bq)
   z0 = _carry_zero(acc, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
 
-  def q_block(i):
+  def q_block(i, outs):
     q_blk = L.q_tile(q5, i)
     lo, hi = L.spec.kv_block_range(i, L.bq, L.bk, L.nk)
 
@@ -184,17 +196,21 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
 
     init = (jnp.full(shape_r, -jnp.inf, acc) + z0, jnp.zeros(shape_r, acc) + z0,
             jnp.zeros(shape_r + (L.Dv,), acc) + z0)
-    full = None if elementwise else L.spec.full_kv_block_range(i, L.bq, L.bk)
-    m, l, o = _mask.split_loop(run, lo, hi, full, init)
+    m, l, o = run(lo, hi, L.needs_mask(elementwise), init)
     empty = l == 0.0
     o = o / jnp.where(empty, 1.0, l)[..., None]
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-    return o.astype(q.dtype), lse
+    out5, lse5 = outs
+    return (lax.dynamic_update_slice_in_dim(out5, o.astype(q.dtype), i * L.bq, axis=3),
+            lax.dynamic_update_slice_in_dim(lse5, lse, i * L.bq, axis=3))
 
-  o_blocks, lse_blocks = lax.map(q_block, jnp.arange(L.nq, dtype=jnp.int32))
-  # [nq, B, Hkv, G, bq, Dv] -> [B, H, Sq, Dv]
-  out = jnp.moveaxis(o_blocks, 0, 3).reshape(L.B, L.H, L.Sqp, L.Dv)[:, :, : L.Sq]
-  lse = jnp.moveaxis(lse_blocks, 0, 3).reshape(L.B, L.H, L.Sqp)[:, :, : L.Sq]
+  # Each q block writes its rows of [B, Hkv, G, Sqp, Dv] in place (a stacked lax.map
+  # output would need a transposing copy: one more kernel to compile).
+  out0 = jnp.zeros((L.B, L.Hkv, L.G, L.Sqp, L.Dv), q.dtype) + z0.astype(q.dtype)
+  lse0 = jnp.zeros((L.B, L.Hkv, L.G, L.Sqp), acc) + z0
+  out5, lse5 = lax.fori_loop(0, L.nq, q_block, (out0, lse0))
+  out = out5.reshape(L.B, L.H, L.Sqp, L.Dv)[:, :, : L.Sq]
+  lse = lse5.reshape(L.B, L.H, L.Sqp)[:, :, : L.Sq]
   return out, lse
 
 
@@ -227,8 +243,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   def row_tile(x5, i):
     return lax.dynamic_slice_in_dim(x5, i * L.bq, L.bq, axis=3)
 
-  def kv_block(carry, j):
-    dq, dbias, dconsts = carry
+  def kv_block(j, carry):
+    dq, dbias, dconsts, dk, dv = carry
     k_blk, v_blk = L.kv_tile(kp, j), L.kv_tile(vp, j)
     lo, hi = L.spec.q_block_range(j, L.bq, L.bk, L.nq)
 
@@ -272,20 +288,23 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     def run(start, stop, masked, carry):
       return lax.fori_loop(start, stop, functools.partial(body, masked=masked), carry)
 
-    full = None if elementwise else L.spec.full_q_block_range(j, L.bq, L.bk, L.nq)
-    dk_j, dv_j, dq, dbias, dconsts = _mask.split_loop(run, lo, hi, full, init)
-    return (dq, dbias, dconsts), (dk_j, dv_j)
+    dk_j, dv_j, dq, dbias, dconsts = run(lo, hi, L.needs_mask(elementwise), init)
+    dk = lax.dynamic_update_slice_in_dim(dk, dk_j.astype(dk.dtype), j * L.bk, axis=2)
+    dv = lax.dynamic_update_slice_in_dim(dv, dv_j.astype(dv.dtype), j * L.bk, axis=2)
+    return dq, dbias, dconsts, dk, dv
 
   z0 = _carry_zero(acc, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse)
   dq0 = jnp.zeros((L.B, L.Hkv, L.G, L.Sqp, L.D), acc) + z0
   dbias0 = None if bias is None else jnp.zeros(bias5.shape, acc) + z0
   dconsts0 = tuple(jnp.zeros(jnp.shape(c), jnp.promote_types(jnp.result_type(c), acc))
                    + z0.astype(jnp.promote_types(jnp.result_type(c), acc)) for c in diff_consts)
-  (dq, dbias, dconsts), (dk_blocks, dv_blocks) = lax.scan(
-      kv_block, (dq0, dbias0, dconsts0), jnp.arange(L.nk, dtype=jnp.int32))
+  # dK/dV of each kv block are written in place (no stacked scan output to transpose).
+  dk0 = jnp.zeros((L.B, L.Hkv, L.Skvp, L.D), k.dtype) + z0.astype(k.dtype)
+  dv0 = jnp.zeros((L.B, L.Hkv, L.Skvp, L.Dv), v.dtype) + z0.astype(v.dtype)
+  dq, dbias, dconsts, dk, dv = lax.fori_loop(
+      0, L.nk, kv_block, (dq0, dbias0, dconsts0, dk0, dv0))
   dq = dq.reshape(L.B, L.H, L.Sqp, L.D)[:, :, : L.Sq].astype(q.dtype)
-  dk = jnp.moveaxis(dk_blocks, 0, 2).reshape(L.B, L.Hkv, L.Skvp, L.D)[:, :, : L.Skv]
-  dv = jnp.moveaxis(dv_blocks, 0, 2).reshape(L.B, L.Hkv, L.Skvp, L.Dv)[:, :, : L.Skv]
+  dk, dv = dk[:, :, : L.Skv], dv[:, :, : L.Skv]
   if dbias is not None:
     dbias = dbias.reshape(bias_p.shape)[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
   dconsts = tuple(d.astype(jnp.result_type(c)) for d, c in zip(dconsts, diff_consts))
