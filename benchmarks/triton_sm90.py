@@ -42,7 +42,8 @@ JAX's Pallas-Triton lowering then asks for the GPU's compute capability: this to
 the CPU device kind as an H100 in ``jax._src.pallas.triton.gpu_info.registry`` (jax >= 0.11;
 jax 0.10 assumes sm_90 by itself). ``jax.sharding.use_abstract_mesh`` with an
 ``AbstractDevice`` would be the public way, but it refuses jaxprs holding
-``custom_partitioning`` (flashvjp's batch/head partitioning). That registration is the only
+``custom_partitioning`` (flashvjp's batch/head partitioning on several devices) and any eager
+array creation while tracing (flashvjp's score_mod check). That registration is the only
 private hook: flashvjp is called through its public API, with its default block sizes.
 """
 from __future__ import annotations
