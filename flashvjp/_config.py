@@ -102,11 +102,23 @@ def matmul_kind(dtype, precision: str) -> str:
   return "f32" if precision == "highest" else "tf32"
 
 
-# (padded head dim, matmul kind, kernel role) -> Launch. Roles: "fwd" (rows = block_q),
-# "dkdv" (rows = block_kv; dbias shares its blocks), "dq" (rows = block_q), "dbias".
-# Chosen from the sm_90a compile check (Triton 3.6 + ptxas, no GPU): no register spill,
-# shared memory <= 227 KiB, >= 64-row tiles so every dot is a wgmma. Rationale per entry
-# in benchmarks/results/triton_sm90.md; see _config_table() below for the measured rows.
+# (padded head dim, matmul kind, kernel role) -> Launch. Roles: "fwd" (accumulator rows =
+# block_q), "dkdv" (rows = block_kv), "dq" (rows = block_q), "dbias" (the dK/dV blocks).
+# Chosen with the sm_90a compile check (Triton 3.6 + ptxas 12.8, no GPU; 2026-12-03, features
+# causal/full/window/segments/mask/bias/dropout/softcap+window/alibi/GQA/combo, head dims
+# 64-256): no register spill, shared memory <= 227 KiB, pipelined loops, and >= 64 accumulator
+# rows (wgmma) for 16-bit and TF32 up to head dim 128. Why each entry:
+# * forward / dQ keep [rows, head_dim] float32 accumulators plus the q (and dO) tile in
+#   registers: 8 warps split 128 rows over two warpgroups; float32 operands (TF32) at 256 and
+#   3xTF32 ("highest", every operand split in two in registers) need fewer rows / columns.
+# * dK/dV keeps two [block_kv, head_dim] accumulators; its block_q only sizes the [bq, bk]
+#   score tiles, so it drops to 32 / 16 rows (those two score dots run as mma.sync, the dK / dV
+#   dots stay wgmma) - 64x64 spilled: bf16 d128 dropout 28 B, softcap+window 72 B, d64 combo
+#   8 B; tf32 d128 causal 540 B; bf16 d256 (32-row tiles before) 588 B.
+# * num_stages 2 everywhere (software-pipelined K/V / Q/dO loads) except 3xTF32 d128 dK/dV,
+#   whose 2-stage variant spills 4 B (softcap+window).
+# Known residue: 3xTF32 ("highest") at head dim > 128 still spills (dK/dV up to ~26 KB, dQ
+# ~0.5 KB) at every tile size tried down to 16x16; 16-bit and TF32 are spill-free.
 LAUNCH_TABLE = {}
 
 
@@ -115,16 +127,16 @@ def _fill(hd, kind, fwd, dkdv, dq, dbias=None):
     LAUNCH_TABLE[(hd, kind, role)] = Launch(*p)
 
 
-#      head dim, kind      fwd (bq, bk, warps, stages)  dK/dV            dQ               dbias
-_fill(64, "16bit", (128, 64, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2))
+#    head dim, kind     fwd (bq, bk, warps, stages)  dK/dV            dQ
+_fill(64, "16bit", (128, 64, 8, 2), (32, 64, 8, 2), (64, 64, 4, 2))
 _fill(128, "16bit", (128, 64, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2))
 _fill(256, "16bit", (64, 32, 8, 2), (16, 64, 8, 2), (64, 32, 8, 2))
 _fill(64, "tf32", (128, 64, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2))
-_fill(128, "tf32", (128, 64, 8, 2), (16, 64, 8, 2), (64, 32, 8, 2))
-_fill(256, "tf32", (64, 16, 8, 2), (16, 64, 8, 2), (32, 32, 8, 2))
-_fill(64, "f32", (64, 64, 4, 2), (16, 64, 4, 2), (64, 32, 8, 2))
-_fill(128, "f32", (32, 32, 4, 2), (16, 64, 8, 2), (16, 32, 4, 2))
-_fill(256, "f32", (16, 16, 4, 2), (16, 16, 4, 2), (16, 16, 4, 2))
+_fill(128, "tf32", (128, 64, 8, 2), (16, 64, 8, 2), (64, 16, 8, 2))
+_fill(256, "tf32", (64, 16, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2))
+_fill(64, "f32", (32, 64, 4, 2), (16, 64, 8, 2), (32, 32, 4, 2))
+_fill(128, "f32", (16, 32, 4, 2), (16, 32, 8, 1), (16, 32, 4, 2))
+_fill(256, "f32", (16, 16, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2))
 
 
 def launch(head_dim: int, dtype, precision: str, role: str) -> Launch:
