@@ -111,11 +111,20 @@ compile time follows the number and size of those kernels; the trace + lower par
 follows how often the backend is traced. Counted from `XLA_FLAGS=--xla_dump_to=...`
 (deterministic, unlike the times on this shared 2-core machine):
 
-| program | while loops | compiled kernels | kernel object bytes | trace + lower (warm) |
-|---|---|---|---|---|
-| jax.nn xla path | 0 | 18 | 26 KiB | ~0.2 s |
-| flashvjp before (commit 3aee679..5864819) | 8 | 50 | 101 KiB | 0.3-0.5 s |
-| flashvjp now | 4 | 36 | 71 KiB | 0.05-0.15 s |
+| program | while loops | compiled kernels | kernel object bytes |
+|---|---|---|---|
+| jax.nn xla path | 0 | 18 | 26 KiB |
+| flashvjp before (the parent of 185f834) | 8 | 50 | 101 KiB |
+| flashvjp now | 4 | 36 | 71 KiB |
+
+Before/after, the same script's cells, processes alternated (two rounds; load average 7-10
+on 2 cores, so single cells vary by +-40%):
+
+| seq, dtype | before: flashvjp / jax.nn (ratio) | after: flashvjp / jax.nn (ratio) |
+|---|---|---|
+| 512 float32 | 2.57 / 0.76 (3.4); 1.47 / 0.45 (3.3) | 1.40 / 0.40 (3.5); 1.16 / 0.57 (2.0) |
+| 2048 float32 | 2.67 / 0.57 (4.6); 1.72 / 0.42 (4.1) | 1.03 / 0.42 (2.5); 1.45 / 0.53 (2.8) |
+| 512 bfloat16 | 2.06 / 0.92 (2.2); 1.43 / 0.51 (2.8) | 1.00 / 0.51 (2.0); 1.36 / 0.74 (1.8) |
 
 What changed:
 
@@ -127,9 +136,10 @@ What changed:
    fwd+bwd, `bench_cpu.py --quick --seq 4096 --causal yes --impl blockwise`, loaded
    machine): 2.09 s before, 2.16 s after (noise level); forward 663 ms vs 660 ms.
 2. **custom_partitioning on one device**: the batch/head partitioning wrapper
-   (`flashvjp.distributed._partition`) re-traces and re-lowers the backend inside its
-   lowering rule. With one device there is nothing to partition, so `_vjp` calls the
-   backend directly there (trace + lower 0.3-0.5 s -> ~0.1 s).
+   (`flashvjp.distributed._partition`) traces the backend again inside its lowering
+   rule (cProfile of a warm jit(grad).lower at 512: 0.14 s of 0.33 s). With one device
+   there is nothing to partition, so `_vjp` calls the backend directly there. Warm
+   trace + lower is small either way (0.05-0.2 s); XLA compile is the cost.
 3. **Stacked outputs**: `lax.map` / `lax.scan` outputs stacked per block
    ([nq, B, Hkv, G, bq, D]) needed a transposing copy each (out, lse, dK, dV); each
    block now writes its rows in place (`dynamic_update_slice` into the carried output),
@@ -143,7 +153,9 @@ bookkeeping) compiles about as long as jax.nn's whole forward+backward; the rema
 kernels are the backward's recomputation (dot, mask, exp, dP dot, dS, three dots, dQ
 update), zero-initialised carries and hoisted mask index pieces. Reaching 1.5x needs
 fewer distinct fusions per body (for example one fused mask+exp kernel shared by the
-forward and the backward), not fewer loops.
+forward and the backward), not fewer loops. Tried without gain: writing the mask as
+block-local constant iotas compared with per-tile scalars (XLA still hoists the iota
+pieces into their own kernels: 38 kernels).
 """
 
 if __name__ == "__main__":
