@@ -243,7 +243,7 @@ def block_classes(spec: MaskSpec, q_seg, kv_seg, mask, block_q, block_kv, num_q_
     some = some & m.any(axis=(3, 5))
     every = every & m.all(axis=(3, 5))
   cls = jnp.where(every, FULL, jnp.where(some, PARTIAL, EMPTY)).astype(jnp.int8)
-  return cls
+  return jnp.broadcast_to(cls, cls.shape[:2] + (nq, nk))  # keep both block axes
 
 
 def _compact(selected):

@@ -58,6 +58,7 @@ def test_block_classes_against_brute_force(layout):
   spec = _mask.MaskSpec(causal, window, sq, skv)
   nq, nk, qs, ks, m = _padded(sq, skv, bq, bk, q_seg, kv_seg, mask)
   cls = np.asarray(_mask.block_classes(spec, qs, ks, m, bq, bk, nq, nk))
+  assert cls.shape[-2:] == (nq, nk)  # every block pair, also when nothing varies along q
   qi = np.arange(nq * bq)[None, None, :, None]
   ki = np.arange(nk * bk)[None, None, None, :]
   allowed = np.asarray(spec.allowed(

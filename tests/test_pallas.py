@@ -320,10 +320,9 @@ def test_limits():
   assert not ok and "float64" in why
   ok, why = _supports(query_shape=(1, 2, 128, 512), key_shape=(1, 2, 128, 512))
   assert not ok and "256" in why
-  ok, why = _supports(platform="cpu")
-  assert not ok and "interpret" in why
-  ok, why = _supports(platform="tpu")
-  assert not ok and "interpret" in why
+  # Compiled Triton kernels off a GPU lower for CUDA (jax.export on a CPU host); the
+  # dispatcher allows that only for implementation="pallas_triton" (tests/test_dispatch.py).
+  assert _supports(platform="cpu")[0]
 
 
 def test_limits_score_mod_against_triton_rules():
