@@ -17,6 +17,9 @@ Conventions, stated once:
   ``block_until_ready``, after one warm-up call. Implementations of one shape are timed
   round-robin, and reported as a ratio to ``jax.nn.dot_product_attention(
   implementation="xla")`` timed in the same round-robin, because the machines are shared.
+  A time budget (``SuiteConfig.budget_seconds``) lowers the number of timed calls of the
+  costliest cells, down to none (then the warm-up call is the time, flagged ``runs == 0``);
+  it never drops a cell.
 * Attention FLOPs (the FlashAttention benchmark convention): forward
   ``4 * B * H * Sq * Skv * D`` (two matmuls), halved when causal (the ideal count, not
   what a block-sparse kernel executes on the diagonal); backward ``2.5x`` forward (five
