@@ -7,6 +7,7 @@ below check what is particular to this family: a subset under the Mosaic simulat
 blocks, bitwise determinism, agreement with the Triton family and the blockwise path,
 the dispatcher picking the family on a TPU, block sparsity and the VMEM budget.
 """
+import functools
 import math
 
 import jax
@@ -181,6 +182,48 @@ def test_dropout_keep_mask_is_the_shared_one():
       q, k, v, dropout_rate=rate, dropout_rng=rng, deterministic=False,
       implementation="pallas_tpu", block_q=8, block_kv=128))(q, k, v)
   np.testing.assert_array_equal(np.asarray(out) != 0, want)
+
+
+# ---- jax.debug_infs: no inf produced for finite inputs ------------------------------
+
+def test_debug_infs_regression_case_and_empty_rows():
+  """jax-ml/jax#37422 (zeros, float64, a key mask), key lengths, and query rows with no
+  allowed key (out = 0; without return_lse no -inf is produced) under jax.debug_infs."""
+  T, S, K, N, H = 5, 7, 3, 6, 11
+  z = lambda *shape: np.zeros(shape, np.float64)
+  rng = np.random.default_rng(5)
+  q, k, v = (rng.standard_normal((2, n, 4, 8)) for n in (7, 9, 9))
+  lengths = np.array([3, 7], np.int32)
+  attn = functools.partial(flashvjp.dot_product_attention, implementation="pallas_tpu")
+  with jax.debug_infs(True):
+    out = attn(z(T, N, H), z(S, K, H), z(S, K, H), mask=np.r_[:S] <= S // 2)
+    out_len = attn(z(2, T, N, H), z(2, S, K, H), z(2, S, K, H),
+                   key_value_seq_lengths=np.array([S // 2 + 1, S], np.int32))
+    got = attn(q, k, v, query_seq_lengths=lengths)
+  np.testing.assert_array_equal(np.asarray(out), 0.0)
+  np.testing.assert_array_equal(np.asarray(out_len), 0.0)
+  ref = flashvjp.dot_product_attention(q, k, v, query_seq_lengths=lengths, implementation="naive")
+  np.testing.assert_array_equal(np.asarray(got)[0, 3:], 0.0)
+  _util.assert_close(got, ref, jnp.float64, what="pallas_tpu/empty_rows")
+
+
+def test_debug_infs_grads_every_kernel_output_finite():
+  """Key lengths and a causal mask (padded rows and masked entries in every kernel):
+  forward and backward op by op under jax.debug_infs (jax.disable_jit checks every
+  pallas_call's outputs and every XLA op outside), against float64 naive attention."""
+  rng = np.random.default_rng(3)
+  q, k, v = (rng.standard_normal((2, n, 4, 8)) for n in (7, 9, 9))
+  lengths = np.array([4, 9], np.int32)
+
+  def loss(impl, q, k, v):
+    out = flashvjp.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, is_causal=True,
+                                         implementation=impl)
+    return jnp.sum(jnp.sin(out))
+
+  with jax.debug_infs(True), jax.disable_jit():
+    got = jax.value_and_grad(lambda *a: loss("pallas_tpu", *a), (0, 1, 2))(q, k, v)
+  ref = jax.value_and_grad(lambda *a: loss("naive", *a), (0, 1, 2))(q, k, v)
+  _util.assert_close(got, ref, jnp.float64, what="pallas_tpu/debug_infs")
 
 
 # ---- dispatch -------------------------------------------------------------------------

@@ -269,10 +269,13 @@ def load_tile(r, b, h, i, j) -> Tile:
 
 def scores(cfg: AttentionConfig, g: C.Geometry, q, k, t: Tile, consts, acc, masked,
            diff_consts=None):
-  """scale * q k^T + bias, score_mod, mask -> (s [bq, bk], score_mod vjp or None).
+  """scale * q k^T + bias, score_mod -> (s [bq, bk], ok, score_mod vjp or None).
 
   The semantics of `flashvjp.pallas._common.scores` (same mask model, same score_mod
-  call with global int32 indices), on TPU-shaped segment ids.
+  call with global int32 indices), on TPU-shaped segment ids. `ok` is the mask model's
+  bool [bq, bk] (None when not `masked`); `s` is unmasked: callers select with `ok`
+  against the finite `_common.mask_value`, never -inf, so that no inf is produced inside
+  the kernels for finite inputs (`jax.debug_infs`).
   """
   s = dot_nt(q, k, acc, cfg) * jnp.asarray(cfg.scale, acc)
   if t.bias is not None:
@@ -287,12 +290,12 @@ def scores(cfg: AttentionConfig, g: C.Geometry, q, k, t: Tile, consts, acc, mask
       s, sm_vjp = jax.vjp(
           lambda s_, c_: _score_mod.apply(cfg.score_mod, tuple(c_) + fixed, s_, t.b, t.h, qi, ki),
           s, tuple(diff_consts))
+  ok = None
   if masked:
     # int8 tile widened before the compare (int8 vector compares are not on every TPU).
     dense = None if t.mask is None else (t.mask.astype(jnp.int32) != 0)
     ok = C.mask_spec(cfg).allowed(qi, ki, q_seg=t.q_seg, kv_seg=t.kv_seg, dense=dense)
-    s = jnp.where(ok, s, -jnp.inf)
-  return s, sm_vjp
+  return s, ok, sm_vjp
 
 
 def dropout_scale(cfg, g, seed_ref, t: Tile, acc):

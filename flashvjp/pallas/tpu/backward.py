@@ -4,9 +4,10 @@ Room: Pallas-TPU kernels (backward). Probabilities are recomputed from the saved
 logsumexp; nothing O(seq_q * seq_kv) is kept or written.
 
 * preprocess (XLA, O(seq)): delta = rowsum(dO * O) - dlse; empty and padded rows get
-  lse = +inf so that exp(s - lse) = 0 there (zero, finite grads). Both travel
-  lane-major [B, H, 1, Sq] when block_q is a multiple of 128, else lane-broadcast
-  [B, H, Sq, 128] (`add_rows`).
+  lse = the largest finite number so that exp(s - lse) = 0 there (zero, finite grads;
+  masked entries get p = 0 by a select: no inf inside the kernels for finite inputs).
+  Both travel lane-major [B, H, 1, Sq] when block_q is a multiple of 128, else
+  lane-broadcast [B, H, Sq, 128] (`add_rows`).
 * dK/dV: grid (batch, kv head, kv block, step); the step axis ("arbitrary") walks the
   G query heads of the group and, for each, this kv block's compacted list of
   non-empty q blocks (`_mask.block_lists(by="kv")`), so GQA gradients are summed in
@@ -52,8 +53,11 @@ def tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, masked
   if cfg.score_mod is not None:
     diff = tuple(consts[:n_diff])
     consts = tuple(consts[n_diff:])
-  s, sm_vjp = Lo.scores(cfg, g, q, k, t, consts, acc, masked, diff_consts=diff)
-  p = jnp.exp(s - lse)
+  s, ok, sm_vjp = Lo.scores(cfg, g, q, k, t, consts, acc, masked, diff_consts=diff)
+  d = s - lse
+  if ok is not None:  # p = exp(mask_value) = 0 on masked entries, whatever the row's lse
+    d = jnp.where(ok, d, C.mask_value(acc))
+  p = jnp.exp(d)
   dp = Lo.dot_nt(do, v, acc, cfg)
   pd = p
   if cfg.dropout_active:
@@ -67,12 +71,14 @@ def tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, masked
 
 
 def preprocess(out, lse, dout, dlse, Sqp, acc):
-  """(delta, lse_b) [B, H, Sqp]: lse +inf on empty / padded rows, delta 0 on padded rows."""
+  """(delta, lse_b) [B, H, Sqp]: lse = the largest finite number on empty / padded rows
+  (`_common.lse_pad_value`: p = 0 there, no inf), delta 0 on padded rows."""
   delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)
   if dlse is not None:
     delta = delta - dlse.astype(acc)
-  lse_b = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(acc))
-  lse_b = jnp.pad(lse_b, ((0, 0), (0, 0), (0, Sqp - lse.shape[2])), constant_values=jnp.inf)
+  big = C.lse_pad_value(acc)
+  lse_b = jnp.where(jnp.isfinite(lse), lse.astype(acc), big)  # no -inf operand (debug_infs)
+  lse_b = jnp.pad(lse_b, ((0, 0), (0, 0), (0, Sqp - lse.shape[2])), constant_values=big)
   return C.pad_to(delta, 2, Sqp), lse_b
 
 

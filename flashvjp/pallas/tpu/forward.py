@@ -144,21 +144,26 @@ def _forward_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
   active, j, partial = step_info(lists, cnt_ref, ent_ref, b, h, i, s)
   m_s, l_s, o_s = r["m_s"], r["l_s"], r["o_s"]
 
+  neg = C.mask_value(acc)  # finite stand-in for -inf: no inf inside the kernel
+
   @pl.when(s == 0)
-  def _init():
-    m_s[...] = jnp.full(m_s.shape, -jnp.inf, acc)
+  def _init():  # m starts at mask_value: a row that sees no allowed entry keeps l == 0
+    m_s[...] = jnp.full(m_s.shape, neg, acc)
     l_s[...] = jnp.zeros(l_s.shape, acc)
     o_s[...] = jnp.zeros(o_s.shape, acc)
 
   def compute(masked):
     consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
     t = Lo.load_tile(r, b, h, i, j)
-    sc, _ = Lo.scores(cfg, g, r["q"][...], r["k"][...], t, consts, acc, masked)
+    sc, ok, _ = Lo.scores(cfg, g, r["q"][...], r["k"][...], t, consts, acc, masked)
     m_prev, l_prev = m_s[:, 0:1], l_s[:, 0:1]
-    m_new = jnp.maximum(m_prev, sc.max(axis=-1, keepdims=True))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp(sc - m_safe)
-    alpha = jnp.exp(m_prev - m_safe)
+    if ok is None:
+      m_new = jnp.maximum(m_prev, sc.max(axis=-1, keepdims=True))
+      p = jnp.exp(sc - m_new)
+    else:  # masked entries: out of the max, and p = exp(mask_value) = 0 by a select
+      m_new = jnp.maximum(m_prev, jnp.where(ok, sc, neg).max(axis=-1, keepdims=True))
+      p = jnp.exp(jnp.where(ok, sc - m_new, neg))
+    alpha = jnp.exp(m_prev - m_new)
     l_new = alpha * l_prev + p.sum(axis=-1, keepdims=True)
     if cfg.dropout_active:
       p = p * Lo.dropout_scale(cfg, g, r["seed"], t, acc)
@@ -174,7 +179,8 @@ def _forward_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
     l = l_s[:, 0:1]
     empty = l == 0.0
     r["out"][...] = (o_s[...] / jnp.where(empty, 1.0, l)).astype(r["out"].dtype)
-    lse = jnp.where(empty, -jnp.inf, m_s[:, 0:1] + jnp.log(jnp.where(empty, 1.0, l)))
+    # Empty (and padded) rows: lse = mask_value here, -inf outside the kernel (`forward`).
+    lse = jnp.where(empty, neg, m_s[:, 0:1] + jnp.log(jnp.where(empty, 1.0, l)))
     r["lse"][...] = jnp.broadcast_to(lse, r["lse"].shape).astype(r["lse"].dtype)
 
 
@@ -224,7 +230,12 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
       dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY),
       interpret=interpret_arg(cfg), name="flashvjp_tpu_fwd", cost=cost,
   )(counts, entries, *ins.arrays)
-  return out[:, :, : g.Sq, : g.Dv], lse[:, :, : g.Sq, 0]
+  lse = lse[:, :, : g.Sq, 0]
+  # The API's -inf lse of an empty row, by log(0) at the empty rows only (no -inf array
+  # is built when no row is empty: jax.debug_infs stays quiet), as the Triton family.
+  empty = lse == C.mask_value(acc)
+  lse = lse + jnp.log(jnp.where(empty, 0.0, 1.0).astype(acc))
+  return out[:, :, : g.Sq, : g.Dv], lse
 
 
 def forward_cost(cfg, g: C.Geometry, dtype, has_bias: bool):
