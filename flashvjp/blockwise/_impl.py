@@ -9,7 +9,6 @@ block and add dQ into a carried O(seq) accumulator. GQA works on
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -145,11 +144,93 @@ def _carry_zero(acc, *refs):
   return z
 
 
-def _maybe_skip(table, i, j, compute, carry):
-  """Run `compute(carry)` unless the block table says block (i, j) is empty."""
-  if table is None:
-    return compute(carry)
-  return lax.cond(table[i, j], compute, lambda c: c, carry)
+_MAX_UNROLLED_ROWS = 128
+
+
+def _pairs(L: _Layout, table, by):
+  """The block pairs one pass visits: (trip count, walk state, at(t, state) -> (i, j, state)).
+
+  A single loop per pass runs over a flat list of (q block, kv block) pairs (row loop
+  and column loop fused), so each pass compiles one loop body and no per-row
+  init / finalise code inside a loop. The static bounds (causal, window, padding) give
+  the list at trace time; a dynamic block table (segment ids, dense mask) compacts it
+  (`_mask._compact`), so empty blocks cost no branch (no lax.cond in the body) and the
+  trip count is the number of non-empty pairs. `by` orders the list ("q": row-major,
+  "kv": column-major).
+  """
+  n_rows, n_cols = (L.nq, L.nk) if by == "q" else (L.nk, L.nq)
+
+  def bounds(r):
+    if by == "q":
+      return L.spec.kv_block_range(r, L.bq, L.bk, L.nk)
+    return L.spec.q_block_range(r, L.bq, L.bk, L.nq)
+
+  with jax.ensure_compile_time_eval():  # the static trip count
+    sizes = [max(int(hi) - int(lo), 0) for lo, hi in map(bounds, range(n_rows))]
+  total = sum(sizes)
+
+  def swap(row, col):
+    return (row, col) if by == "q" else (col, row)
+
+  if table is None and n_rows <= _MAX_UNROLLED_ROWS:
+    # Static bounds: pair t's row is the number of row ends <= t and its column
+    # t + (row start col - row offset), as sums of scalar steps with Python-int
+    # thresholds (one small scalar kernel; no index arrays, no gathers).
+    with jax.ensure_compile_time_eval():
+      los = [int(bounds(r_)[0]) for r_ in range(n_rows)]
+    ends, shift, prev = [], [], None
+    acc_n = 0
+    for r_, (size, lo_) in enumerate(zip(sizes, los)):
+      if size:
+        off = lo_ - acc_n
+        if prev is None:
+          base = (r_, off)
+        else:
+          ends.append(acc_n)
+          shift.append((r_ - prev[0], off - prev[1]))
+        prev = (r_, off)
+      acc_n += size
+
+    def at(t, state):
+      row, col = jnp.int32(base[0]), t + base[1]
+      for e, (dr, dc) in zip(ends, shift):
+        past = t >= e
+        row = row + jnp.where(past, dr, 0)
+        col = col + jnp.where(past, dc, 0)
+      return swap(row, col) + (state,)
+    return total, (), at
+
+  # The list is built from iotas (no array constants: custom_partitioning refuses them).
+  r = lax.iota(jnp.int32, n_rows)
+  lo, hi = bounds(r)
+  lo = jnp.broadcast_to(lo, (n_rows,)).astype(jnp.int32)
+  n = jnp.maximum(jnp.broadcast_to(hi, (n_rows,)).astype(jnp.int32) - lo, 0)
+  end = jnp.cumsum(n)
+  t = lax.iota(jnp.int32, max(total, 1))
+  row = jnp.minimum(jnp.sum(end[None, :] <= t[:, None], axis=1, dtype=jnp.int32), n_rows - 1)
+  col = jnp.clip(t - (end - n)[row] + lo[row], 0, n_cols - 1)
+  ii, jj = swap(row, col)
+  count = total
+  if table is not None:
+    count, order = _mask._compact(table[ii, jj] & (t < total))  # pylint: disable=protected-access
+    ii, jj = ii[order], jj[order]
+
+  def at_list(t, state):
+    return _at(ii, t), _at(jj, t), state
+  return count, (), at_list
+
+
+def _at(x, t):
+  """x[t] for a traced in-range t (no negative-index wrap)."""
+  return lax.dynamic_index_in_dim(x, t, keepdims=False)
+
+
+def _rows(x5, i, n, axis=3):
+  return lax.dynamic_slice_in_dim(x5, i * n, n, axis=axis)
+
+
+def _put_rows(x5, t, i, n, axis=3):
+  return lax.dynamic_update_slice_in_dim(x5, t, i * n, axis=axis)
 
 
 def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts):
@@ -161,56 +242,44 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   bias5, mask5 = L.pair5(L.pad_pair(bias)), L.pair5(mask_p)
   q_seg, kv_seg = L.segs(q_seg, kv_seg)
   table = L.block_table(q_seg, kv_seg, mask_p)
-  elementwise = q_seg is not None or mask is not None
+  masked = L.needs_mask(q_seg is not None or mask is not None)
   acc = L.acc
-  shape_r = (L.B, L.Hkv, L.G, L.bq)
+  rows = (L.B, L.Hkv, L.G, L.Sqp)
   z0 = _carry_zero(acc, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
+  count, walk0, at = _pairs(L, table, "q")
 
-  def q_block(i, outs):
-    q_blk = L.q_tile(q5, i)
-    lo, hi = L.spec.kv_block_range(i, L.bq, L.bk, L.nk)
+  # Online softmax over a flat pair list; the running max, sum and output of every
+  # row live in O(seq) carries and each step updates its q block's rows in place.
+  def body(t, carry):
+    m_all, l_all, o_all, walk = carry
+    i, j, walk = at(t, walk)
+    s = L.scores(L.q_tile(q5, i), L.kv_tile(kp, j), bias5, i, j)
+    if cfg.score_mod is not None:
+      s = _score_mod.apply(cfg.score_mod, consts, s, *L.indices(i, j))
+    if masked:
+      s = jnp.where(L.allowed(i, j, q_seg, kv_seg, mask5), s, -jnp.inf)
+    m, l, o = _rows(m_all, i, L.bq), _rows(l_all, i, L.bq), _rows(o_all, i, L.bq)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    l = alpha * l + p.sum(axis=-1)
+    if cfg.dropout_active:
+      p = p * L.keep_scale(seed, i, j)
+    pv = jnp.einsum("bhqk,bhkd->bhqd", p.reshape(L.B, L.Hkv, L.G * L.bq, L.bk),
+                    L.kv_tile(vp, j), preferred_element_type=acc)
+    o = alpha[..., None] * o + pv.reshape(L.B, L.Hkv, L.G, L.bq, L.Dv)
+    return (_put_rows(m_all, m_new, i, L.bq), _put_rows(l_all, l, i, L.bq),
+            _put_rows(o_all, o, i, L.bq), walk)
 
-    def body(j, carry, masked):
-      def compute(carry):
-        m, l, o = carry
-        s = L.scores(q_blk, L.kv_tile(kp, j), bias5, i, j)
-        if cfg.score_mod is not None:
-          s = _score_mod.apply(cfg.score_mod, consts, s, *L.indices(i, j))
-        if masked:
-          s = jnp.where(L.allowed(i, j, q_seg, kv_seg, mask5), s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_safe[..., None])
-        alpha = jnp.exp(m - m_safe)
-        l = alpha * l + p.sum(axis=-1)
-        if cfg.dropout_active:
-          p = p * L.keep_scale(seed, i, j)
-        pv = jnp.einsum("bhqk,bhkd->bhqd", p.reshape(L.B, L.Hkv, L.G * L.bq, L.bk),
-                        L.kv_tile(vp, j), preferred_element_type=acc)
-        o = alpha[..., None] * o + pv.reshape(shape_r + (L.Dv,))
-        return m_new, l, o
-      return _maybe_skip(table, i, j, compute, carry)
-
-    def run(start, stop, masked, carry):
-      return lax.fori_loop(start, stop, functools.partial(body, masked=masked), carry)
-
-    init = (jnp.full(shape_r, -jnp.inf, acc) + z0, jnp.zeros(shape_r, acc) + z0,
-            jnp.zeros(shape_r + (L.Dv,), acc) + z0)
-    m, l, o = run(lo, hi, L.needs_mask(elementwise), init)
-    empty = l == 0.0
-    o = o / jnp.where(empty, 1.0, l)[..., None]
-    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-    out5, lse5 = outs
-    return (lax.dynamic_update_slice_in_dim(out5, o.astype(q.dtype), i * L.bq, axis=3),
-            lax.dynamic_update_slice_in_dim(lse5, lse, i * L.bq, axis=3))
-
-  # Each q block writes its rows of [B, Hkv, G, Sqp, Dv] in place (a stacked lax.map
-  # output would need a transposing copy: one more kernel to compile).
-  out0 = jnp.zeros((L.B, L.Hkv, L.G, L.Sqp, L.Dv), q.dtype) + z0.astype(q.dtype)
-  lse0 = jnp.zeros((L.B, L.Hkv, L.G, L.Sqp), acc) + z0
-  out5, lse5 = lax.fori_loop(0, L.nq, q_block, (out0, lse0))
-  out = out5.reshape(L.B, L.H, L.Sqp, L.Dv)[:, :, : L.Sq]
-  lse = lse5.reshape(L.B, L.H, L.Sqp)[:, :, : L.Sq]
+  init = (jnp.full(rows, -jnp.inf, acc) + z0, jnp.zeros(rows, acc) + z0,
+          jnp.zeros(rows + (L.Dv,), acc) + z0, walk0)
+  m, l, o, _ = lax.fori_loop(0, count, body, init)
+  empty = l == 0.0
+  out = (o / jnp.where(empty, 1.0, l)[..., None]).astype(q.dtype)
+  lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+  out = out.reshape(L.B, L.H, L.Sqp, L.Dv)[:, :, : L.Sq]
+  lse = lse.reshape(L.B, L.H, L.Sqp)[:, :, : L.Sq]
   return out, lse
 
 
@@ -226,9 +295,10 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   bias5, mask5 = L.pair5(bias_p), L.pair5(mask_p)
   q_seg, kv_seg = L.segs(q_seg, kv_seg)
   table = L.block_table(q_seg, kv_seg, mask_p)
-  elementwise = q_seg is not None or mask is not None
+  masked = L.needs_mask(q_seg is not None or mask is not None)
   n_diff = cfg.num_diff_consts
   diff_consts, fixed_consts = tuple(consts[:n_diff]), tuple(consts[n_diff:])
+  count, walk0, at = _pairs(L, table, "kv")
 
   # delta = rowsum(dO * O) - dlse; rows that are empty (lse = -inf) or padding get
   # lse = +inf so that exp(s - lse) = 0 there: zero, finite gradients.
@@ -238,71 +308,54 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   lse_b = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(acc))
   lse5 = L.q5(jnp.pad(lse_b, ((0, 0), (0, 0), (0, L.Sqp - L.Sq)), constant_values=jnp.inf))
   delta5 = L.q5(delta)
-  r5 = (L.B, L.Hkv, L.G, L.bq)
 
-  def row_tile(x5, i):
-    return lax.dynamic_slice_in_dim(x5, i * L.bq, L.bq, axis=3)
-
-  def kv_block(j, carry):
-    dq, dbias, dconsts, dk, dv = carry
+  # One loop over the flat pair list (kv-block major). dQ, dK and dV are O(seq)
+  # accumulators in the accumulation dtype; each step adds its tile in place.
+  def body(t, carry):
+    dq, dk, dv, dbias, dconsts, walk = carry
+    i, j, walk = at(t, walk)
     k_blk, v_blk = L.kv_tile(kp, j), L.kv_tile(vp, j)
-    lo, hi = L.spec.q_block_range(j, L.bq, L.bk, L.nq)
-
-    def body(i, inner, masked):
-      def compute(inner):
-        dk_j, dv_j, dq, dbias, dconsts = inner
-        q_blk, do_blk = L.q_tile(q5, i), L.q_tile(do5, i)
-        s = L.scores(q_blk, k_blk, bias5, i, j)
-        if cfg.score_mod is not None:
-          idx = L.indices(i, j)
-          s, sm_vjp = jax.vjp(
-              lambda s_, c_: _score_mod.apply(cfg.score_mod, c_ + fixed_consts, s_, *idx),
-              s, diff_consts)
-        if masked:
-          s = jnp.where(L.allowed(i, j, q_seg, kv_seg, mask5), s, -jnp.inf)
-        p = jnp.exp(s - row_tile(lse5, i)[..., None])
-        dp = jnp.einsum("bhqd,bhkd->bhqk", do_blk, v_blk, preferred_element_type=acc)
-        dp = dp.reshape(p.shape)
-        pd = p
-        if cfg.dropout_active:
-          ks = L.keep_scale(seed, i, j)
-          pd, dp = p * ks, dp * ks
-        dv_j = dv_j + jnp.einsum("bhqk,bhqd->bhkd", pd.reshape(L.B, L.Hkv, L.G * L.bq, L.bk),
-                                 do_blk, preferred_element_type=acc)
-        ds = p * (dp - row_tile(delta5, i)[..., None])
-        if cfg.score_mod is not None:
-          ds, dc = sm_vjp(ds)
-          dconsts = tuple(a + b.astype(a.dtype) for a, b in zip(dconsts, dc))
-        if dbias is not None:
-          dbias = _add_bias_tile(L, dbias, ds, i, j)
-        ds4 = ds.reshape(L.B, L.Hkv, L.G * L.bq, L.bk) * jnp.asarray(cfg.scale, acc)
-        dk_j = dk_j + jnp.einsum("bhqk,bhqd->bhkd", ds4, q_blk, preferred_element_type=acc)
-        dq_blk = jnp.einsum("bhqk,bhkd->bhqd", ds4, k_blk, preferred_element_type=acc)
-        dq_blk = dq_blk.reshape(r5 + (L.D,))
-        dq = lax.dynamic_update_slice_in_dim(dq, row_tile(dq, i) + dq_blk, i * L.bq, axis=3)
-        return dk_j, dv_j, dq, dbias, dconsts
-      return _maybe_skip(table, i, j, compute, inner)
-
-    init = (jnp.zeros((L.B, L.Hkv, L.bk, L.D), acc) + z0,
-            jnp.zeros((L.B, L.Hkv, L.bk, L.Dv), acc) + z0, dq, dbias, dconsts)
-    def run(start, stop, masked, carry):
-      return lax.fori_loop(start, stop, functools.partial(body, masked=masked), carry)
-
-    dk_j, dv_j, dq, dbias, dconsts = run(lo, hi, L.needs_mask(elementwise), init)
-    dk = lax.dynamic_update_slice_in_dim(dk, dk_j.astype(dk.dtype), j * L.bk, axis=2)
-    dv = lax.dynamic_update_slice_in_dim(dv, dv_j.astype(dv.dtype), j * L.bk, axis=2)
-    return dq, dbias, dconsts, dk, dv
+    q_blk, do_blk = L.q_tile(q5, i), L.q_tile(do5, i)
+    s = L.scores(q_blk, k_blk, bias5, i, j)
+    if cfg.score_mod is not None:
+      idx = L.indices(i, j)
+      s, sm_vjp = jax.vjp(
+          lambda s_, c_: _score_mod.apply(cfg.score_mod, c_ + fixed_consts, s_, *idx),
+          s, diff_consts)
+    if masked:
+      s = jnp.where(L.allowed(i, j, q_seg, kv_seg, mask5), s, -jnp.inf)
+    p = jnp.exp(s - _rows(lse5, i, L.bq)[..., None])
+    dp = jnp.einsum("bhqd,bhkd->bhqk", do_blk, v_blk, preferred_element_type=acc)
+    dp = dp.reshape(p.shape)
+    pd = p
+    if cfg.dropout_active:
+      ks = L.keep_scale(seed, i, j)
+      pd, dp = p * ks, dp * ks
+    dv_j = jnp.einsum("bhqk,bhqd->bhkd", pd.reshape(L.B, L.Hkv, L.G * L.bq, L.bk),
+                      do_blk, preferred_element_type=acc)
+    ds = p * (dp - _rows(delta5, i, L.bq)[..., None])
+    if cfg.score_mod is not None:
+      ds, dc = sm_vjp(ds)
+      dconsts = tuple(a + b.astype(a.dtype) for a, b in zip(dconsts, dc))
+    if dbias is not None:
+      dbias = _add_bias_tile(L, dbias, ds, i, j)
+    ds4 = ds.reshape(L.B, L.Hkv, L.G * L.bq, L.bk) * jnp.asarray(cfg.scale, acc)
+    dk_j = jnp.einsum("bhqk,bhqd->bhkd", ds4, q_blk, preferred_element_type=acc)
+    dq_i = jnp.einsum("bhqk,bhkd->bhqd", ds4, k_blk, preferred_element_type=acc)
+    dq = _put_rows(dq, _rows(dq, i, L.bq) + dq_i.reshape(L.B, L.Hkv, L.G, L.bq, L.D), i, L.bq)
+    dk = _put_rows(dk, _rows(dk, j, L.bk, 2) + dk_j, j, L.bk, 2)
+    dv = _put_rows(dv, _rows(dv, j, L.bk, 2) + dv_j, j, L.bk, 2)
+    return dq, dk, dv, dbias, dconsts, walk
 
   z0 = _carry_zero(acc, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse)
   dq0 = jnp.zeros((L.B, L.Hkv, L.G, L.Sqp, L.D), acc) + z0
+  dk0 = jnp.zeros((L.B, L.Hkv, L.Skvp, L.D), acc) + z0
+  dv0 = jnp.zeros((L.B, L.Hkv, L.Skvp, L.Dv), acc) + z0
   dbias0 = None if bias is None else jnp.zeros(bias5.shape, acc) + z0
   dconsts0 = tuple(jnp.zeros(jnp.shape(c), jnp.promote_types(jnp.result_type(c), acc))
                    + z0.astype(jnp.promote_types(jnp.result_type(c), acc)) for c in diff_consts)
-  # dK/dV of each kv block are written in place (no stacked scan output to transpose).
-  dk0 = jnp.zeros((L.B, L.Hkv, L.Skvp, L.D), k.dtype) + z0.astype(k.dtype)
-  dv0 = jnp.zeros((L.B, L.Hkv, L.Skvp, L.Dv), v.dtype) + z0.astype(v.dtype)
-  dq, dbias, dconsts, dk, dv = lax.fori_loop(
-      0, L.nk, kv_block, (dq0, dbias0, dconsts0, dk0, dv0))
+  dq, dk, dv, dbias, dconsts, _ = lax.fori_loop(
+      0, count, body, (dq0, dk0, dv0, dbias0, dconsts0, walk0))
   dq = dq.reshape(L.B, L.H, L.Sqp, L.D)[:, :, : L.Sq].astype(q.dtype)
   dk, dv = dk[:, :, : L.Skv], dv[:, :, : L.Skv]
   if dbias is not None:
