@@ -644,8 +644,9 @@ def meta_lines(report: dict, warning: bool = True) -> List[str]:
          if m.get("config", {}).get("budget_seconds") else ""),
       "- time: median of the compiled call after a warm-up; \"x jax.nn\" = time /"
       " jax.nn.dot_product_attention(implementation=\"xla\") timed round-robin in the same run"
-      + (f"; * = {m['warmup_only_cells']} cells timed by their warm-up call alone (the time"
-         " budget left no repeat)" if m.get("warmup_only_cells") else ""),
+      + (f"; * = {m['warmup_only_cells']} cell{'s' if m['warmup_only_cells'] > 1 else ''} timed"
+         " by the warm-up call alone (the time budget left no repeat)"
+         if m.get("warmup_only_cells") else ""),
       "- temp mem: compiled temp_size_in_bytes (arguments and outputs excluded)",
   ] + ([f"- {m['busy_warning']}"] if warning and m.get("busy_warning") else [])
 

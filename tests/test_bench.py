@@ -103,7 +103,7 @@ def test_budget_lowers_repeats_never_cells():
   assert all(r["skip_reason"] is None and r["time_s"] > 0 and r["runs"] == 0 for r in res)
   assert all(r["time_s"] == r["warmup_s"] and r["compile_s"] > 0 for r in res)
   assert report["meta"]["warmup_only_cells"] == len(res)
-  assert "cells timed by their warm-up call alone" in "\n".join(_bench.meta_lines(report))
+  assert "cells timed by the warm-up call alone" in "\n".join(_bench.meta_lines(report))
   assert "ms*" in _bench.results_table(report)
   # An ample budget gives every cell its repeats; so does no budget at all.
   cfg = dataclasses.replace(cfg, impls=("blockwise",), modes=("fwd",), repeats=3,
