@@ -854,17 +854,19 @@ def exit_status(data: dict, fail_on: str) -> int:
 
 
 def _source_state() -> str:
-  """'<commit>' or '<commit> + uncommitted changes in flashvjp/' (what was measured)."""
+  """'<commit>', or '<commit> + uncommitted changes in <files under flashvjp/>' (what was measured)."""
   try:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                           capture_output=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "flashvjp"], cwd=ROOT, text=True,
-                           capture_output=True).stdout.strip()
+                           capture_output=True).stdout.rstrip()
   except OSError:
     return "?"
   if not head:
     return "? (not a git checkout)"
-  return head + (" + uncommitted changes in flashvjp/" if dirty else "")
+  files = [l[3:] for l in dirty.splitlines()]
+  return head + (f" + uncommitted changes in {', '.join(files[:6])}"
+                 + (" ..." if len(files) > 6 else "") if files else "")
 
 
 def main(argv=None):
