@@ -606,7 +606,9 @@ def render_md(data: dict) -> str:
            + (f"; --fail-on all would exit {exit_status(data, 'all')})"
               if data.get("fail_on") != "all" else ")"))
   L.append(f"- spilling kernels {s['spilling']}, non-pipelined loading loops in {s['unpipelined']} "
-           f"kernels, kernels with tf32 dots {s['tf32_kernels']}, max registers {s['max_regs']}, "
+           f"kernels, kernels with tf32 dots {s['tf32_kernels']}, kernels with 16-bit/tf32 dots "
+           f"off wgmma (tiles < 64 rows, not gated) {s.get('non_wgmma_kernels', '?')}, "
+           f"max registers {s['max_regs']}, "
            f"max shared memory {_kib(s['max_smem'])} KiB")
   L.append("")
   L.append("Columns: regs = registers per thread; spill = spill stores/loads (bytes); smem = "
@@ -734,6 +736,9 @@ def summarize(data: dict, seconds: float, jobs: int) -> dict:
       unpipelined=sum(1 for r in res if any(l["global_loads"] and not l["async_copies"]
                                             for l in r.get("loops", []))),
       tf32_kernels=sum(1 for r in res if r.get("tf32_dots")),
+      non_wgmma_kernels=sum(1 for r in res if any(
+          d.get("kind") in ("mma.sync", "fma") and d.get("precision") != "ieee"
+          for d in r.get("dots", []))),
       max_regs=max((r.get("regs") or 0 for r in res), default=0),
       max_smem=max((r.get("shared") or 0 for r in res), default=0),
       seconds=round(seconds, 1), jobs=jobs)
