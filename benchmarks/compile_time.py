@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import platform
+import re
 import time
 
 import jax
@@ -35,6 +36,47 @@ def _loss(kind):
       return t(jax.nn.dot_product_attention(t(q), t(k), t(v), is_causal=True,
                                             implementation="xla"))
   return lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) ** 2)
+
+
+# One instruction of an optimized HLO module: `%name = <shape or (tuple shape)> opcode(`.
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(?:\([^()]*\)|\S+)\s+([a-z][a-z0-9\-]*)\(")
+_FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while"})
+
+
+def program_stats(compiled):
+  """(while loops, compiled ops) of an optimized module: deterministic, unlike the times.
+
+  Compiled ops are the instructions of the entry computation and of the while loops'
+  bodies and conditions that XLA:CPU emits as code (fusions, dots, copies, slices, ...;
+  not parameters, constants, tuples, bitcasts). XLA:CPU's compile time follows them.
+  """
+  blocks, name = {}, None
+  for line in compiled.as_text().splitlines():
+    m = re.match(r"^(ENTRY\s+)?%(\S+)\s.*\{\s*$", line)
+    if m:
+      name = "ENTRY" if m.group(1) else m.group(2)
+      blocks[name] = []
+    elif line.startswith("}"):
+      name = None
+    elif name is not None:
+      blocks[name].append(line)
+  run = {"ENTRY"}
+  for lines in blocks.values():
+    for line in lines:
+      run.update(re.findall(r"(?:body|condition)=%([^,\s]+)", line))
+  loops = ops = 0
+  for n in run:
+    for line in blocks.get(n, ()):
+      m = _INSTR.match(line)
+      if m:
+        loops += m.group(1) == "while"
+        ops += m.group(1) not in _FREE
+  return loops, ops
+
+
+def stats(kind, seq, dtype):
+  x = jax.ShapeDtypeStruct((B, H, seq, D), dtype)
+  return program_stats(jax.jit(jax.grad(_loss(kind), (0, 1, 2))).lower(x, x, x).compile())
 
 
 def measure(kind, seq, dtype, grad=True):
@@ -69,17 +111,20 @@ def main():
   measure("flashvjp", 128, jnp.float32)
   rows = []
   print(f"{'seq':>5} {'dtype':>8} {'flashvjp s':>10} {'(trace+lower':>12} {'compile)':>9}"
-        f" {'fwd only':>8} {'jax.nn s':>8} {'ratio':>6}", flush=True)
+        f" {'fwd only':>8} {'jax.nn s':>8} {'ratio':>6} {'loops/ops':>9} {'jax.nn':>6}",
+        flush=True)
   for seq, dtype in cases:
     f_tl, f_c = best("flashvjp", seq, dtype, args.repeats)
     fwd = sum(best("flashvjp", seq, dtype, args.repeats, grad=False))
     j = sum(best("jax.nn", seq, dtype, args.repeats))
     ours = f_tl + f_c
+    st, st_j = stats("flashvjp", seq, dtype), stats("jax.nn", seq, dtype)
     rows.append(dict(seq=seq, dtype=jnp.dtype(dtype).name, ours=ours, trace_lower=f_tl,
-                     compile=f_c, fwd=fwd, jax_nn=j, ratio=ours / j))
+                     compile=f_c, fwd=fwd, jax_nn=j, ratio=ours / j,
+                     ops=f"{st[0]} / {st[1]}", ops_j=f"{st_j[0]} / {st_j[1]}"))
     r = rows[-1]
     print(f"{seq:>5} {r['dtype']:>8} {ours:>10.2f} {f_tl:>12.2f} {f_c:>9.2f} {fwd:>8.2f}"
-          f" {j:>8.2f} {r['ratio']:>6.2f}", flush=True)
+          f" {j:>8.2f} {r['ratio']:>6.2f} {r['ops']:>9} {r['ops_j']:>6}", flush=True)
   worst = max(r["ratio"] for r in rows)
   print(f"worst ratio {worst:.2f} (target <= {TARGET}): {'PASS' if worst <= TARGET else 'FAIL'}")
   if args.quick:
@@ -92,71 +137,81 @@ def main():
       " `jax.jit(grad).lower(...).compile()` (trace + lower + XLA compile), best of"
       f" {args.repeats}, measured in one run; target: ratio <= {TARGET}.",
       "",
-      "| seq | dtype | flashvjp s | trace+lower s | XLA compile s | forward only s | jax.nn s | ratio |",
-      "|---|---|---|---|---|---|---|---|",
+      "| seq | dtype | flashvjp s | trace+lower s | XLA compile s | forward only s | jax.nn s | ratio"
+      " | flashvjp loops / ops | jax.nn loops / ops |",
+      "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
     lines.append(f"| {r['seq']} | {r['dtype']} | {r['ours']:.2f} | {r['trace_lower']:.2f} |"
-                 f" {r['compile']:.2f} | {r['fwd']:.2f} | {r['jax_nn']:.2f} | {r['ratio']:.2f} |")
+                 f" {r['compile']:.2f} | {r['fwd']:.2f} | {r['jax_nn']:.2f} | {r['ratio']:.2f} |"
+                 f" {r['ops']} | {r['ops_j']} |")
   lines += ["", f"Worst ratio {worst:.2f}: {'PASS' if worst <= TARGET else 'FAIL'}.", ""]
   (RESULTS / "compile_time.md").write_text("\n".join(lines) + NOTES)
   print(f"wrote {RESULTS / 'compile_time.md'}")
 
 
 NOTES = """
-## Where the time goes (jit(grad), seq 512, float32, causal)
+## Where the time goes (jit(grad), causal, B=1 H=8 D=64)
 
-XLA:CPU compiles every fusion of the optimized module into its own LLVM kernel, and its
-compile time follows the number and size of those kernels; the trace + lower part
-follows how often the backend is traced. Counted from `XLA_FLAGS=--xla_dump_to=...`
-(deterministic, unlike the times on this shared 2-core machine):
+XLA:CPU compiles every fusion of the optimized module into its own kernel, and its
+compile time follows the number of those kernels (and how many loop bodies hold them);
+the trace + lower part is small (0.05-0.2 s). The last two columns above count, in the
+optimized module (`program_stats`: deterministic, unlike the times on this shared
+2-core machine), the while loops and the ops XLA:CPU emits as code in the entry
+computation and the loop bodies (fusions, dots, slices, copies; the counts do not
+depend on seq at 512-4096):
 
-| program | while loops | compiled kernels | kernel object bytes |
-|---|---|---|---|
-| jax.nn xla path | 0 | 18 | 26 KiB |
-| flashvjp before (the parent of 185f834) | 8 | 50 | 101 KiB |
-| flashvjp now | 4 | 36 | 71 KiB |
-
-Before/after, the same script's cells, processes alternated (two rounds; load average 7-10
-on 2 cores, so single cells vary by +-40%):
-
-| seq, dtype | before: flashvjp / jax.nn (ratio) | after: flashvjp / jax.nn (ratio) |
+| program (f32; bf16) | while loops | compiled ops |
 |---|---|---|
-| 512 float32 | 2.57 / 0.76 (3.4); 1.47 / 0.45 (3.3) | 1.40 / 0.40 (3.5); 1.16 / 0.57 (2.0) |
-| 2048 float32 | 2.67 / 0.57 (4.6); 1.72 / 0.42 (4.1) | 1.03 / 0.42 (2.5); 1.45 / 0.53 (2.8) |
-| 512 bfloat16 | 2.06 / 0.92 (2.2); 1.43 / 0.51 (2.8) | 1.00 / 0.51 (2.0); 1.36 / 0.74 (1.8) |
+| jax.nn xla path | 0 | 25; 28 |
+| flashvjp with masked/unmasked split loops (before 185f834) | 8 | - |
+| flashvjp with one masked body, nested row/column loops (5f31064's parent) | 4 | 71; 72 |
+| flashvjp now: one loop per pass over a flat block-pair list | 2 | 49; 52 |
 
-What changed:
+Forward + backward jit(grad) at seq 4096, causal f32, run time in one process, 5
+alternated runs (load average 5-9 on 2 cores): nested loops min 1.69 s, flat pair list
+min 1.25 s (medians 2.2 / 2.5 s: noise); jax.nn's xla path min 7.9 s.
+
+What changed, in order:
 
 1. **Split loops** (`_mask.split_loop`: masked edge blocks, unmasked interior, masked
-   edge blocks) gave the forward and the backward two distinct loop bodies each, and
-   three while loops per pass. One masked body per pass (masked only where some block
-   can need it: causal, window, segment ids, dense mask or padding) halves the loop
-   kernels. The split had saved ~3% of causal run time; measured now (seq 4096 causal
-   fwd+bwd, `bench_cpu.py --quick --seq 4096 --causal yes --impl blockwise`, loaded
-   machine): 2.09 s before, 2.16 s after (noise level); forward 663 ms vs 660 ms.
-2. **custom_partitioning on one device**: the batch/head partitioning wrapper
-   (`flashvjp.distributed._partition`) traces the backend again inside its lowering
-   rule (cProfile of a warm jit(grad).lower at 512: 0.14 s of 0.33 s). With one device
-   there is nothing to partition, so `_vjp` calls the backend directly there. Warm
-   trace + lower is small either way (0.05-0.2 s); XLA compile is the cost.
-3. **Stacked outputs**: `lax.map` / `lax.scan` outputs stacked per block
-   ([nq, B, Hkv, G, bq, D]) needed a transposing copy each (out, lse, dK, dV); each
-   block now writes its rows in place (`dynamic_update_slice` into the carried output),
-   which also halves the forward's compiled temp memory (11.6 -> 5.6 MiB at 4096).
-4. Eager calls (no jit): the body is jitted on the static config, so only the first
-   call compiles (before: every eager call recompiled the loops, 0.7-1.8 s each).
+   edge blocks) gave each pass two distinct loop bodies in three while loops; one masked
+   body per pass (masked only where some block can need it: causal, window, segment ids,
+   dense mask or padding) halved the loop kernels at ~3% causal run time.
+2. **custom_partitioning on one device**: `_vjp` calls the backend directly when there
+   is one device (the partitioning wrapper traced the backend again at lowering).
+3. **In-place outputs**: each block writes its rows of the carried output
+   (`dynamic_update_slice`) instead of a stacked `lax.map`/`scan` output that needed a
+   transposing copy.
+4. **One loop per pass over a flat list of block pairs** (`_impl._pairs`): the forward
+   walks the (q block, kv block) pairs row-major, the backward column-major, in a single
+   `fori_loop` each. The running max and sum (one [.., Sq, 2] carry), the output
+   accumulator, and dQ, dK, dV (accumulation dtype) are O(seq) carries updated in place
+   per step, so no per-row init / finalise / write-back code sits between two loops and
+   the backward's dQ is not a separate carried scan. With static bounds (causal, window,
+   padding) pair t's (row, column) is a sum of scalar steps with Python-int thresholds
+   (no index arrays: custom_partitioning refuses jaxpr constants); with a block table
+   (segment ids, dense mask) the static list is compacted (`_mask._compact`), so empty
+   blocks cost no `lax.cond` and no iteration. Dropout and score_mod code is emitted only
+   when used. 4 -> 2 while loops, 71 -> 49 compiled ops; run time unchanged or better.
+5. Eager calls (no jit) are jitted on the static config: only the first call compiles.
 
-What is left: 36 kernels against jax.nn's 18. The online-softmax forward alone (dot,
-mask, row max, exp, row sum, rescale, dot: ~14 kernels per loop body plus the loop
-bookkeeping) compiles about as long as jax.nn's whole forward+backward; the remaining
-kernels are the backward's recomputation (dot, mask, exp, dP dot, dS, three dots, dQ
-update), zero-initialised carries and hoisted mask index pieces. Reaching 1.5x needs
-fewer distinct fusions per body (for example one fused mask+exp kernel shared by the
-forward and the backward), not fewer loops. Tried without gain: writing the mask as
-block-local constant iotas compared with per-tile scalars (XLA still hoists the iota
-pieces into their own kernels: 38 kernels).
+What is left (why the ratio is still ~1.6-2.3, not <= 1.5): 49 ops against jax.nn's 25.
+The forward body alone is 16 ops (scalar pair index, q / k / v / row-state slices, the
+QK dot, the mask select, row max, two exps, row sum, the PV dot, two in-place updates)
+and the backward body 19 (four tile slices, five dots, exp, dS, three in-place updates,
+index scalars), plus ~10 outside (zero carries and their copies, the normalisation, lse,
+delta). jax.nn materialises the S x S scores and compiles one straight-line program. An
+online-softmax loop needs at least a tile slice per operand, the running-max rescaling
+and an in-place write-back per step, so the count cannot fall to jax.nn's without
+dropping the loop (O(seq^2) memory). Tried without gain: packing dK and dV (and the
+output with its row max and sum) into one carry each (XLA keeps the concatenates and
+slices as their own kernels: 59 -> 67 ops); carrying the (row, column) walk in the loop
+state (scalar copies: +10 ops); building the pair list as index arrays from iotas
+(cumsum and gathers: +16 ops); block-local constant iotas in the mask (XLA hoists their
+pieces into kernels). XLA:CPU flags are not an option (users do not set them).
 """
+
 
 if __name__ == "__main__":
   main()

@@ -251,14 +251,15 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   # Online softmax over a flat pair list; the running max, sum and output of every
   # row live in O(seq) carries and each step updates its q block's rows in place.
   def body(t, carry):
-    m_all, l_all, o_all, walk = carry
+    ml_all, o_all, walk = carry
     i, j, walk = at(t, walk)
     s = L.scores(L.q_tile(q5, i), L.kv_tile(kp, j), bias5, i, j)
     if cfg.score_mod is not None:
       s = _score_mod.apply(cfg.score_mod, consts, s, *L.indices(i, j))
     if masked:
       s = jnp.where(L.allowed(i, j, q_seg, kv_seg, mask5), s, -jnp.inf)
-    m, l, o = _rows(m_all, i, L.bq), _rows(l_all, i, L.bq), _rows(o_all, i, L.bq)
+    ml, o = _rows(ml_all, i, L.bq), _rows(o_all, i, L.bq)
+    m, l = ml[..., 0], ml[..., 1]
     m_new = jnp.maximum(m, s.max(axis=-1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = jnp.exp(s - m_safe[..., None])
@@ -269,12 +270,15 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     pv = jnp.einsum("bhqk,bhkd->bhqd", p.reshape(L.B, L.Hkv, L.G * L.bq, L.bk),
                     L.kv_tile(vp, j), preferred_element_type=acc)
     o = alpha[..., None] * o + pv.reshape(L.B, L.Hkv, L.G, L.bq, L.Dv)
-    return (_put_rows(m_all, m_new, i, L.bq), _put_rows(l_all, l, i, L.bq),
+    return (_put_rows(ml_all, jnp.stack([m_new, l], axis=-1), i, L.bq),
             _put_rows(o_all, o, i, L.bq), walk)
 
-  init = (jnp.full(rows, -jnp.inf, acc) + z0, jnp.zeros(rows, acc) + z0,
-          jnp.zeros(rows + (L.Dv,), acc) + z0, walk0)
-  m, l, o, _ = lax.fori_loop(0, count, body, init)
+  # The running max and sum of each row share one carry (one in-place update per step).
+  # (An iota select, not a stack of two constants, which XLA would fold into a literal.)
+  ml0 = jnp.where(lax.broadcasted_iota(jnp.int32, rows + (2,), 4) == 0, -jnp.inf, z0)
+  init = (ml0, jnp.zeros(rows + (L.Dv,), acc) + z0, walk0)
+  ml, o, _ = lax.fori_loop(0, count, body, init)
+  m, l = ml[..., 0], ml[..., 1]
   empty = l == 0.0
   out = (o / jnp.where(empty, 1.0, l)[..., None]).astype(q.dtype)
   lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
