@@ -181,7 +181,10 @@ def _forward_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
     r["out"][...] = (o_s[...] / jnp.where(empty, 1.0, l)).astype(r["out"].dtype)
     # Empty (and padded) rows: lse = mask_value here, -inf outside the kernel (`forward`).
     lse = jnp.where(empty, neg, m_s[:, 0:1] + jnp.log(jnp.where(empty, 1.0, l)))
-    r["lse"][...] = jnp.broadcast_to(lse, r["lse"].shape).astype(r["lse"].dtype)
+    lse = jnp.broadcast_to(lse, (g.bq, Lo.LANES))
+    if r["lse"].shape[0] == 1:  # lane-major (1, bq) block: a [bq, 128] -> [128, bq] transpose
+      lse = jnp.transpose(lse)[0:1, :]
+    r["lse"][...] = lse.astype(r["lse"].dtype)
 
 
 def split_consts(cfg, consts, acc, B, H, grads):
@@ -215,14 +218,21 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
                              meta=meta, may_mask=may_mask)
   out_map = lambda b, h, i, s, *_: (b, h, i, 0)
   cost = forward_cost(cfg, g, q.dtype, bias is not None)
+  # lse: lane-major [B, H, 1, Sqp] when block_q is a multiple of 128 (the compiled
+  # defaults); else lane-broadcast [B, H, Sqp, 128] (128x the memory), as splash.
+  lanes = g.bq % Lo.LANES == 0
+  if lanes:
+    lse_shape, lse_spec = (g.B, g.H, 1, g.Sqp), _bs((None, None, 1, g.bq),
+                                                    lambda b, h, i, s, *_: (b, h, 0, i))
+  else:
+    lse_shape, lse_spec = (g.B, g.H, g.Sqp, Lo.LANES), _bs((None, None, g.bq, Lo.LANES), out_map)
   out, lse = _compat.tpu_pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dvp), q.dtype),
-                 jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, Lo.LANES), acc)),
+                 jax.ShapeDtypeStruct(lse_shape, acc)),
       grid=(g.B, g.H, g.nq, lists.W),
       in_specs=ins.specs,
-      out_specs=(_bs((None, None, g.bq, g.Dvp), out_map),
-                 _bs((None, None, g.bq, Lo.LANES), out_map)),
+      out_specs=(_bs((None, None, g.bq, g.Dvp), out_map), lse_spec),
       scratch_shapes=[_compat.tpu_vmem((g.bq, Lo.LANES), acc),
                       _compat.tpu_vmem((g.bq, Lo.LANES), acc),
                       _compat.tpu_vmem((g.bq, g.Dvp), acc)],
@@ -230,7 +240,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
       dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY),
       interpret=interpret_arg(cfg), name="flashvjp_tpu_fwd", cost=cost,
   )(counts, entries, *ins.arrays)
-  lse = lse[:, :, : g.Sq, 0]
+  lse = lse[:, :, 0, : g.Sq] if lanes else lse[:, :, : g.Sq, 0]
   # The API's -inf lse of an empty row, by log(0) at the empty rows only (no -inf array
   # is built when no row is empty: jax.debug_infs stays quiet), as the Triton family.
   empty = lse == C.mask_value(acc)
