@@ -254,6 +254,7 @@ def forward_cost(cfg, g: C.Geometry, dtype, has_bias: bool):
   isz = jnp.dtype(dtype).itemsize
   flops = 2 * tiles * g.bq * g.bk * (g.Dp + g.Dvp)
   trans = tiles * g.bq * g.bk
-  nbytes = (g.B * g.H * g.Sqp * (g.Dp + g.Dvp) * isz + g.B * g.H * g.Sqp * Lo.LANES * 4
+  lse_row = 4 if g.bq % Lo.LANES == 0 else Lo.LANES * 4  # lane-major or lane-broadcast lse
+  nbytes = (g.B * g.H * g.Sqp * (g.Dp + g.Dvp) * isz + g.B * g.H * g.Sqp * lse_row
             + tiles * g.bk * (g.Dp + g.Dvp) * isz + (tiles * g.bq * g.bk * 4 if has_bias else 0))
   return _compat.cost_estimate(flops, trans, nbytes)
