@@ -375,3 +375,17 @@ def test_vmem_footprint_of_the_default_blocks(dtype):
   assert len(names) == 4 and all(n.startswith("flashvjp_tpu_") for n in names), names
   for name, size in sizes.items():
     assert 2**20 < size <= VMEM_BUDGET, (name, size / 2**20)
+
+
+# ---- transformations (the composition tests of tests/test_composition.py, on these kernels) ----
+
+from tests import test_composition as _composition  # noqa: E402
+
+
+@pytest.mark.parametrize("check", [_composition.test_jit_and_value_and_grad,
+                                   _composition.test_vmap_over_extra_axis,
+                                   _composition.test_remat,
+                                   _composition.test_scan_over_layers],
+                         ids=["jit_grad", "vmap", "remat", "scan"])
+def test_composition(check):
+  check("pallas_tpu")
