@@ -196,7 +196,8 @@ What changed, in order:
    when used. 4 -> 2 while loops, 71 -> 49 compiled ops; run time unchanged or better.
 5. Eager calls (no jit) are jitted on the static config: only the first call compiles.
 
-What is left (why the ratio is still ~1.6-2.3, not <= 1.5): 49 ops against jax.nn's 25.
+What is left (why the ratio is still ~1.5-2.3, not <= 1.5): 49 ops against jax.nn's 25;
+the measured ratios scatter around that op ratio (1.96) on this loaded machine.
 The forward body alone is 16 ops (scalar pair index, q / k / v / row-state slices, the
 QK dot, the mask select, row max, two exps, row sum, the PV dot, two in-place updates)
 and the backward body 19 (four tile slices, five dots, exp, dS, three in-place updates,
