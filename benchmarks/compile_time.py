@@ -168,9 +168,10 @@ depend on seq at 512-4096):
 | flashvjp with one masked body, nested row/column loops (5f31064's parent) | 4 | 71; 72 |
 | flashvjp now: one loop per pass over a flat block-pair list | 2 | 49; 52 |
 
-Forward + backward jit(grad) at seq 4096, causal f32, run time in one process, 5
-alternated runs (load average 5-9 on 2 cores): nested loops min 1.69 s, flat pair list
-min 1.25 s (medians 2.2 / 2.5 s: noise); jax.nn's xla path min 7.9 s.
+Run time is not worse: jit(grad) at seq 4096, causal f32, nested loops vs flat pair list
+vs jax.nn's xla path in one process, 5 alternated runs: min 0.56 / 0.53 / 2.56 s, median
+0.61 / 0.53 / 2.58 s (load average ~4 on 2 cores; an earlier run at load 5-9: min 1.69 /
+1.25 / 7.9 s).
 
 What changed, in order:
 
