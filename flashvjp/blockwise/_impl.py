@@ -1,10 +1,12 @@
 """Blockwise attention in pure JAX (FlashAttention-2's algorithm, expressed with lax loops).
 
 Room: blockwise backend. Reads the mask model, score_mod, dropout and config;
-never the API. Forward: online softmax over the kv blocks each q block may see.
-Backward (hand-written, one pass): for each kv block, loop over the q blocks that
-see it, recompute probabilities from the saved logsumexp, accumulate dK/dV for the
-block and add dQ into a carried O(seq) accumulator. GQA works on
+never the API. Each pass is ONE loop over a flat list of the (q block, kv block)
+pairs it must visit (`_pairs`; few compiled kernels: benchmarks/compile_time.py).
+Forward: online softmax, row-major pairs, the running max / sum and the output
+accumulator of every row in O(seq) carries updated in place. Backward (hand-written,
+one pass, kv-major pairs): recompute probabilities from the saved logsumexp and add
+each pair's dQ, dK, dV tiles into O(seq) accumulators. GQA works on
 [batch, kv_heads, group, ...] views, so K/V are never repeated per query head.
 """
 from __future__ import annotations
