@@ -84,6 +84,9 @@ class Launch:
   block_kv: int
   num_warps: int
   num_stages: int
+  # dK/dV only: compute its tiles transposed ([bk, bq], every dot M = block_kv rows, wgmma);
+  # False: [bq, bk] tiles (the two score dots have M = block_q rows).
+  transposed: bool = True
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -111,10 +114,15 @@ def matmul_kind(dtype, precision: str) -> str:
 # * forward / dQ keep [rows, head_dim] float32 accumulators plus the q (and dO) tile in
 #   registers: 8 warps split 128 rows over two warpgroups; float32 operands (TF32) at 256 and
 #   3xTF32 ("highest", every operand split in two in registers) need fewer rows / columns.
-# * dK/dV keeps two [block_kv, head_dim] accumulators; its block_q only sizes the [bq, bk]
-#   score tiles, so it drops to 32 / 16 rows (those two score dots run as mma.sync, the dK / dV
-#   dots stay wgmma) - 64x64 spilled: bf16 d128 dropout 28 B, softcap+window 72 B, d64 combo
-#   8 B; tf32 d128 causal 540 B; bf16 d256 (32-row tiles before) 588 B.
+# * dK/dV keeps two [block_kv, head_dim] accumulators (and K, V) in registers and computes its
+#   tiles transposed ([bk, bq], as FlashAttention-2/3), so all four dots have M = block_kv rows
+#   (wgmma at 64) and block_q is only their N: 16-bit 64x64 at d64; 32x64 at d128 (64x64
+#   spills: gqa causal 72 B, softcap+window 20 B); 16x64 at d256 (32x64: causal 80 B); TF32
+#   32x64 at d64 (64x64: causal 32 B); TF32 d128 16x64 NOT transposed (transposed 16x64
+#   spills 660 B causal (K, V are then the A operands, likely held in registers); 4 or 16 warps
+#   worse; 32x32 transposed is spill-free but all mma.sync): its dK/dV dots stay wgmma, the
+#   two 16-row score dots mma.sync; float32 head dim > 128 and 3xTF32 d128 keep 32-row kv
+#   tiles (64 rows spill 0.1-5 KB).
 # * num_stages 2 everywhere: software-pipelined K/V (Q/dO) loads (1 stage loses the async copies).
 # Known residue: 3xTF32 ("highest") spills at head dim 128 with softcap+window in dK/dV (4 B;
 # 1 stage avoids it but is not pipelined) and at head dim > 128 (dK/dV up to ~26 KB, dQ
@@ -128,11 +136,11 @@ def _fill(hd, kind, fwd, dkdv, dq, dbias=None):
 
 
 #    head dim, kind     fwd (bq, bk, warps, stages)  dK/dV            dQ
-_fill(64, "16bit", (128, 64, 8, 2), (32, 64, 8, 2), (64, 64, 4, 2))
+_fill(64, "16bit", (128, 64, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2))
 _fill(128, "16bit", (128, 64, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2))
 _fill(256, "16bit", (64, 32, 8, 2), (16, 64, 8, 2), (64, 32, 8, 2))
 _fill(64, "tf32", (128, 64, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2))
-_fill(128, "tf32", (128, 64, 8, 2), (16, 64, 8, 2), (64, 16, 8, 2))
+_fill(128, "tf32", (128, 64, 8, 2), (16, 64, 8, 2, False), (64, 16, 8, 2))
 _fill(256, "tf32", (64, 16, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2))
 _fill(64, "f32", (32, 64, 4, 2), (16, 64, 8, 2), (32, 32, 4, 2))
 _fill(128, "f32", (16, 32, 4, 2), (16, 32, 8, 2), (16, 32, 4, 2))

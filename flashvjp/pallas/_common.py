@@ -49,6 +49,7 @@ class Geometry:
   Dvp: int
   num_warps: int = 4  # launch parameters (from _config.LAUNCH_TABLE via `geometry`)
   num_stages: int = 2
+  transposed: bool = True  # dK/dV kernel: [bk, bq] tiles (_config.Launch.transposed)
 
   @property
   def G(self) -> int:
@@ -108,7 +109,7 @@ def geometry(cfg: AttentionConfig, q_shape, k_shape, v_shape, block_q, block_kv,
   rows, table_rows = ((bk, table.block_kv) if role in ("dkdv", "dbias") else (bq, table.block_q))
   warps = table.num_warps if rows >= min(table_rows, 64) else min(table.num_warps, 4)
   return Geometry(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=Dv, bq=bq, bk=bk, Dp=Dp, Dvp=Dvp,
-                  num_warps=warps, num_stages=table.num_stages)
+                  num_warps=warps, num_stages=table.num_stages, transposed=table.transposed)
 
 
 def relaunch(cfg: AttentionConfig, g: Geometry, role: str, dtype) -> Geometry:
@@ -385,8 +386,15 @@ def dot_tn(a, b, acc, cfg: Optional[AttentionConfig] = None):
   return _dot(a, b, (((0,), (0,)), ((), ())), acc, cfg)
 
 
-def tile_indices(g: Geometry, i, j):
-  """Global (q_idx [bq, 1], kv_idx [1, bk]) int32 positions of tile (i, j)."""
+def tile_indices(g: Geometry, i, j, transposed: bool = False):
+  """Global (q_idx [bq, 1], kv_idx [1, bk]) int32 positions of tile (i, j).
+
+  `transposed`: the tile is laid out [bk, bq] (the dK/dV kernel): q_idx [1, bq], kv_idx [bk, 1].
+  """
+  if transposed:
+    qi = i * g.bq + lax.broadcasted_iota(jnp.int32, (1, g.bq), 1)
+    ki = j * g.bk + lax.broadcasted_iota(jnp.int32, (g.bk, 1), 0)
+    return qi, ki
   qi = i * g.bq + lax.broadcasted_iota(jnp.int32, (g.bq, 1), 0)
   ki = j * g.bk + lax.broadcasted_iota(jnp.int32, (1, g.bk), 1)
   return qi, ki
@@ -414,15 +422,22 @@ class TileInputs:
   h: jax.Array  # scalar int32 query head index
   i: jax.Array  # q block index
   j: jax.Array  # kv block index
-  bias: Optional[jax.Array] = None  # [bq|1, bk|1]
-  mask: Optional[jax.Array] = None  # int8 [bq|1, bk|1]
+  bias: Optional[jax.Array] = None  # [bq|1, bk|1] ([bk|1, bq|1] for a transposed tile)
+  mask: Optional[jax.Array] = None  # int8 [bq|1, bk|1] ([bk|1, bq|1] for a transposed tile)
   q_seg: Optional[jax.Array] = None  # int32 [bq]
   kv_seg: Optional[jax.Array] = None  # int32 [bk]
 
 
 def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, masked,
-           diff_consts=None):
+           diff_consts=None, transposed: bool = False):
   """Scores of one tile: scale * q k^T + bias, score_mod -> (s [bq, bk], ok, vjp or None).
+
+  `transposed`: the tile in [bk, bq] layout, s^T = scale * k q^T + bias^T (the dK/dV
+  kernel, so that its dots have M = block_kv rows; FlashAttention-2/3's orientation).
+  t.bias / t.mask are then given transposed ([bk|1, bq|1]); s, ok and the vjp's
+  cotangent are all [bk, bq]. Everything else is elementwise in (b, h, q_idx, kv_idx)
+  with broadcast indices, so each entry is bitwise the same as in the [bq, bk] layout
+  (the dot's own summation order aside).
 
   `ok` is the mask model's bool [bq, bk] (None when not `masked`). `s` is returned
   unmasked: callers select with `ok` (against the finite `mask_value`, never -inf, so
@@ -431,10 +446,10 @@ def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, 
   the third result maps d(score) [bq, bk] -> (d(pre-mod score), d(diff consts)).
   `consts` are then the fixed (non-differentiable) consts only.
   """
-  s = dot_nt(q, k, acc, cfg) * jnp.asarray(cfg.scale, acc)
+  s = (dot_nt(k, q, acc, cfg) if transposed else dot_nt(q, k, acc, cfg)) * jnp.asarray(cfg.scale, acc)
   if t.bias is not None:
     s = s + t.bias.astype(acc)
-  qi, ki = tile_indices(g, t.i, t.j)
+  qi, ki = tile_indices(g, t.i, t.j, transposed)
   sm_vjp = None
   if cfg.score_mod is not None:
     if diff_consts is None:
@@ -446,8 +461,10 @@ def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, 
           s, tuple(diff_consts))
   ok = None
   if masked:
-    qs = None if t.q_seg is None else t.q_seg[:, None]
-    ks = None if t.kv_seg is None else t.kv_seg[None, :]
+    q_ax, kv_ax = ((None, slice(None)), (slice(None), None)) if transposed else (
+        (slice(None), None), (None, slice(None)))
+    qs = None if t.q_seg is None else t.q_seg[q_ax]
+    ks = None if t.kv_seg is None else t.kv_seg[kv_ax]
     dense = None if t.mask is None else (t.mask != 0)
     ok = mask_spec(cfg).allowed(qi, ki, q_seg=qs, kv_seg=ks, dense=dense)
   return s, ok, sm_vjp
@@ -470,9 +487,13 @@ def lse_pad_value(acc):
   return jnp.asarray(jnp.finfo(acc).max, acc)
 
 
-def dropout_scale(cfg: AttentionConfig, g: Geometry, seed_ref, t: TileInputs, acc):
-  """[bq, bk] multiplier: 1 / (1 - rate) where kept, 0 where dropped (the shared hash)."""
-  qi, ki = tile_indices(g, t.i, t.j)
+def dropout_scale(cfg: AttentionConfig, g: Geometry, seed_ref, t: TileInputs, acc,
+                  transposed: bool = False):
+  """[bq, bk] multiplier: 1 / (1 - rate) where kept, 0 where dropped (the shared hash).
+
+  `transposed`: [bk, bq] (the hash is elementwise: the same keep bit per (q, kv)).
+  """
+  qi, ki = tile_indices(g, t.i, t.j, transposed)
   keep = _dropout.keep(seed_ref[0], seed_ref[1], t.b, t.h, qi, ki, cfg.dropout_rate,
                        cfg.dropout_broadcast)
   return jnp.where(keep, jnp.asarray(1.0 / (1.0 - cfg.dropout_rate), acc), jnp.asarray(0.0, acc))

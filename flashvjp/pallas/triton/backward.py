@@ -11,7 +11,9 @@ logsumexp; nothing O(seq_q * seq_kv) is kept or written.
   the group and, for each, over the q blocks that see this kv block
   (`MaskSpec.q_block_range`; with segment ids / a dense mask the compacted PARTIAL
   and FULL q block lists of this kv block, `_mask.block_lists(by="kv")`), so GQA
-  gradients are summed in-kernel without repeating K/V per query head.
+  gradients are summed in-kernel without repeating K/V per query head. Its tiles are
+  transposed ([bk, bq]: sT = k q^T, dpT = v dO^T, dV += pT dO, dK += dsT q, as
+  FlashAttention-2/3), so every dot has M = block_kv rows (wgmma on sm_90) whatever block_q.
 * dQ kernel: grid (batch, head, q block); loops over the allowed kv blocks (static
   bounds, or the forward's kind of block lists). When
   score_mod has differentiable consts it also writes one partial dconsts per program,
@@ -44,28 +46,34 @@ def _i32(x):
   return jnp.asarray(x, jnp.int32)
 
 
-def _tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, masked, n_diff):
+def _tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, masked, n_diff,
+                transposed=False):
   """Backward math of one [bq, bk] tile.
 
   Returns (pd, ds, dconsts): pd = dropped-out probabilities (for dV), ds = dL/d(pre-mod
   score incl. bias) (not yet multiplied by scale), dconsts = grads of the first
   `n_diff` consts from this tile (empty tuple when n_diff == 0).
+  `transposed` (the dK/dV kernel): pd, ds are [bk, bq] (pT, dsT; t.bias / t.mask given
+  transposed), so that every dot has M = block_kv rows (wgmma on sm_90 for block_kv >= 64,
+  whatever block_q): sT = k q^T, dpT = v do^T.
   """
   diff = None
   if cfg.score_mod is not None:
     diff = tuple(consts[:n_diff])
     consts = tuple(consts[n_diff:])
-  s, ok, sm_vjp = C.scores(cfg, g, q, k, t, consts, acc, masked, diff_consts=diff)
-  d = s - lse[:, None]
+  s, ok, sm_vjp = C.scores(cfg, g, q, k, t, consts, acc, masked, diff_consts=diff,
+                           transposed=transposed)
+  row = (None, slice(None)) if transposed else (slice(None), None)  # lse / delta per q
+  d = s - lse[row]
   if ok is not None:  # p = exp(mask_value) = 0 on masked entries, whatever the row's lse
     d = jnp.where(ok, d, C.mask_value(acc))
   p = jnp.exp(d)
-  dp = C.dot_nt(do, v, acc, cfg)
+  dp = C.dot_nt(v, do, acc, cfg) if transposed else C.dot_nt(do, v, acc, cfg)
   pd = p
   if cfg.dropout_active:
-    keep = C.dropout_scale(cfg, g, seed_ref, t, acc)
+    keep = C.dropout_scale(cfg, g, seed_ref, t, acc, transposed=transposed)
     pd, dp = p * keep, dp * keep
-  ds = p * (dp - delta[:, None])
+  ds = p * (dp - delta[row])
   dconsts = ()
   if sm_vjp is not None:
     ds, dconsts = sm_vjp(ds)
@@ -117,17 +125,21 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked):
       rows = _compat.ds(i * g.bq, g.bq)
       q, do = r["q"][gi, rows, :], r["do"][gi, rows, :]
       t = C.TileInputs(b=b, h=h, i=i, j=j, kv_seg=kv_seg)
-      for name in ("bias", "mask"):
+      for name in ("bias", "mask"):  # [bq|1, bk|1] tiles (used transposed when g.transposed)
         if name in r:
-          setattr(t, name, C.pair_tile(r[name], lead(name, gi), i, j, g,
-                                       full_q=True, full_kv=False))
+          x = C.pair_tile(r[name], lead(name, gi), i, j, g, full_q=True, full_kv=False)
+          setattr(t, name, x.T if g.transposed else x)
       if kv_seg is not None:
         t.q_seg = r["q_seg"][rows]
       pd, ds, _ = _tile_grads(cfg, g, q, k, v, do, r["lse"][gi, rows], r["delta"][gi, rows],
-                              t, consts, r.get("seed"), acc, masked, 0)
-      dv = dv + C.dot_tn(pd.astype(do.dtype), do, acc, cfg)
+                              t, consts, r.get("seed"), acc, masked, 0, transposed=g.transposed)
       ds = ds * jnp.asarray(cfg.scale, acc)
-      dk = dk + C.dot_tn(ds.astype(q.dtype), q, acc, cfg)
+      if g.transposed:  # pd, ds are [bk, bq]: all four dots have M = bk (wgmma with bk >= 64)
+        dv = dv + C.dot_nn(pd.astype(do.dtype), do, acc, cfg)
+        dk = dk + C.dot_nn(ds.astype(q.dtype), q, acc, cfg)
+      else:  # [bq, bk] (the launch table's choice where transposed tiles spill)
+        dv = dv + C.dot_tn(pd.astype(do.dtype), do, acc, cfg)
+        dk = dk + C.dot_tn(ds.astype(q.dtype), q, acc, cfg)
       return dk, dv
 
     def run(start, stop, masked, carry):
