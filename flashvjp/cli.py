@@ -28,10 +28,11 @@ naive attention computed in float64 and differentiated by jax autodiff. A row pa
 when every max |error| <= tolerance x max |reference| (tolerance per input dtype).
 
 Implementations: "blockwise" (pure JAX) always; the Pallas kernels of this platform
-(Triton on GPU, Mosaic on TPU) where they run. On a CPU the Pallas kernels run in
-interpret mode (how the test suite checks them without a GPU). On an idle 2-core CPU
-the whole check takes under a minute with jax 0.12 and about three minutes with jax
-0.10; several times longer when the machine is busy; about half with --skip-pallas.
+(Triton on GPU, Mosaic on TPU) where they run. On a CPU both kernel families
+("pallas_triton" and "pallas_tpu") run in interpret mode (how the test suite checks
+them without a GPU or TPU). On an idle 2-core CPU
+the whole check takes about a minute with jax 0.12 and about four minutes with jax
+0.10; several times longer when the machine is busy; a third with --skip-pallas.
 Each row is printed as soon as it finishes, with its time.
 
 Exit status: 0 when every row passes, 1 otherwise.
@@ -66,7 +67,12 @@ def _check(args) -> int:
     else:
       impls.append(family.implementation)
       if family.interpret:
-        pallas_note = (f"{family.implementation}: the Pallas kernels run in interpret mode on this"
+        # Off their platforms both kernel families run in interpret mode (how the test
+        # suite checks them): check both, the Triton (GPU) and the Mosaic (TPU) kernels.
+        for other in ("pallas_triton", "pallas_tpu"):
+          if other not in impls:
+            impls.append(flashvjp.explain(x, x, x, implementation=other).implementation)
+        pallas_note = (f"{', '.join(impls[1:])}: the Pallas kernels run in interpret mode on this"
                        f" {plat.upper()} (how the test suite checks every kernel line)")
   features = args.feature or list(check.FEATURES)
   dtype = jnp.dtype(args.dtype)
