@@ -375,3 +375,32 @@ from tests import test_composition as _composition  # noqa: E402
                          ids=["jit_grad", "vmap", "remat", "scan"])
 def test_composition(check):
   check("pallas")
+
+
+# ---- both dK/dV orientations (the launch table transposes per row) -------------------
+
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_dkdv_both_orientations_against_naive(head_dim):
+  """float32 at head dim 64 runs the transposed dK/dV tiles ([bk, bq]), at 96 the untransposed
+  ones (the table keeps TF32 d80-128 untransposed: transposed spills): both against float64
+  naive with every tile input the orientation touches (bias, segments, score_mod, dropout)."""
+  from flashvjp import _config
+  orient = {d: _config.launch(d, jnp.float32, "default", "dkdv").transposed for d in (64, 96)}
+  assert orient[64] != orient[96], orient  # the two parametrizations cover both branches
+  B, H, Hkv, S = 1, 2, 1, 40
+  q, k, v = _util.random_qkv(3, B, H, Hkv, S, S, head_dim, 24)
+  bias = jax.random.normal(jax.random.key(9), (1, H, S, S), jnp.float32)
+  seg = jnp.asarray(np.repeat((np.arange(S) >= 13)[None].astype(np.int32), B, 0))
+  kw = dict(causal=True, segment_ids=seg, score_mod=flashvjp.alibi(flashvjp.alibi_slopes(H)),
+            dropout_rate=0.25, dropout_rng=jax.random.key(4), deterministic=False)
+  w = jax.random.normal(jax.random.key(5), (B, H, S, 24), jnp.float64)
+
+  def loss(impl, q, k, v, bias):
+    out = flashvjp.flash_attention(q, k, v, bias=bias, implementation=impl, block_q=16,
+                                   block_kv=16, **kw)
+    return jnp.sum(out.astype(jnp.float64) * w)
+
+  got = jax.grad(lambda *a: loss("pallas", *a), (0, 1, 2, 3))(q, k, v, bias)
+  ref = jax.grad(lambda *a: loss("naive", *a), (0, 1, 2, 3))(*_util.as64((q, k, v, bias)))
+  for name, g, r in zip(("dq", "dk", "dv", "dbias"), got, ref):
+    _util.assert_close(g, r, jnp.float32, name, impl="pallas_triton")
