@@ -124,7 +124,6 @@ def run(implementations, dtype=jnp.float32, B=1, H=4, Hkv=2, S=70, D=32,
   w = jax.random.normal(keys[3], (B, H, S, D), jnp.float64)
   q, k, v = (x.astype(dtype) for x in (q64, k64, v64))
   q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
-  tol = TOL[jnp.dtype(dtype)]
   rows = []
   selected = [f for f in _features(B, H, S) if features is None or f[0] in features]
   for name, kw in progress(selected):
