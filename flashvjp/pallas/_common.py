@@ -166,6 +166,18 @@ def hoist_score_mod(cfg: AttentionConfig, consts, acc):
   return dataclasses.replace(cfg, score_mod=fn), consts
 
 
+class KernelInputs:
+  """Named kernel inputs with their BlockSpecs (optional inputs simply absent)."""
+
+  def __init__(self):
+    self.names, self.arrays, self.specs = [], [], []
+
+  def add(self, name, array, spec):
+    self.names.append(name)
+    self.arrays.append(array)
+    self.specs.append(spec)
+
+
 @dataclasses.dataclass
 class HeadSplit:
   """A score_mod split into a per-(batch, head) part (run by XLA) and a per-tile part.
@@ -428,6 +440,25 @@ class TileInputs:
   kv_seg: Optional[jax.Array] = None  # int32 [bk]
 
 
+def biased_modded(cfg: AttentionConfig, qk, t, qi, ki, consts, acc, diff_consts=None):
+  """scale * qk + bias, then score_mod at global (qi, ki): (s, score_mod vjp or None).
+
+  Shared by both kernel families' `scores` (each computes its own qk dot). With
+  `diff_consts` the score_mod is differentiated (see `scores`).
+  """
+  s = qk * jnp.asarray(cfg.scale, acc)
+  if t.bias is not None:
+    s = s + t.bias.astype(acc)
+  if cfg.score_mod is None:
+    return s, None
+  if diff_consts is None:
+    return _score_mod.apply(cfg.score_mod, tuple(consts), s, t.b, t.h, qi, ki), None
+  fixed = tuple(consts)
+  return jax.vjp(
+      lambda s_, c_: _score_mod.apply(cfg.score_mod, tuple(c_) + fixed, s_, t.b, t.h, qi, ki),
+      s, tuple(diff_consts))
+
+
 def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, masked,
            diff_consts=None, transposed: bool = False):
   """Scores of one tile: scale * q k^T + bias, score_mod -> (s [bq, bk], ok, vjp or None).
@@ -446,19 +477,9 @@ def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, 
   the third result maps d(score) [bq, bk] -> (d(pre-mod score), d(diff consts)).
   `consts` are then the fixed (non-differentiable) consts only.
   """
-  s = (dot_nt(k, q, acc, cfg) if transposed else dot_nt(q, k, acc, cfg)) * jnp.asarray(cfg.scale, acc)
-  if t.bias is not None:
-    s = s + t.bias.astype(acc)
+  qk = dot_nt(k, q, acc, cfg) if transposed else dot_nt(q, k, acc, cfg)
   qi, ki = tile_indices(g, t.i, t.j, transposed)
-  sm_vjp = None
-  if cfg.score_mod is not None:
-    if diff_consts is None:
-      s = _score_mod.apply(cfg.score_mod, tuple(consts), s, t.b, t.h, qi, ki)
-    else:
-      fixed = tuple(consts)
-      s, sm_vjp = jax.vjp(
-          lambda s_, c_: _score_mod.apply(cfg.score_mod, tuple(c_) + fixed, s_, t.b, t.h, qi, ki),
-          s, tuple(diff_consts))
+  s, sm_vjp = biased_modded(cfg, qk, t, qi, ki, consts, acc, diff_consts)
   ok = None
   if masked:
     q_ax, kv_ax = ((None, slice(None)), (slice(None), None)) if transposed else (

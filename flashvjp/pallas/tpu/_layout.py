@@ -34,7 +34,6 @@ import numpy as np
 from jax import lax
 
 from flashvjp import _mask
-from flashvjp import _score_mod
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 
@@ -277,19 +276,8 @@ def scores(cfg: AttentionConfig, g: C.Geometry, q, k, t: Tile, consts, acc, mask
   against the finite `_common.mask_value`, never -inf, so that no inf is produced inside
   the kernels for finite inputs (`jax.debug_infs`).
   """
-  s = dot_nt(q, k, acc, cfg) * jnp.asarray(cfg.scale, acc)
-  if t.bias is not None:
-    s = s + t.bias.astype(acc)
   qi, ki = C.tile_indices(g, t.i, t.j)
-  sm_vjp = None
-  if cfg.score_mod is not None:
-    if diff_consts is None:
-      s = _score_mod.apply(cfg.score_mod, tuple(consts), s, t.b, t.h, qi, ki)
-    else:
-      fixed = tuple(consts)
-      s, sm_vjp = jax.vjp(
-          lambda s_, c_: _score_mod.apply(cfg.score_mod, tuple(c_) + fixed, s_, t.b, t.h, qi, ki),
-          s, tuple(diff_consts))
+  s, sm_vjp = C.biased_modded(cfg, dot_nt(q, k, acc, cfg), t, qi, ki, consts, acc, diff_consts)
   ok = None
   if masked:
     # int8 tile widened before the compare (int8 vector compares are not on every TPU).

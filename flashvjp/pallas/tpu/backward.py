@@ -158,7 +158,7 @@ def _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed
     return b, h, i, a[2]
 
   kv_map = lambda b, hk, j, t, *_: (b, hk, j, 0)
-  ins = F.Inputs()
+  ins = C.KernelInputs()
   ins.add("q", C.pad_seq_head(q, g.Sqp, g.Dp), _bs((None, None, g.bq, g.Dp), q_map))
   ins.add("do", C.pad_seq_head(dout, g.Sqp, g.Dvp), _bs((None, None, g.bq, g.Dvp), q_map))
   add_rows(ins, g, delta_l, lse_l, index)
@@ -339,7 +339,7 @@ def _dbias(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, see
     b, h, i, j = _decode(a[:5], bshape, red)
     return b, h, i, j
 
-  ins = F.Inputs()
+  ins = C.KernelInputs()
   ins.add("q", C.pad_seq_head(q, g.Sqp, g.Dp),
           _bs((None, None, g.bq, g.Dp), lambda *a: (index(*a)[0], index(*a)[1], index(*a)[2], 0)))
   ins.add("do", C.pad_seq_head(dout, g.Sqp, g.Dvp),

@@ -25,18 +25,6 @@ from jax.experimental import pallas as pl
 PARALLEL, ARBITRARY = "parallel", "arbitrary"
 
 
-class Inputs:
-  """Named kernel inputs with their BlockSpecs (optional inputs simply absent)."""
-
-  def __init__(self):
-    self.names, self.arrays, self.specs = [], [], []
-
-  def add(self, name, array, spec):
-    self.names.append(name)
-    self.arrays.append(array)
-    self.specs.append(spec)
-
-
 def _bs(shape, index_map):
   return _compat.block_spec(shape, index_map)
 
@@ -56,7 +44,7 @@ def pair_spec(x, g: C.Geometry, index):
   return _bs((None, None, g.bq if Sq2 != 1 else 1, g.bk if Sk2 != 1 else 1), imap)
 
 
-def add_common(ins: Inputs, cfg, g: C.Geometry, index, *, bias_p, mask_p, seg_l, seed,
+def add_common(ins: C.KernelInputs, cfg, g: C.Geometry, index, *, bias_p, mask_p, seg_l, seed,
                const_arrays, meta: Lo.ConstMeta):
   """Bias, mask, segment ids, seed and score_mod residuals for any (b, h, i, j) grid.
 
@@ -98,7 +86,7 @@ def row_inputs(cfg: AttentionConfig, g: C.Geometry, lists: Lo.Lists, q, k, v, bi
   def index(b, h, i, s, cnt, ent, *_):
     return b, h, i, kv_block(b, h, i, s, cnt, ent)
 
-  ins = Inputs()
+  ins = C.KernelInputs()
   ins.add("q", C.pad_seq_head(q, g.Sqp, g.Dp),
           _bs((None, None, g.bq, g.Dp), lambda b, h, i, s, *_: (b, h, i, 0)))
   ins.add("k", C.pad_seq_head(k, g.Skvp, g.Dp),

@@ -15,28 +15,20 @@ dispatcher passes the score_mod (`score_mod_lowering_problem`).
 """
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from flashvjp.pallas import _common
-from flashvjp.pallas._common import MAX_HEAD_DIM
-
-_INTERPRET_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
-_TRITON_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
-# Primitives a scalar score_mod may use under Triton: elementwise math, comparisons,
-# casts and selects (the Triton lowering has rules for these on tiles). Anything
-# reading an array at a computed position (gather, dynamic_slice) has no rule.
-_TRITON_SCORE_MOD_PRIMITIVES = frozenset("""
-abs acos acosh add add_any and asin asinh atan atan2 atanh bitcast_convert_type cbrt ceil clamp
-clz cond convert_element_type cos cosh div eq erf_inv exp exp2 expm1 floor ge gt integer_pow
-is_finite le log log1p log2 logistic lt max min mul ne neg nextafter not or population_count pow
-rem rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
-sub tan tanh xor broadcast_in_dim squeeze reshape jit custom_jvp_call stop_gradient
-""".split())
+from flashvjp.pallas import _limits as shared
 
 
-def score_mod_lowering_problem(score_mod, consts, acc_dtype=jnp.float32):
+def _residual_problem(aval):
+  size = int(np.prod(aval.shape))
+  if size & (size - 1):
+    return (f"score_mod reads a per-head value of shape {aval.shape} inside the kernel: the"
+            " Triton lowering loads only tensors whose size is a power of 2")
+  return None
+
+
+def score_mod_lowering_problem(score_mod, consts, acc_dtype=np.float32):
   """Why a (closure-converted, scalar) score_mod cannot lower to Triton, or None.
 
   The kernels run only the score_mod's per-tile part: what depends on (b, h) and
@@ -49,62 +41,31 @@ def score_mod_lowering_problem(score_mod, consts, acc_dtype=jnp.float32):
     score_mod: fn(s, b, h, q_idx, kv_idx, *consts) -> s on scalars.
     consts: the arrays it takes after the indices.
   """
-  fn, consts = _common.hoist_constants(score_mod, consts, acc_dtype)
-  _, _, res_avals, tile = _common.split_score_mod_jaxprs(fn, consts, acc_dtype)
-  bad = sorted({e.primitive.name for e in _all_eqns(tile.jaxpr)} - _TRITON_SCORE_MOD_PRIMITIVES)
-  if bad:
-    return (f"score_mod uses {', '.join(bad)} on per-position values, which the Pallas Triton"
-            " lowering cannot apply to a tile (e.g. indexing a table by the relative position"
-            " kv_idx - q_idx is a gather)")
-  for a in res_avals:
-    size = int(np.prod(a.shape))
-    if size & (size - 1):
-      return (f"score_mod reads a per-head value of shape {a.shape} inside the kernel: the"
-              " Triton lowering loads only tensors whose size is a power of 2")
-  return None
-
-
-def _all_eqns(jaxpr):
-  for e in jaxpr.eqns:
-    subs = [v for v in e.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
-    if subs:
-      for sub in subs:
-        yield from _all_eqns(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
-    else:
-      yield e
+  return shared.score_mod_problem(score_mod, consts, acc_dtype, lowering="Pallas Triton",
+                                  residual_problem=_residual_problem)
 
 
 def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
              has_score_mod=False, has_dropout=False, score_mod=None, score_mod_consts=()):
   """Can the Pallas kernels run this input? Returns (ok, reason); reason says why (not).
 
+  Compiled (interpret=False) off a GPU is allowed when asked for by name: the kernels
+  then lower for CUDA (jax.export(..., platforms=["cuda"]) on a CPU host); `_dispatch`
+  says so in the decision's reason.
+
   Args:
     platform: jax backend name ("cpu", "gpu", "cuda", "rocm", "tpu").
     interpret: Pallas interpret mode.
     query_shape, key_shape, value_shape: [B, H, Sq, D], [B, Hkv, Skv, D], [B, Hkv, Skv, Dv].
     dtype: the input dtype.
-    has_score_mod, has_dropout: features in use.
+    has_score_mod, has_dropout: features in use (the uint32 dropout hash lowers everywhere).
     score_mod, score_mod_consts: optional closure-converted score_mod and its consts; when
       given (compiled GPU only), its jaxpr is checked against the Triton lowering.
   """
-  del has_dropout  # the uint32 hash lowers everywhere
-  D, Dv = query_shape[-1], value_shape[-1]
-  if max(D, Dv) > MAX_HEAD_DIM:
-    return False, (f"head_dim {D} / head_dim_v {Dv}: the Pallas kernels support head dims up to"
-                   f" {MAX_HEAD_DIM}")
-  dt = jnp.dtype(dtype)
-  if interpret:
-    if not any(dt == jnp.dtype(d) for d in _INTERPRET_DTYPES):
-      return False, f"dtype {dt.name} is not float16/bfloat16/float32/float64"
-    return True, f"Pallas kernels in interpret mode on {platform!r}"
-  # Compiled (interpret=False) off a GPU is allowed when asked for by name: the kernels
-  # then lower for CUDA (jax.export(..., platforms=["cuda"]) on a CPU host); `_dispatch`
-  # says so in the decision's reason.
-  if not any(dt == jnp.dtype(d) for d in _TRITON_DTYPES):
-    return False, f"dtype {dt.name}: the Triton kernels support float16, bfloat16 and float32"
-  if has_score_mod and score_mod is not None:
-    problem = score_mod_lowering_problem(score_mod, score_mod_consts,
-                                         jnp.promote_types(dt, jnp.float32))
-    if problem is not None:
-      return False, problem
-  return True, f"Pallas Triton kernels, {dt.name}, head_dim {D}"
+  del key_shape, has_dropout
+  return shared.supports(
+      kernels="the Pallas kernels", interpret_name="Pallas kernels",
+      compiled_name="Pallas Triton kernels", score_mod_problem_fn=score_mod_lowering_problem,
+      platform=platform, interpret=interpret, query_shape=query_shape,
+      value_shape=value_shape, dtype=dtype, has_score_mod=has_score_mod, score_mod=score_mod,
+      score_mod_consts=score_mod_consts)

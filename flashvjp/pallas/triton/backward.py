@@ -162,7 +162,7 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked):
 def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, lists_kv,
           seed, consts, scalar, masked, acc):
   G = g.G
-  ins = F._Inputs()
+  ins = C.KernelInputs()
   ins.add("q", qp.reshape(g.B, g.Hkv, G, g.Sqp, g.Dp),
           _compat.block_spec((None, None, G, g.Sqp, g.Dp), lambda b, h, j: (b, h, 0, 0, 0)))
   ins.add("do", dop.reshape(g.B, g.Hkv, G, g.Sqp, g.Dvp),
@@ -351,7 +351,7 @@ def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, bi
 
 def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, mask_b,
            seed, consts, scalar, masked, acc):
-  ins = F._Inputs()
+  ins = C.KernelInputs()
   Bb, Hb, Sqb, Skb = bias_p.shape
   bq, bk = (g.bq if Sqb != 1 else 1), (g.bk if Skb != 1 else 1)
   counts = lists = None

@@ -27,18 +27,6 @@ from flashvjp.pallas import _common as C
 from flashvjp.pallas import _compat
 
 
-class _Inputs:
-  """Named kernel inputs with their BlockSpecs (optional inputs simply absent)."""
-
-  def __init__(self):
-    self.names, self.arrays, self.specs = [], [], []
-
-  def add(self, name, array, spec):
-    self.names.append(name)
-    self.arrays.append(array)
-    self.specs.append(spec)
-
-
 def _full_spec(x):
   """The whole array as one block (for small inputs: seed, score_mod consts)."""
   nd = x.ndim
@@ -53,7 +41,7 @@ def kernel_inputs(cfg: AttentionConfig, g: C.Geometry, q, k, v, bias, mask, q_se
   residuals of `_common.split_per_head`.
   """
   G = g.G
-  ins = _Inputs()
+  ins = C.KernelInputs()
   qp = C.pad_seq_head(q, g.Sqp, g.Dp)
   kp = C.pad_seq_head(k, g.Skvp, g.Dp)
   vp = C.pad_seq_head(v, g.Skvp, g.Dvp)

@@ -1,0 +1,80 @@
+"""Lowering limits shared by the Pallas kernel families (each family's `_limits` adds its own).
+
+Room: Pallas limits (shared part). Both families take the same head dims and, in
+interpret mode, the same dtypes; a score_mod's per-tile part must use elementwise
+primitives only (neither Triton nor Mosaic-TPU lowers a gather on a tile).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from flashvjp.pallas import _common
+from flashvjp.pallas._common import MAX_HEAD_DIM
+
+INTERPRET_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+COMPILED_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+# Primitives a scalar score_mod may use on a tile: elementwise math, comparisons, casts
+# and selects (both lowerings have rules for these). Anything reading an array at a
+# computed position (gather, dynamic_slice) has no rule.
+ELEMENTWISE_PRIMITIVES = frozenset("""
+abs acos acosh add add_any and asin asinh atan atan2 atanh bitcast_convert_type cbrt ceil clamp
+clz cond convert_element_type cos cosh div eq erf_inv exp exp2 expm1 floor ge gt integer_pow
+is_finite le log log1p log2 logistic lt max min mul ne neg nextafter not or population_count pow
+rem rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
+sub tan tanh xor broadcast_in_dim squeeze reshape jit custom_jvp_call stop_gradient
+""".split())
+
+
+def all_eqns(jaxpr):
+  """Every equation of `jaxpr`, descending into sub-jaxprs (cond branches, jit, ...)."""
+  for e in jaxpr.eqns:
+    subs = [v for v in e.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
+    if subs:
+      for sub in subs:
+        yield from all_eqns(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+    else:
+      yield e
+
+
+def score_mod_problem(score_mod, consts, acc_dtype, *, lowering, residual_problem):
+  """Why a (closure-converted, scalar) score_mod's per-tile part cannot lower, or None.
+
+  The per-(b, h) part is precomputed by XLA (`_common.split_per_head`); the tile part
+  must use `ELEMENTWISE_PRIMITIVES`, and `residual_problem(aval)` (a message or None)
+  says whether the family can read each per-head residual inside its kernels.
+  """
+  fn, consts = _common.hoist_constants(score_mod, consts, acc_dtype)
+  _, _, res_avals, tile = _common.split_score_mod_jaxprs(fn, consts, acc_dtype)
+  bad = sorted({e.primitive.name for e in all_eqns(tile.jaxpr)} - ELEMENTWISE_PRIMITIVES)
+  if bad:
+    return (f"score_mod uses {', '.join(bad)} on per-position values, which the {lowering}"
+            " lowering cannot apply to a tile (e.g. indexing a table by the relative position"
+            " kv_idx - q_idx is a gather)")
+  for a in res_avals:
+    problem = residual_problem(a)
+    if problem is not None:
+      return problem
+  return None
+
+
+def supports(*, kernels, interpret_name, compiled_name, score_mod_problem_fn, platform,
+             interpret, query_shape, value_shape, dtype, has_score_mod, score_mod,
+             score_mod_consts):
+  """The checks both families make, in order: head dims, dtype, score_mod. (ok, reason)."""
+  D, Dv = query_shape[-1], value_shape[-1]
+  if max(D, Dv) > MAX_HEAD_DIM:
+    return False, (f"head_dim {D} / head_dim_v {Dv}: {kernels} support head dims up to"
+                   f" {MAX_HEAD_DIM}")
+  dt = jnp.dtype(dtype)
+  if interpret:
+    if not any(dt == jnp.dtype(d) for d in INTERPRET_DTYPES):
+      return False, f"dtype {dt.name} is not float16/bfloat16/float32/float64"
+    return True, f"{interpret_name} in interpret mode on {platform!r}"
+  if not any(dt == jnp.dtype(d) for d in COMPILED_DTYPES):
+    return False, f"dtype {dt.name}: {kernels} support float16, bfloat16 and float32"
+  if has_score_mod and score_mod is not None:
+    problem = score_mod_problem_fn(score_mod, score_mod_consts,
+                                   jnp.promote_types(dt, jnp.float32))
+    if problem is not None:
+      return False, problem
+  return True, f"{compiled_name}, {dt.name}, head_dim {D}"
