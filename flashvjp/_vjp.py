@@ -40,27 +40,33 @@ def _backend(name: str):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def attention(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed,
-              diff_consts, fixed_consts):
-  """(out [B, H, Sq, Dv], lse [B, H, Sq]) with a hand-written backward."""
+              diff_consts, fixed_consts, mod=None):
+  """(out [B, H, Sq, Dv], lse [B, H, Sq]) with a hand-written backward.
+
+  `mod`: None, or the mask_mod's inputs (`flashvjp._mask_mod.ModInputs`: its block
+  classes and the arrays it closes over); not differentiable.
+  """
   return _backend(cfg.implementation).forward(
-      cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, tuple(diff_consts) + tuple(fixed_consts))
+      cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, tuple(diff_consts) + tuple(fixed_consts),
+      mod)
 
 
-def _fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts):
-  out, lse = attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts)
-  res = (q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, out, lse)
+def _fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod=None):
+  out, lse = attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts,
+                       mod)
+  res = (q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod, out, lse)
   return (out, lse), res
 
 
 def _bwd(cfg, res, cts):
-  q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, out, lse = res
+  q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod, out, lse = res
   dout, dlse = cts
   dq, dk, dv, dbias, dconsts = _backend(cfg.implementation).backward(
       cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
-      tuple(diff_consts) + tuple(fixed_consts), out, lse, dout, dlse)
+      tuple(diff_consts) + tuple(fixed_consts), out, lse, dout, dlse, mod)
   none = lambda xs: None if xs is None else jax.tree_util.tree_map(lambda _: None, xs)
   return (dq, dk, dv, dbias, none(mask), none(q_seg), none(kv_seg), none(seed),
-          tuple(dconsts), tuple(None for _ in fixed_consts))
+          tuple(dconsts), tuple(None for _ in fixed_consts), none(mod))
 
 
 attention.defvjp(_fwd, _bwd)

@@ -235,7 +235,7 @@ def _put_rows(x5, t, i, n, axis=3):
   return lax.dynamic_update_slice_in_dim(x5, t, i * n, axis=axis)
 
 
-def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts):
+def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
   """Returns (out [B, H, Sq, Dv] q.dtype, lse [B, H, Sq] float32 (or wider))."""
   L = _Layout(cfg, q, k, v, cfg.blocks.block_q, cfg.blocks.block_kv)
   q5 = L.q5(q)
@@ -290,7 +290,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
 
 
 def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
-             out, lse, dout, dlse):
+             out, lse, dout, dlse, mod=None):
   """Hand-written backward. Returns (dq, dk, dv, dbias or None, dconsts (differentiable ones))."""
   bq, bk = cfg.blocks.dkv
   L = _Layout(cfg, q, k, v, bq, bk)

@@ -222,22 +222,23 @@ class _Wrapped:
 
   @staticmethod
   def _global_indices(cfg):
-    """score_mod and dropout read global (b, h) indices: leave those calls to XLA's own
-    partitioning (correct for the blockwise path; a pallas_call is then gathered)."""
+    """score_mod, mask_mod and dropout read global (b, h) indices: leave those calls to
+    XLA's own partitioning (correct for the blockwise path; a pallas_call is then gathered)."""
     return cfg.score_mod is not None or cfg.dropout_active
 
-  def forward(self, cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts):
-    if self._global_indices(cfg):
-      return self.backend.forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
+  def forward(self, cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
+    if self._global_indices(cfg) or mod is not None:
+      return self.backend.forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod)
     sig = self._sig(cfg, q, k, bias, mask, q_seg, seed, consts)
     out, lse = self._call(self._fwd, False, cfg, sig,
                           (q, k, v, *_flatten(bias, mask, q_seg, kv_seg, seed, consts)))
     return out, lse
 
-  def backward(self, cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse):
-    if self._global_indices(cfg):
+  def backward(self, cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse,
+               mod=None):
+    if self._global_indices(cfg) or mod is not None:
       return self.backend.backward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out,
-                                   lse, dout, dlse)
+                                   lse, dout, dlse, mod)
     sig = self._sig(cfg, q, k, bias, mask, q_seg, seed, consts, has_dlse=dlse is not None)
     extra = [out, lse, dout] + ([dlse] if dlse is not None else [])
     res = self._call(self._bwd, True, cfg, sig,

@@ -371,7 +371,7 @@ def _dbias(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, see
 # ---- entry point ------------------------------------------------------------------------
 
 def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
-             out, lse, dout, dlse):
+             out, lse, dout, dlse, mod=None):
   """Hand-written Mosaic-TPU backward (interface of `flashvjp.pallas.triton.backward`).
 
   Returns:

@@ -190,7 +190,7 @@ def interpret_arg(cfg: AttentionConfig):
   return bool(cfg.interpret)
 
 
-def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts):
+def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
   """Mosaic-TPU forward (interface of `flashvjp.pallas.triton.forward`).
 
   Returns:

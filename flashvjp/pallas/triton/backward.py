@@ -386,7 +386,7 @@ def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_
 # ---- entry point ------------------------------------------------------------------
 
 def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
-             out, lse, dout, dlse):
+             out, lse, dout, dlse, mod=None):
   """Hand-written Pallas backward.
 
   Args:

@@ -161,7 +161,7 @@ def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
   r["lse"][...] = jnp.where(empty, neg, m + jnp.log(jnp.where(empty, 1.0, l)))
 
 
-def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts):
+def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
   """Pallas forward.
 
   Args:
