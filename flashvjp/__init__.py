@@ -5,6 +5,13 @@ from flashvjp._api import memory_efficient_attention
 from flashvjp._api import pallas_flash_attention
 from flashvjp._dispatch import Decision
 from flashvjp._dropout import dropout_mask
+from flashvjp._mask_mod import BlockMask
+from flashvjp._mask_mod import MaskMod
+from flashvjp._mask_mod import chunked
+from flashvjp._mask_mod import document_causal
+from flashvjp._mask_mod import make_block_mask
+from flashvjp._mask_mod import prefix_lm
+from flashvjp._mask_mod import sliding_window_with_global
 from flashvjp._jax_nn import dot_product_attention
 from flashvjp._score_mod import ScoreMod
 from flashvjp._score_mod import alibi
@@ -20,8 +27,9 @@ from flashvjp.distributed import to_zigzag
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockSizes", "Decision", "ScoreMod", "alibi", "alibi_slopes", "dot_product_attention",
-    "dropout_mask", "explain",
+    "BlockMask", "BlockSizes", "Decision", "MaskMod", "ScoreMod", "alibi", "alibi_slopes",
+    "chunked", "document_causal", "dot_product_attention", "dropout_mask", "explain",
+    "make_block_mask", "prefix_lm", "sliding_window_with_global",
     "flash_attention", "memory_efficient_attention", "pallas_flash_attention",
     "relative_position_bias", "softcap",
     "from_zigzag", "ring_attention", "sharded_attention", "to_zigzag",

@@ -17,6 +17,7 @@ import numpy as np
 
 from flashvjp import _dispatch
 from flashvjp import _dropout
+from flashvjp import _mask_mod
 from flashvjp import _score_mod
 from flashvjp import _vjp
 from flashvjp import reference
@@ -124,9 +125,24 @@ def _check_block(name, b):
   return int(b)
 
 
+def _check_sinks(sinks, H):
+  if sinks is None:
+    return None
+  if not _is_array(sinks):
+    raise TypeError(f"sinks must be a float array of shape [num_heads] = [{H}], got"
+                    f" {type(sinks).__name__}")
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise TypeError(f"sinks must be a float array of shape [num_heads] = [{H}], got dtype"
+                    f" {sinks.dtype}")
+  if tuple(sinks.shape) != (H,):
+    raise ValueError(f"sinks must have shape [num_heads] = [{H}], got {tuple(sinks.shape)}")
+  return sinks
+
+
 def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, score_mod, scale,
              dropout_rate, dropout_rng, deterministic, implementation, block_q, block_kv,
-             interpret, dropout_broadcast=(False, False), allow_shapes=False):
+             interpret, dropout_broadcast=(False, False), mask_mod=None, block_mask=None,
+             sinks=None, allow_shapes=False):
   """Validate everything; return (decision, cfg, arrays) without tracing any kernel."""
   _check_qkv(query, key, value, allow_shapes)
   B, H, Sq, D = query.shape
@@ -162,11 +178,21 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
     if not callable(score_mod):
       raise TypeError(f"score_mod must be callable (scores, b, h, q_idx, kv_idx) -> scores, got {type(score_mod).__name__}")
     sm_fn, consts, n_diff = _score_mod.check(score_mod, target, acc)
+  mm_fn, mm_consts, mm_uses = None, (), (True, True)
+  if block_mask is not None and mask_mod is None:
+    raise ValueError("block_mask needs the mask_mod it was made from: pass mask_mod= too"
+                     " (flash_attention(..., mask_mod=m, block_mask=make_block_mask(m, ...)))")
+  if mask_mod is not None:
+    mm_fn, mm_consts, mm_uses = _mask_mod.check(mask_mod, target)
+  if block_mask is not None:
+    _mask_mod.check_block_mask(block_mask, target)
+  sinks = _check_sinks(sinks, H)
 
   decision = _dispatch.decide(
       implementation, interpret=interpret, query_shape=query.shape, key_shape=key.shape,
       value_shape=value.shape, dtype=query.dtype, has_score_mod=score_mod is not None,
-      has_dropout=dropout_active, score_mod=sm_fn, score_mod_consts=consts)
+      has_dropout=dropout_active, score_mod=sm_fn, score_mod_consts=consts, mask_mod=mm_fn,
+      mask_mod_consts=mm_consts)
   precision = _config.canonical_precision(jax.config.jax_default_matmul_precision)
   defaults = default_block_sizes(decision.implementation, decision.interpret,
                                  head_dim=max(D, value.shape[3]), dtype=query.dtype,
@@ -175,16 +201,26 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
     blocks = defaults  # includes the tuned backward block sizes
   else:
     blocks = BlockSizes(block_q or defaults.block_q, block_kv or defaults.block_kv)
+  mm_blocks, mm_classes = None, None
+  if mm_fn is not None:
+    if block_mask is not None:
+      mm_blocks, mm_classes = (block_mask.block_q, block_mask.block_kv), block_mask.classes
+      mm_uses = (block_mask.classes.shape[0] != 1 or B == 1,
+                 block_mask.classes.shape[1] != 1 or H == 1)
+    else:  # classified inside `_run`, at the forward's blocks
+      mm_blocks = (min(blocks.block_q, Sq), min(blocks.block_kv, Skv))
   cfg = AttentionConfig(
       scale=scale, causal=bool(causal), window=window, seq_q=Sq, seq_kv=Skv,
       dropout_rate=float(dropout_rate) if dropout_active else 0.0, blocks=blocks,
       score_mod=sm_fn, num_diff_consts=n_diff, interpret=decision.interpret,
       implementation=decision.implementation, precision=precision,
-      dropout_broadcast=dropout_broadcast if dropout_active else (False, False))
+      dropout_broadcast=dropout_broadcast if dropout_active else (False, False),
+      mask_mod=mm_fn, mask_mod_blocks=mm_blocks, mask_mod_uses=mm_uses)
   seed = _dropout.seed_from_key(dropout_rng) if dropout_active else None
   if not allow_shapes:
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-  arrays = (query, key, value, bias, mask, q_seg, kv_seg, seed, consts, scale_array)
+  arrays = (query, key, value, bias, mask, q_seg, kv_seg, seed, consts, scale_array, mm_consts,
+            mm_classes, sinks)
   return decision, cfg, arrays
 
 
@@ -211,7 +247,7 @@ def _check_scale(scale, head_dim):
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("return_lse",))
 def _run(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scale_array,
-         return_lse=True):
+         mod_consts=(), mod_classes=None, sinks=None, return_lse=True):
   """The attention body, jitted on the static config: compiled once per configuration.
 
   Outside jit, every call with the same shapes, dtypes and options reuses one
@@ -219,19 +255,51 @@ def _run(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
   user's jit it is an inlined nested call. Returns (out, lse), or (out, None) without
   return_lse: lse is then no output of the jit, so an empty row's -inf lse is never
   materialized (nor seen by jax.debug_infs, which checks a jit's outputs).
+
+  A mask_mod's block classes are computed here once per call (both passes use them)
+  unless a BlockMask brought them; sinks are applied to (out, lse) after the op
+  (`_apply_sinks`).
   """
   if scale_array is not None:
     # A traced scale: pre-scale the query in the accumulation dtype (rounded once to the
     # query's dtype, e.g. bfloat16), kernels run with scale 1.0; autodiff differentiates it.
     acc = jnp.promote_types(q.dtype, jnp.float32)
     q = (q.astype(acc) * scale_array.astype(acc)).astype(q.dtype)
+  mod = None
+  if cfg.mask_mod is not None:
+    if mod_classes is None:
+      B, H = q.shape[0], q.shape[1]
+      mod_classes = _mask_mod.classify(cfg.mask_mod, mod_consts, cfg.mask_mod_uses, B, H,
+                                       cfg.seq_q, cfg.seq_kv, *cfg.mask_mod_blocks)
+    mod = _mask_mod.ModInputs(mod_classes, tuple(mod_consts))
   if cfg.implementation == "naive":
-    out, lse = reference.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
+    out, lse = reference.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod)
   else:
     n = cfg.num_diff_consts
     out, lse = _vjp.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
-                              tuple(consts[:n]), tuple(consts[n:]))
+                              tuple(consts[:n]), tuple(consts[n:]), mod)
+  if sinks is not None:
+    out, lse = _apply_sinks(out, lse, sinks)
   return (out, lse) if return_lse else (out, None)
+
+
+def _apply_sinks(out, lse, sinks):
+  """Attention sinks on (out, lse): each row's denominator gains exp(sinks[h]).
+
+  With the sink, ``lse' = logaddexp(lse, sinks[h])`` and every probability shrinks by
+  ``w = exp(lse - lse')``, so ``out' = w * out`` (the sink attends to no value; dropout
+  on p commutes with the scaling). An O(seq) elementwise step after the op: its gradient
+  (autodiff of these few lines) feeds the hand-written backward's dout / dlse, and
+  ``d sinks[h] = -sum_i w_i' (delta_i - dlse_i)`` with ``w_i' = exp(sinks[h] - lse'_i)``
+  comes out of it in closed form, without another pass over the keys. An empty row
+  (lse = -inf) keeps out = 0 and gets lse' = sinks[h], with zero, finite gradients.
+  """
+  acc = lse.dtype
+  s = sinks.astype(acc)[None, :, None]
+  new_lse = jnp.logaddexp(lse, s)
+  w = jnp.exp(lse - new_lse)
+  out = (out.astype(acc) * w[..., None]).astype(out.dtype)
+  return out, new_lse
 
 
 def flash_attention(
@@ -241,14 +309,16 @@ def flash_attention(
     dropout_rng=None, deterministic: bool = True, return_lse: bool = False,
     implementation: Optional[str] = None, block_q: Optional[int] = None,
     block_kv: Optional[int] = None, interpret: Optional[bool] = None,
-    dropout_broadcast: Tuple[bool, bool] = (False, False)):
+    dropout_broadcast: Tuple[bool, bool] = (False, False), mask_mod=None, block_mask=None,
+    sinks=None):
   """Exact, memory-efficient, differentiable attention.
 
   Semantics, in order: ``s = scale * q @ k^T``; ``s += bias``;
-  ``s = score_mod(s, b, h, q_idx, kv_idx)``; positions not allowed by mask, causal,
-  window or segment_ids are removed; ``p = softmax(s)`` over kv; dropout on ``p``;
-  ``out = p @ v``. A query row with no allowed position gives 0 output, -inf lse and
-  zero gradients.
+  ``s = score_mod(s, b, h, q_idx, kv_idx)``; positions not allowed by mask, mask_mod,
+  causal, window or segment_ids are removed; ``p = softmax(s)`` over kv (with `sinks`,
+  the denominator also holds ``exp(sinks[h])``); dropout on ``p``; ``out = p @ v``. A
+  query row with no allowed position gives 0 output, -inf lse (``sinks[h]`` with sinks)
+  and zero gradients.
 
   Args:
     query: [batch, num_heads, seq_q, head_dim].
@@ -261,6 +331,15 @@ def flash_attention(
     segment_ids: int [batch, seq] (seq_q == seq_kv) or (q_ids [batch, seq_q], kv_ids [batch, seq_kv]).
     score_mod: (scores, b, h, q_idx, kv_idx) -> scores, elementwise; arrays it closes over
       get gradients.
+    mask_mod: (b, h, q_idx, kv_idx) -> bool, elementwise (True = may attend), ANDed with
+      the other masks; arrays it closes over (prefix lengths, document ids) work. Its
+      block classes (empty blocks skipped, full blocks unmasked) are computed once per
+      call in O(seq) memory, or taken from `block_mask`. Built-ins: `flashvjp.prefix_lm`,
+      `chunked`, `sliding_window_with_global`, `document_causal`.
+    block_mask: `flashvjp.make_block_mask(mask_mod, B, H, seq_q, seq_kv)`, built once per
+      batch and passed with the same mask_mod.
+    sinks: float [num_heads], differentiable: a per-head logit in every row's softmax
+      denominator that attends to no value (gpt-oss-style attention sinks).
     scale: default 1 / sqrt(head_dim). A Python float is compiled in. A scalar float
       array (for example a traced, learned temperature, as jax.nn accepts) is
       differentiable: it multiplies the query in float32 before the kernels, and the
@@ -289,7 +368,8 @@ def flash_attention(
       segment_ids=segment_ids, score_mod=score_mod, scale=scale, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, deterministic=deterministic, implementation=implementation,
       block_q=block_q, block_kv=block_kv, interpret=interpret,
-      dropout_broadcast=dropout_broadcast)
+      dropout_broadcast=dropout_broadcast, mask_mod=mask_mod, block_mask=block_mask,
+      sinks=sinks)
   _dispatch.log(decision)
   out, lse = _run(cfg, *arrays, return_lse=bool(return_lse))
   return (out, lse) if return_lse else out
@@ -305,7 +385,8 @@ def explain(query, key, value, **kwargs) -> _dispatch.Decision:
   params = dict(bias=None, mask=None, causal=False, window=None, segment_ids=None,
                 score_mod=None, scale=None, dropout_rate=0.0, dropout_rng=None,
                 deterministic=True, implementation=None, block_q=None, block_kv=None,
-                interpret=None, dropout_broadcast=(False, False))
+                interpret=None, dropout_broadcast=(False, False), mask_mod=None,
+                block_mask=None, sinks=None)
   unknown = set(kwargs) - set(params)
   if unknown:
     raise TypeError(f"explain() got unexpected arguments {sorted(unknown)}")

@@ -216,6 +216,12 @@ class AttentionConfig:
   # Dropout keep-mask shared across (batch, heads) where True (Flax's broadcast_dropout):
   # the counter hash then sees b = 0 / h = 0 (flashvjp._dropout.hash_coords).
   dropout_broadcast: Tuple[bool, bool] = (False, False)
+  # mask_mod, closure converted and traced on scalars: (b, h, q_idx, kv_idx, *consts) -> bool
+  # (flashvjp._mask_mod.ScalarMaskMod); its consts and block classes travel as `mod`
+  # (flashvjp._mask_mod.ModInputs), the classes at blocks `mask_mod_blocks` (bq, bk).
+  mask_mod: Optional[Callable] = None
+  mask_mod_blocks: Optional[Tuple[int, int]] = None
+  mask_mod_uses: Tuple[bool, bool] = (True, True)  # whether it reads (b, h)
 
   @property
   def dropout_active(self) -> bool:

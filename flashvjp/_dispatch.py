@@ -70,7 +70,7 @@ def _limits(family: str):
 
 def decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype,
            has_score_mod=False, has_dropout=False, score_mod=None,
-           score_mod_consts=()) -> Decision:
+           score_mod_consts=(), mask_mod=None, mask_mod_consts=()) -> Decision:
   """Choose the implementation. Raises ValueError for a named Pallas family on an unsupported input."""
   plat = platform()
   if requested == "naive":
@@ -85,7 +85,8 @@ def decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype,
     return _limits(family).supports(
         platform=plat, interpret=interp, query_shape=query_shape, key_shape=key_shape,
         value_shape=value_shape, dtype=dtype, has_score_mod=has_score_mod,
-        has_dropout=has_dropout, score_mod=score_mod, score_mod_consts=score_mod_consts)
+        has_dropout=has_dropout, score_mod=score_mod, score_mod_consts=score_mod_consts,
+        mask_mod=mask_mod, mask_mod_consts=mask_mod_consts)
 
   if requested == "pallas" and not native and not interp:
     raise ValueError(

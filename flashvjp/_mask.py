@@ -1,4 +1,4 @@
-"""The one mask model: causal, window, segment ids, dense mask, padding.
+"""The one mask model: causal, window, segment ids, dense mask, mask_mod, padding.
 
 Room: mask model. Every implementation (naive, blockwise, pallas, ring) asks
 this module which (q, kv) positions may attend, and which blocks can be skipped.
@@ -17,6 +17,7 @@ A position is allowed when every given condition allows it:
   window:      q_pos - left <= kv_pos <= q_pos + right (a None side is unbounded)
   segment_ids: q_segment_ids[b, q_pos] == kv_segment_ids[b, kv_pos]
   mask:        mask[b, h, q_pos, kv_pos] (broadcast)
+  mask_mod:    mask_mod(b, h, q_pos, kv_pos) (flashvjp._mask_mod: scalar form, block classes)
   padding:     q_pos < seq_q and kv_pos < seq_kv (internal padding never attends)
 """
 from __future__ import annotations
@@ -153,14 +154,16 @@ class MaskSpec:
     return self.allowed(q_idx, kv_idx, q_seg=qs, kv_seg=ks, dense=mask)
 
 
-def block_any_table(q_seg, kv_seg, mask, block_q, block_kv, num_q_blocks, num_kv_blocks):
+def block_any_table(q_seg, kv_seg, mask, block_q, block_kv, num_q_blocks, num_kv_blocks,
+                    mod_classes=None):
   """Per block pair: may any position in it attend? Padded inputs; None where undecidable.
 
   Returns a bool array [B', H', nq, nk] (B', H' are 1 or full) that is False only
-  where the segment ids or the dense mask leave the whole block empty, or None
-  when neither is given. Segment ids decide by range overlap (conservative).
+  where the segment ids, the dense mask or the mask_mod's classes (`mod_classes`, int8
+  [B', H', nq, nk] at these blocks, see `resample_classes`) leave the whole block empty,
+  or None when none is given. Segment ids decide by range overlap (conservative).
   """
-  table = None
+  table = None if mod_classes is None else (mod_classes != EMPTY)
   if q_seg is not None:
     B = q_seg.shape[0]
     qb = q_seg.reshape(B, num_q_blocks, block_q)
@@ -179,6 +182,43 @@ def block_any_table(q_seg, kv_seg, mask, block_q, block_kv, num_q_blocks, num_kv
     m = jnp.broadcast_to(m, (Bm, Hm, num_q_blocks, num_kv_blocks))
     table = m if table is None else (table & m)
   return table
+
+
+def resample_classes(classes, src_block_q: int, src_block_kv: int, block_q: int, block_kv: int,
+                     seq_q: int, seq_kv: int, num_q_blocks: int, num_kv_blocks: int):
+  """Block classes at (src_block_q, src_block_kv) -> at (block_q, block_kv).
+
+  A new block is EMPTY when every source block it overlaps (over real positions,
+  q < seq_q, kv < seq_kv) is EMPTY, FULL when every one is FULL, else PARTIAL: exact when
+  one block size is a multiple of the other, conservative (PARTIAL, so masked) otherwise.
+  Blocks made only of padding are EMPTY. Memory O(source table), via 2-D prefix sums.
+  """
+  if (src_block_q, src_block_kv) == (block_q, block_kv) and tuple(classes.shape[2:]) == (
+      num_q_blocks, num_kv_blocks):
+    return classes
+
+  def bounds(n, block, src_block, seq):
+    start = jnp.arange(n, dtype=jnp.int32) * block
+    stop = jnp.minimum(start + block, seq)  # real positions only
+    return start // src_block, jnp.maximum(stop - 1, start) // src_block + 1, stop > start
+
+  q_lo, q_hi, q_real = bounds(num_q_blocks, block_q, src_block_q, seq_q)
+  k_lo, k_hi, k_real = bounds(num_kv_blocks, block_kv, src_block_kv, seq_kv)
+  n_src_q, n_src_k = classes.shape[2], classes.shape[3]
+  q_lo, q_hi = jnp.minimum(q_lo, n_src_q), jnp.minimum(q_hi, n_src_q)
+  k_lo, k_hi = jnp.minimum(k_lo, n_src_k), jnp.minimum(k_hi, n_src_k)
+
+  def rect_count(x):  # x [B', H', NQ, NK] bool -> count over each new block's rectangle
+    c = jnp.cumsum(jnp.cumsum(x.astype(jnp.int32), axis=2), axis=3)
+    c = jnp.pad(c, ((0, 0), (0, 0), (1, 0), (1, 0)))
+    at = lambda qi, ki: c[:, :, qi[:, None], ki[None, :]]
+    return at(q_hi, k_hi) - at(q_lo, k_hi) - at(q_hi, k_lo) + at(q_lo, k_lo)
+
+  area = ((q_hi - q_lo)[:, None] * (k_hi - k_lo)[None, :])[None, None]
+  n_empty, n_full = rect_count(classes == EMPTY), rect_count(classes == FULL)
+  real = (q_real[:, None] & k_real[None, :])[None, None]
+  out = jnp.where(n_full == area, FULL, jnp.where(n_empty == area, EMPTY, PARTIAL))
+  return jnp.where(real, out, EMPTY).astype(jnp.int8)
 
 
 # ---- block classification and compacted block lists ------------------------------
@@ -208,7 +248,7 @@ class BlockLists(NamedTuple):
 
 
 def block_classes(spec: MaskSpec, q_seg, kv_seg, mask, block_q, block_kv, num_q_blocks,
-                  num_kv_blocks):
+                  num_kv_blocks, mod_classes=None):
   """int8 [B', H', nq, nk]: EMPTY / PARTIAL / FULL per (q block, kv block).
 
   Inputs are padded to whole blocks: q_seg [B, nq*bq] and kv_seg [B, nk*bk] int
@@ -216,8 +256,9 @@ def block_classes(spec: MaskSpec, q_seg, kv_seg, mask, block_q, block_kv, num_q_
   (or None; padding False). Causal, window and sequence padding come from `spec`
   (exact); segment ids decide by id-range overlap (exact for sorted ids, as packed
   documents are; conservative otherwise: a block may be visited and masked); the
-  dense mask by any / all over the block. Query padding does not make a block
-  partial (padded rows are sliced off in the forward and get p = 0 backward).
+  dense mask by any / all over the block; a mask_mod by its classes (`mod_classes`,
+  int8 [B', H', nq, nk] at these blocks: `resample_classes`). Query padding does not make
+  a block partial (padded rows are sliced off in the forward and get p = 0 backward).
   """
   nq, nk = num_q_blocks, num_kv_blocks
   i = jnp.arange(nq, dtype=jnp.int32)[:, None]
@@ -242,6 +283,9 @@ def block_classes(spec: MaskSpec, q_seg, kv_seg, mask, block_q, block_kv, num_q_
     m = mask.reshape(Bm, Hm, mq, mk, kq, kk)
     some = some & m.any(axis=(3, 5))
     every = every & m.all(axis=(3, 5))
+  if mod_classes is not None:
+    some = some & (mod_classes != EMPTY)
+    every = every & (mod_classes == FULL)
   cls = jnp.where(every, FULL, jnp.where(some, PARTIAL, EMPTY)).astype(jnp.int8)
   return jnp.broadcast_to(cls, cls.shape[:2] + (nq, nk))  # keep both block axes
 
@@ -257,7 +301,7 @@ def _compact(selected):
 
 
 def block_lists(spec: MaskSpec, q_seg, kv_seg, mask, block_q, block_kv, num_q_blocks,
-                num_kv_blocks, *, by: str = "q") -> BlockLists:
+                num_kv_blocks, *, by: str = "q", mod_classes=None) -> BlockLists:
   """Compacted lists of the non-empty blocks per row (see `BlockLists`, `block_classes`).
 
   by="q": per q block, its kv blocks (forward, dQ). by="kv": per kv block, its q
@@ -266,7 +310,7 @@ def block_lists(spec: MaskSpec, q_seg, kv_seg, mask, block_q, block_kv, num_q_bl
   if by not in ("q", "kv"):
     raise ValueError(f"by must be 'q' or 'kv', got {by!r}")
   cls = block_classes(spec, q_seg, kv_seg, mask, block_q, block_kv, num_q_blocks,
-                      num_kv_blocks)
+                      num_kv_blocks, mod_classes)
   if by == "kv":
     cls = jnp.swapaxes(cls, -1, -2)
   num_partial, partial = _compact(cls == PARTIAL)

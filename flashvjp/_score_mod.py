@@ -113,17 +113,17 @@ class ScalarScoreMod:
     return f"ScalarScoreMod({self._key[:60]!r}...)"
 
 
-def _traced(what, fn, *args):
-  """Run a trace of the user's score_mod; wrap what it raises in an error naming score_mod."""
+def _traced(what, fn, *args, name="score_mod", argnames="(scores, b, h, q_idx, kv_idx)"):
+  """Run a trace of the user's `name` function; wrap what it raises in an error naming it."""
   try:
     return fn(*args)
   except Exception as e:  # noqa: BLE001  (re-raised, chained)
     cls = TypeError if isinstance(e, TypeError) else ValueError
     raise cls(
-        f"score_mod raised {type(e).__name__} while flashvjp traced it ({what}): {e}\n"
-        "score_mod is traced by JAX, not run on concrete numbers: its arguments (scores, b, h,"
-        " q_idx, kv_idx) are tracers, so Python control flow on their values (`if s > 0`,"
-        " float(s)) is not allowed; use jnp.where / lax.cond instead") from e
+        f"{name} raised {type(e).__name__} while flashvjp traced it ({what}): {e}\n"
+        f"{name} is traced by JAX, not run on concrete numbers: its arguments {argnames} are"
+        " tracers, so Python control flow on their values (`if q_idx > 0`, int(q_idx)) is not"
+        " allowed; use jnp.where / lax.cond instead") from e
 
 
 def convert(score_mod: Callable, acc_dtype) -> Tuple[Callable, tuple, int]:

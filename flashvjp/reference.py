@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from flashvjp import _dropout
+from flashvjp import _mask_mod
 from flashvjp import _score_mod
 from flashvjp._config import AttentionConfig
 from flashvjp._mask import MaskSpec
@@ -18,7 +19,7 @@ def mask_spec(cfg: AttentionConfig) -> MaskSpec:
   return MaskSpec(causal=cfg.causal, window=cfg.window, seq_q=cfg.seq_q, seq_kv=cfg.seq_kv)
 
 
-def attention(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts):
+def attention(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
   """Returns (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32-or-wider)."""
   B, H, Sq, _ = q.shape
   Hkv, Skv = k.shape[1], k.shape[2]
@@ -36,6 +37,8 @@ def attention(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, co
   if cfg.score_mod is not None:
     s = _score_mod.apply(cfg.score_mod, consts, s, b_idx, h_idx, q_idx, kv_idx)
   allowed = mask_spec(cfg).dense(q_seg, kv_seg, mask)
+  if cfg.mask_mod is not None:
+    allowed = allowed & _mask_mod.apply(cfg.mask_mod, mod.consts, b_idx, h_idx, q_idx, kv_idx)
   allowed = jnp.broadcast_to(allowed, s.shape)
   s = jnp.where(allowed, s, -jnp.inf)
   m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))

@@ -3,7 +3,7 @@
 Subclass `AttentionTests` per implementation (tests/test_blockwise.py,
 tests/test_pallas.py) and set IMPLEMENTATION / EXTRA_KWARGS. Each feature and
 combination is one case; forward, lse and gradients of (q, k, v, bias, score_mod
-arrays) are compared with tests/_util.TOL for the input dtype.
+arrays, sinks) are compared with tests/_util.TOL for the input dtype.
 """
 from __future__ import annotations
 
@@ -38,6 +38,12 @@ def _empty_row_mask():
   return jnp.asarray(m)
 
 
+def _per_head_mod(b, h, q_idx, kv_idx):
+  """A mask_mod reading b and h: head-dependent windows, batch 1 skips even keys."""
+  near = jnp.abs(q_idx - kv_idx) <= 4 + 6 * h
+  return near & ((b == 0) | (kv_idx % 2 == 1))
+
+
 # name -> (shape overrides, kwargs factory taking dtype). Arrays returned under the
 # key "diff" are differentiated too (bias, score_mod tables).
 def _cases():
@@ -65,6 +71,17 @@ def _cases():
       "mha_same_dv": (dict(Hkv=H, Dv=D), lambda dt: {}),
       "dropout": ({}, lambda dt: dict(dropout_rate=0.3, dropout_rng=jax.random.key(11), deterministic=False)),
       "scale": ({}, lambda dt: dict(scale=0.37, causal=True)),
+      # mask_mod (closures over arrays: per-batch prefix lengths, document ids), ANDed with
+      # the other masks; a precomputed BlockMask at other blocks than the kernels' (resampled).
+      "mask_mod_prefix_lm": ({}, lambda dt: dict(mask_mod=flashvjp.prefix_lm(jnp.asarray([5, 30], jnp.int32)))),
+      "mask_mod_document": (dict(Skv=SQ), lambda dt: dict(mask_mod=flashvjp.document_causal(_segments(SQ, [[5, 20], [12]])))),
+      "mask_mod_chunked_window": ({}, lambda dt: dict(mask_mod=flashvjp.chunked(12, causal=False), window=(5, 3))),
+      "mask_mod_global_and_mask": ({}, lambda dt: dict(mask_mod=flashvjp.sliding_window_with_global(6, 3), mask=_empty_row_mask())),
+      "mask_mod_block_mask": ({}, lambda dt: dict(
+          mask_mod=_per_head_mod, block_mask=flashvjp.make_block_mask(_per_head_mod, B, H, SQ, SKV, 8, 32))),
+      # sinks (differentiable), also with empty rows.
+      "sinks": ({}, lambda dt: dict(causal=True, diff=dict(sinks=jnp.asarray([0.5, -1.0, 2.0, 0.0], dt)))),
+      "sinks_empty_rows": ({}, lambda dt: dict(mask=_empty_row_mask(), diff=dict(sinks=jnp.asarray([1.5, -0.5, 0.0, 3.0], dt)))),
       "combo": (dict(Skv=SQ), lambda dt: dict(
           causal=True, segment_ids=_segments(SQ, [[9], [20]]), mask=_empty_row_mask()[:, :, :, :SQ],
           dropout_rate=0.2, dropout_rng=jax.random.key(5), deterministic=False,
@@ -102,6 +119,8 @@ def run_case(impl, name, dtype, *, return_lse=True, block_q=BLOCK_Q, block_kv=BL
     args = dict(kw)
     if "bias" in d:
       args["bias"] = d["bias"]
+    if "sinks" in d:
+      args["sinks"] = d["sinks"]
     if "score_mod" in d:
       args["score_mod"] = diff["score_mod"][0](d["score_mod"])
     res = flashvjp.flash_attention(q, k, v, implementation=impl, return_lse=return_lse, **args)

@@ -18,6 +18,7 @@ from jax import lax
 
 from flashvjp import _dropout
 from flashvjp import _mask
+from flashvjp import _mask_mod
 from flashvjp import _score_mod
 from flashvjp._config import AttentionConfig
 
@@ -67,10 +68,18 @@ class _Layout:
     return (_mask.pad_axis(q_seg, 1, self.Sqp, "edge", keep_broadcast=False),
             _mask.pad_axis(kv_seg, 1, self.Skvp, "edge", keep_broadcast=False))
 
-  def block_table(self, q_seg, kv_seg, mask):
+  def block_table(self, q_seg, kv_seg, mask, mod=None):
     """bool [nq, nk]: False where a block pair is empty for every batch and head."""
-    table = _mask.block_any_table(q_seg, kv_seg, mask, self.bq, self.bk, self.nq, self.nk)
+    table = _mask.block_any_table(q_seg, kv_seg, mask, self.bq, self.bk, self.nq, self.nk,
+                                  self.mod_classes(mod))
     return None if table is None else table.any(axis=(0, 1))
+
+  def mod_classes(self, mod):
+    """The mask_mod's block classes at this layout's blocks (None without a mask_mod)."""
+    if mod is None:
+      return None
+    return _mask.resample_classes(mod.classes, *self.cfg.mask_mod_blocks, self.bq, self.bk,
+                                  self.Sq, self.Skv, self.nq, self.nk)
 
   def needs_mask(self, elementwise):
     """Whether any visited block needs the elementwise mask (static).
@@ -102,13 +111,17 @@ class _Layout:
     ki = (j * self.bk + jnp.arange(self.bk, dtype=jnp.int32)).reshape(1, 1, 1, 1, self.bk)
     return b, h, qi, ki
 
-  def allowed(self, i, j, q_seg, kv_seg, mask5):
-    _, _, qi, ki = self.indices(i, j)
+  def allowed(self, i, j, q_seg, kv_seg, mask5, mod=None):
+    b, h, qi, ki = self.indices(i, j)
     qs = ks = None
     if q_seg is not None:
       qs = lax.dynamic_slice_in_dim(q_seg, i * self.bq, self.bq, 1)[:, None, None, :, None]
       ks = lax.dynamic_slice_in_dim(kv_seg, j * self.bk, self.bk, 1)[:, None, None, None, :]
-    return self.spec.allowed(qi, ki, q_seg=qs, kv_seg=ks, dense=self.pair_tile(mask5, i, j))
+    dense = self.pair_tile(mask5, i, j)
+    if mod is not None:
+      ok = _mask_mod.tile_allowed(self.cfg.mask_mod, mod.consts, b, h, qi, ki, self.Sq, self.Skv)
+      dense = ok if dense is None else (dense & ok)
+    return self.spec.allowed(qi, ki, q_seg=qs, kv_seg=ks, dense=dense)
 
   def scores(self, q_blk, k_blk, bias5, i, j):
     """scale * q k^T (+ bias) as [B, Hkv, G, bq, bk] in the accumulation dtype."""
@@ -243,11 +256,11 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   mask_p = L.pad_pair(mask)
   bias5, mask5 = L.pair5(L.pad_pair(bias)), L.pair5(mask_p)
   q_seg, kv_seg = L.segs(q_seg, kv_seg)
-  table = L.block_table(q_seg, kv_seg, mask_p)
-  masked = L.needs_mask(q_seg is not None or mask is not None)
+  table = L.block_table(q_seg, kv_seg, mask_p, mod)
+  masked = L.needs_mask(q_seg is not None or mask is not None or mod is not None)
   acc = L.acc
   rows = (L.B, L.Hkv, L.G, L.Sqp)
-  z0 = _carry_zero(acc, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
+  z0 = _carry_zero(acc, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod)
   count, walk0, at = _pairs(L, table, "q")
 
   # Online softmax over a flat pair list; the running max, sum and output of every
@@ -259,7 +272,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     if cfg.score_mod is not None:
       s = _score_mod.apply(cfg.score_mod, consts, s, *L.indices(i, j))
     if masked:
-      s = jnp.where(L.allowed(i, j, q_seg, kv_seg, mask5), s, -jnp.inf)
+      s = jnp.where(L.allowed(i, j, q_seg, kv_seg, mask5, mod), s, -jnp.inf)
     ml, o = _rows(ml_all, i, L.bq), _rows(o_all, i, L.bq)
     m, l = ml[..., 0], ml[..., 1]
     m_new = jnp.maximum(m, s.max(axis=-1))
@@ -300,8 +313,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   bias_p, mask_p = L.pad_pair(bias), L.pad_pair(mask)
   bias5, mask5 = L.pair5(bias_p), L.pair5(mask_p)
   q_seg, kv_seg = L.segs(q_seg, kv_seg)
-  table = L.block_table(q_seg, kv_seg, mask_p)
-  masked = L.needs_mask(q_seg is not None or mask is not None)
+  table = L.block_table(q_seg, kv_seg, mask_p, mod)
+  masked = L.needs_mask(q_seg is not None or mask is not None or mod is not None)
   n_diff = cfg.num_diff_consts
   diff_consts, fixed_consts = tuple(consts[:n_diff]), tuple(consts[n_diff:])
   count, walk0, at = _pairs(L, table, "kv")
@@ -329,7 +342,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
           lambda s_, c_: _score_mod.apply(cfg.score_mod, c_ + fixed_consts, s_, *idx),
           s, diff_consts)
     if masked:
-      s = jnp.where(L.allowed(i, j, q_seg, kv_seg, mask5), s, -jnp.inf)
+      s = jnp.where(L.allowed(i, j, q_seg, kv_seg, mask5, mod), s, -jnp.inf)
     p = jnp.exp(s - _rows(lse5, i, L.bq)[..., None])
     dp = jnp.einsum("bhqd,bhkd->bhqk", do_blk, v_blk, preferred_element_type=acc)
     dp = dp.reshape(p.shape)
@@ -353,7 +366,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     dv = _put_rows(dv, _rows(dv, j, L.bk, 2) + dv_j, j, L.bk, 2)
     return dq, dk, dv, dbias, dconsts, walk
 
-  z0 = _carry_zero(acc, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse)
+  z0 = _carry_zero(acc, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse,
+                   mod)
   dq0 = jnp.zeros((L.B, L.Hkv, L.G, L.Sqp, L.D), acc) + z0
   dk0 = jnp.zeros((L.B, L.Hkv, L.Skvp, L.D), acc) + z0
   dv0 = jnp.zeros((L.B, L.Hkv, L.Skvp, L.Dv), acc) + z0

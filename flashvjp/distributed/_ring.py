@@ -345,7 +345,7 @@ def ring_attention(query, key, value, *, axis_name, causal: bool = False, segmen
       segment_ids=segment_ids, score_mod=None, scale=scale, dropout_rate=0.0, dropout_rng=None,
       deterministic=True, implementation=implementation, block_q=block_q, block_kv=block_kv,
       interpret=interpret)
-  q, k, v, _, _, q_seg, kv_seg, _, _, scale_array = arrays
+  q, k, v, _, _, q_seg, kv_seg, _, _, scale_array = arrays[:10]
   if scale_array is not None:  # a traced scale: pre-scale the queries, as flash_attention does
     acc = jnp.promote_types(q.dtype, jnp.float32)
     q = (q.astype(acc) * scale_array.astype(acc)).astype(q.dtype)

@@ -59,9 +59,11 @@ def score_mod_problem(score_mod, consts, acc_dtype, *, lowering, residual_proble
 
 def supports(*, kernels, interpret_name, compiled_name, score_mod_problem_fn, platform,
              interpret, query_shape, value_shape, dtype, has_score_mod, score_mod,
-             score_mod_consts):
-  """The checks both families make, in order: head dims, dtype, score_mod. (ok, reason)."""
+             score_mod_consts, mask_mod=None, mask_mod_consts=(), mask_mod_supported=False):
+  """The checks both families make, in order: head dims, dtype, mask_mod, score_mod. (ok, reason)."""
   D, Dv = query_shape[-1], value_shape[-1]
+  if mask_mod is not None and not mask_mod_supported:
+    return False, f"mask_mod is not implemented in {kernels} yet"
   if max(D, Dv) > MAX_HEAD_DIM:
     return False, (f"head_dim {D} / head_dim_v {Dv}: {kernels} support head dims up to"
                    f" {MAX_HEAD_DIM}")

@@ -33,8 +33,13 @@ def score_mod_lowering_problem(score_mod, consts, acc_dtype=jnp.float32):
                                   residual_problem=_residual_problem)
 
 
+# Whether the kernels apply a mask_mod (its per-tile part) and its block classes.
+MASK_MOD = False
+
+
 def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
-             has_score_mod=False, has_dropout=False, score_mod=None, score_mod_consts=()):
+             has_score_mod=False, has_dropout=False, score_mod=None, score_mod_consts=(),
+             mask_mod=None, mask_mod_consts=()):
   """Can the Mosaic-TPU kernels run this input? Returns (ok, reason).
 
   Args: as `flashvjp.pallas.triton._limits.supports` (the uint32 dropout hash lowers on
@@ -46,4 +51,5 @@ def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
       compiled_name="Pallas Mosaic-TPU kernels", score_mod_problem_fn=score_mod_lowering_problem,
       platform=platform, interpret=interpret, query_shape=query_shape,
       value_shape=value_shape, dtype=dtype, has_score_mod=has_score_mod, score_mod=score_mod,
-      score_mod_consts=score_mod_consts)
+      score_mod_consts=score_mod_consts, mask_mod=mask_mod, mask_mod_consts=mask_mod_consts,
+      mask_mod_supported=MASK_MOD)
