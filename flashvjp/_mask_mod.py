@@ -126,7 +126,18 @@ def check(mask_mod: Callable, target) -> Tuple[ScalarMaskMod, tuple, Tuple[bool,
                      f" got shape {shape}")
   shape = (1,) * (4 - len(shape)) + shape
   uses = (shape[0] != 1 or B == 1, shape[1] != 1 or H == 1)
-  fn, consts = convert(mask_mod)
+  try:
+    fn, consts = convert(mask_mod)
+  except (TypeError, ValueError) as e:
+    # It runs on index arrays but not on scalar indices: it reduces, slices or indexes
+    # along the index axes.
+    closed = jax.make_jaxpr(mask_mod)(*idx)
+    prims = sorted(set(_score_mod._mixing_prims(  # pylint: disable=protected-access
+        closed.jaxpr, closed.jaxpr.invars)))
+    why = f"it applies {', '.join(prims)} to the indices, and " if prims else ""
+    raise ValueError(
+        f"mask_mod must be elementwise: {why}on scalar indices (how flashvjp's kernels call"
+        f" it) it fails: {e.__cause__ or e}") from e
   tb, th, tq, tk = min(B, 2), min(H, 2), min(Sq, 3), min(Skv, 4)
   pos = lambda n, t: np.unique(np.linspace(0, n - 1, t).round().astype(np.int32))
   bi, hi, qi, ki = pos(B, tb), pos(H, th), pos(Sq, tq), pos(Skv, tk)
@@ -164,7 +175,8 @@ def check(mask_mod: Callable, target) -> Tuple[ScalarMaskMod, tuple, Tuple[bool,
 def apply(fn: Callable, consts, b, h, q_idx, kv_idx):
   """The scalar mask_mod `fn` applied elementwise to broadcasting index arrays (bool)."""
   vec = jnp.vectorize(lambda b_, h_, q_, k_: fn(b_, h_, q_, k_, *consts))
-  return vec(b, h, q_idx, kv_idx)
+  i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
+  return vec(i32(b), i32(h), i32(q_idx), i32(kv_idx))
 
 
 def tile_allowed(fn, consts, b, h, q_idx, kv_idx, seq_q: int, seq_kv: int):
