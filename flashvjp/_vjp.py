@@ -1,14 +1,39 @@
-"""The one jax.custom_vjp, wired once for every backend.
+"""The one differentiable op, wired once for every backend: reverse AND forward mode.
 
-Room: differentiation. Residuals are the inputs plus (out, lse); the backward is
-the backend's hand-written one. Only the "naive" reference bypasses this and is
-differentiated by autodiff.
+Room: differentiation. The op is a `jax.custom_jvp` (`attention`) whose JVP rule
+computes the primal with the backend's forward and the tangent with a linear primitive,
+`flashvjp_tangent` (the fused tangent pass). That primitive's transpose rule IS the
+hand-written backward, so:
+
+* `jax.jvp` / `jax.linearize` / `jax.jacfwd` run forward + the fused tangent pass;
+* `jax.grad` (= linearize, then transpose) runs forward, then the hand-written backward
+  on the residuals (q, k, v, out, lse): never autodiff of a forward kernel;
+* forward-over-reverse (`jax.jvp(jax.grad(f))`, Hessian-vector products) differentiates
+  the backward in forward mode: `_backward` is a `jax.custom_jvp` whose rule is JAX's
+  forward-mode autodiff of the blockwise backward (pure JAX loops, O(seq) memory);
+* jvp-of-jvp (`jacfwd(jacfwd)`, `check_grads(order=2, modes=("fwd",))`): the tangent
+  primitive's JVP is itself (linear in the tangents) plus a second primitive,
+  `flashvjp_tangent_jvp` (forward-mode autodiff of the blockwise tangent pass, linear in
+  the primals' tangents). A gradient through a tangent output w.r.t. the primals would
+  transpose that second primitive: not supported (no O(seq) way), it raises a clear
+  error; with the tangent under `stop_gradient` (consistency-model training) nothing is
+  transposed and it works. Gradients w.r.t. the tangent *direction* use the backward.
+
+Both primitives batch (vmap) by recording, per vmap level, which operands carry a
+leading batch axis, and implementing themselves as nested `jax.vmap`s of the backend
+function; they lower with `mlir.lower_fun`. The primal itself stays the original
+`jax.custom_vjp` (forward kernels, backward = the same hand-written backward), so a
+transformation that differentiated the primal function directly would still get the
+hand-written backward. Why this design: docs/forward_mode.md. Version differences: the
+primitive API lives in `flashvjp._ad_compat`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 # Importing Pallas (and its interpret mode) defines jax config states that are part of
 # jit's cache key. Imported lazily, inside the first traced call, they would change that
 # key after the caller's jit computed it, so a jitted Pallas call retraced on its second
@@ -16,6 +41,7 @@ import jax
 from jax.experimental import pallas as _pallas  # noqa: F401
 from jax.experimental.pallas import tpu as _pallas_tpu  # noqa: F401
 
+from flashvjp import _ad_compat as _ac
 from flashvjp._config import AttentionConfig
 
 
@@ -38,22 +64,48 @@ def _backend(name: str):
   return _partition.wrap(backend)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed,
-              diff_consts, fixed_consts, mod=None):
-  """(out [B, H, Sq, Dv], lse [B, H, Sq]) with a hand-written backward.
+# ---- what forward mode runs, per implementation (explain() and docs/forward_mode.md) ----
 
-  `mod`: None, or the mask_mod's inputs (`flashvjp._mask_mod.ModInputs`: its block
-  classes and the arrays it closes over); not differentiable.
-  """
+def _tangent_kernel(implementation: str):
+  """The fused tangent pass of a backend: (function, description)."""
+  from flashvjp.blockwise import _tangent
+  if implementation == "blockwise":
+    return _tangent.tangent, "blockwise fused tangent pass (pure JAX, O(seq) memory)"
+  return _tangent.tangent, ("blockwise fused tangent pass (pure JAX, O(seq) memory): the"
+                            f" {implementation} family has no tangent kernel yet")
+
+
+def forward_mode_paths(implementation: str) -> dict:
+  """{mode: what runs} for an implementation (`flashvjp.explain(...).forward_mode`)."""
+  if implementation == "naive":
+    return {"jvp": "JAX autodiff of naive attention (O(seq^2))",
+            "grad": "JAX autodiff of naive attention (O(seq^2))",
+            "hvp": "JAX autodiff of naive attention (O(seq^2))"}
+  fwd = f"{implementation} forward"
+  return {
+      "jvp": f"{fwd} + {_tangent_kernel(implementation)[1]}",
+      "grad": f"{fwd} + {implementation} hand-written backward (the tangent pass's transpose)",
+      "hvp": (f"{fwd} + tangent pass + {implementation} backward, differentiated in forward mode"
+              " through the blockwise backward (JAX autodiff of pure-JAX loops, O(seq) memory)"),
+      "jvp of jvp": "tangent pass + JAX forward-mode autodiff of the blockwise tangent pass",
+      "grad through a tangent output": ("NotImplementedError (no O(seq) way); use"
+                                        " jax.lax.stop_gradient on the tangent"),
+  }
+
+
+# ---- the op ------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention_vjp(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed,
+                   diff_consts, fixed_consts, mod=None):
   return _backend(cfg.implementation).forward(
       cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, tuple(diff_consts) + tuple(fixed_consts),
       mod)
 
 
 def _fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod=None):
-  out, lse = attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts,
-                       mod)
+  out, lse = _attention_vjp(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts,
+                            fixed_consts, mod)
   res = (q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod, out, lse)
   return (out, lse), res
 
@@ -61,7 +113,7 @@ def _fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_const
 def _bwd(cfg, res, cts):
   q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod, out, lse = res
   dout, dlse = cts
-  dq, dk, dv, dbias, dconsts = _backend(cfg.implementation).backward(
+  dq, dk, dv, dbias, dconsts = _backward(
       cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
       tuple(diff_consts) + tuple(fixed_consts), out, lse, dout, dlse, mod)
   none = lambda xs: None if xs is None else jax.tree_util.tree_map(lambda _: None, xs)
@@ -69,4 +121,242 @@ def _bwd(cfg, res, cts):
           tuple(dconsts), tuple(None for _ in fixed_consts), none(mod))
 
 
-attention.defvjp(_fwd, _bwd)
+_attention_vjp.defvjp(_fwd, _bwd)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def attention(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed,
+              diff_consts, fixed_consts, mod=None):
+  """(out [B, H, Sq, Dv], lse [B, H, Sq]), differentiable in forward and reverse mode.
+
+  `mod`: None, or the mask_mod's inputs (`flashvjp._mask_mod.ModInputs`: its block
+  classes and the arrays it closes over); not differentiable.
+  """
+  return _attention_vjp(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts,
+                        fixed_consts, mod)
+
+
+def _attention_jvp(cfg, primals, tangents):
+  q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod = primals
+  tq, tk, tv, tbias = tangents[:4]
+  tdc = tangents[8]
+  out, lse = attention(cfg, *primals)
+  ts = [None if _ac.is_zero(t) else t for t in (tq, tk, tv, tbias, *tdc)]
+  if all(t is None for t in ts):
+    return (out, lse), (jnp.zeros_like(out), jnp.zeros_like(lse))
+  consts = tuple(diff_consts) + tuple(fixed_consts)
+  t_out, t_lse = tangent(cfg, (q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, out, lse),
+                         ts)
+  return (out, lse), (t_out, t_lse)
+
+
+attention.defjvp(_attention_jvp, symbolic_zeros=True)
+
+
+# ---- the hand-written backward, differentiable in forward mode -------------------------
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _backward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse, mod):
+  dq, dk, dv, dbias, dconsts = _backend(cfg.implementation).backward(
+      cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse, mod)
+  return dq, dk, dv, dbias, tuple(dconsts)
+
+
+@_backward.defjvp
+def _backward_jvp(cfg, primals, tangents):
+  """Forward mode through the backward: JAX autodiff of the blockwise backward (pure JAX)."""
+  from flashvjp.blockwise import _impl as blockwise
+  q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse, mod = primals
+  tq, tk, tv, tbias, _, _, _, _, tconsts, tout, tlse, tdout, tdlse, _ = tangents
+  n = cfg.num_diff_consts
+  cfg_b = dataclasses.replace(cfg, implementation="blockwise")
+
+  def f(q, k, v, bias, dc, out, lse, dout, dlse):
+    dq, dk, dv, dbias, dconsts = blockwise.backward(
+        cfg_b, q, k, v, bias, mask, q_seg, kv_seg, seed, tuple(dc) + tuple(consts[n:]), out, lse,
+        dout, dlse, mod)
+    return dq, dk, dv, dbias, tuple(dconsts)
+
+  return jax.jvp(f, (q, k, v, bias, tuple(consts[:n]), out, lse, dout, dlse),
+                 (tq, tk, tv, tbias, tuple(tconsts[:n]), tout, tlse, tdout, tdlse))
+
+
+# ---- the tangent primitives ----------------------------------------------------------
+# Operands: the primal leaves of (q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod,
+# out, lse) (treedef `tree`; out and lse are the last two leaves), then the present
+# tangents of (q, k, v, bias, *diff_consts) (`present`), then for flashvjp_tangent_jvp the
+# present tangents of the primal leaves (`dpresent`). `levels`: one tuple of bools per
+# vmap level (outermost first): which operands carry that level's axis (leading, in
+# level order).
+
+_NO_REVERSE = (
+    "flashvjp: reverse-mode differentiation through the tangent output of a forward-mode "
+    "derivative (jax.grad of a function of jax.jvp(flash_attention, ...)'s tangent, w.r.t. the "
+    "primal inputs) is not supported: it would need a second-order backward kernel, and "
+    "autodiff of the tangent pass would keep O(seq_q * seq_kv) residuals. Wrap the tangent in "
+    "jax.lax.stop_gradient (as consistency-model training does), differentiate w.r.t. the "
+    "tangent direction only (supported: it runs the backward), or use implementation='naive' "
+    "(see docs/forward_mode.md).")
+
+
+def tangent(cfg: AttentionConfig, primal, ts):
+  """Bind the fused tangent pass: primal = (q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
+  mod, out, lse); ts = [t_q, t_k, t_v, t_bias, *t_diff_consts], None for zero."""
+  leaves, tree = jax.tree_util.tree_flatten(primal)
+  present = tuple(t is not None for t in ts)
+  return _tangent_p.bind(*leaves, *[t for t in ts if t is not None], cfg=cfg, tree=tree,
+                         present=present, levels=())
+
+
+def _over_levels(fn, levels, args):
+  """fn(*args) with one jax.vmap per level (outermost first), in_axes from the level's mask."""
+  if not levels:
+    return fn(*args)
+  inner = functools.partial(_over_levels, fn, levels[1:])
+  return jax.vmap(lambda *a: inner(a), in_axes=[0 if b else None for b in levels[0]])(*args)
+
+
+def _split(flat, tree, present):
+  n_p = tree.num_leaves
+  primal = jax.tree_util.tree_unflatten(tree, flat[:n_p])
+  it = iter(flat[n_p:n_p + sum(present)])
+  ts = [next(it) if p else None for p in present]
+  return primal, ts, list(flat[n_p + sum(present):])
+
+
+def _run_tangent(cfg, primal, ts, fn=None):
+  q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, out, lse = primal
+  tq, tk, tv, tbias, *tc = ts
+  fn = fn or _tangent_kernel(cfg.implementation)[0]
+  return fn(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, tq, tk, tv, tbias,
+            tuple(tc), mod)
+
+
+def _tangent_impl(*flat, cfg, tree, present, levels):
+  def base(*f):
+    primal, ts, _ = _split(f, tree, present)
+    return _run_tangent(cfg, primal, ts)
+  return list(_over_levels(base, levels, flat))
+
+
+def _tangent_jvp_impl(*flat, cfg, tree, present, dpresent, levels):
+  from flashvjp.blockwise import _tangent as blockwise_tangent
+
+  def base(*f):
+    primal, ts, dps = _split(f, tree, present)
+    leaves = list(f[:tree.num_leaves])
+    idx = [n for n, d in enumerate(dpresent) if d]
+
+    def g(*xs):
+      new = list(leaves)
+      for n, x in zip(idx, xs):
+        new[n] = x
+      return _run_tangent(cfg, jax.tree_util.tree_unflatten(tree, new), ts,
+                          fn=blockwise_tangent.tangent)
+    return jax.jvp(g, [leaves[n] for n in idx], dps)[1]
+  return list(_over_levels(base, levels, flat))
+
+
+def _abstract_eval(*avals, tree, levels, **_):
+  n_p = tree.num_leaves
+  sizes = []
+  for li, lv in enumerate(levels):
+    for a, lv_a in zip(avals, zip(*levels)):
+      if lv_a[li]:
+        sizes.append(a.shape[sum(lv_a[:li])])
+        break
+  outs = []
+  for pos in (n_p - 2, n_p - 1):  # out, lse
+    lead = sum(lv[pos] for lv in levels)
+    outs.append(_ac.aval_like(avals[pos], tuple(sizes) + tuple(avals[pos].shape[lead:])))
+  return outs
+
+
+def _batch_rule(prim, args, dims, **params):
+  mask = tuple(d is not _ac.not_mapped for d in dims)
+  args = [a if d is _ac.not_mapped else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+  outs = prim.bind(*args, **dict(params, levels=(mask,) + tuple(params["levels"])))
+  return outs, [0] * len(outs)
+
+
+def _tangent_jvp_rule(primals, tangents, *, cfg, tree, present, levels):
+  """d(tangent pass) = tangent pass of the tangents' tangents + d/d(primals) (2nd primitive)."""
+  outs = _tangent_p.bind(*primals, cfg=cfg, tree=tree, present=present, levels=levels)
+  n_p = tree.num_leaves
+  d_primal, d_ts = tangents[:n_p], tangents[n_p:]
+  terms = []
+  nz = [not _ac.is_zero(t) for t in d_ts]
+  if any(nz):
+    it = iter(nz)
+    new_present = tuple(p and next(it) for p in present)
+    lv = tuple(l[:n_p] + tuple(b for b, z in zip(l[n_p:], nz) if z) for l in levels)
+    terms.append(_tangent_p.bind(*primals[:n_p], *[t for t, z in zip(d_ts, nz) if z], cfg=cfg,
+                                 tree=tree, present=new_present, levels=lv))
+  dpresent = tuple(not _ac.is_zero(t) and jnp.issubdtype(jnp.result_type(p), jnp.inexact)
+                   for p, t in zip(primals[:n_p], d_primal))
+  if any(dpresent):
+    lv = tuple(l + tuple(b for b, d in zip(l[:n_p], dpresent) if d) for l in levels)
+    terms.append(_tangent_jvp_p.bind(*primals, *[t for t, d in zip(d_primal, dpresent) if d],
+                                     cfg=cfg, tree=tree, present=present, dpresent=dpresent,
+                                     levels=lv))
+  if not terms:
+    return outs, [jnp.zeros_like(o) for o in outs]
+  t_outs = terms[0]
+  for t in terms[1:]:
+    t_outs = [a + b for a, b in zip(t_outs, t)]
+  return outs, list(t_outs)
+
+
+def _tangent_transpose(cts, *flat, cfg, tree, present, levels):
+  """The transpose of the tangent pass w.r.t. its tangents: the hand-written backward."""
+  ct_out, ct_lse = cts
+  n_p = tree.num_leaves
+  if type(ct_out) is _ac.Zero and type(ct_lse) is _ac.Zero:
+    return [None] * len(flat)
+  prim = flat[:n_p]
+  if any(isinstance(x, _ac.UndefinedPrimal) for x in prim):
+    raise NotImplementedError("flashvjp_tangent is linear in its tangent operands only")
+  dout = _ac.instantiate(ct_out, None)
+  has_dlse = type(ct_lse) is not _ac.Zero
+
+  def bwd(*f):
+    q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, out, lse = \
+        jax.tree_util.tree_unflatten(tree, f[:n_p])
+    dlse = f[n_p + 1] if has_dlse else None
+    dq, dk, dv, dbias, dconsts = _backward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
+                                           tuple(consts), out, lse, f[n_p], dlse, mod)
+    grads = [dq, dk, dv, dbias, *dconsts]
+    return [g for g, p in zip(grads, present) if p]
+
+  lv = tuple(tuple(l[:n_p]) + (True,) * (1 + has_dlse) for l in levels)
+  grads = _over_levels(bwd, lv, list(prim) + [dout] + ([ct_lse] if has_dlse else []))
+  res = [None] * n_p
+  for pos, (g, x) in enumerate(zip(grads, flat[n_p:])):
+    if not isinstance(x, _ac.UndefinedPrimal):
+      res.append(None)
+      continue
+    axes = tuple(li for li, l in enumerate(levels) if not l[n_p + pos])
+    if axes:
+      g = g.sum(axis=axes)
+    res.append(g.astype(x.aval.dtype))
+  return res
+
+
+def _tangent_jvp_jvp_rule(primals, tangents, **params):
+  """Third order and beyond: JAX forward-mode autodiff of the (pure-JAX) second primitive."""
+  tangents = [_ac.instantiate(t, p) for t, p in zip(tangents, primals)]
+  outs, t_outs = jax.jvp(functools.partial(_tangent_jvp_impl, **params), list(primals),
+                         list(tangents))
+  return list(outs), list(t_outs)
+
+
+def _tangent_jvp_transpose_rule(cts, *flat, **params):
+  if all(type(c) is _ac.Zero for c in cts):
+    return [None] * len(flat)
+  raise NotImplementedError(_NO_REVERSE)
+
+
+_tangent_p = _ac.define("flashvjp_tangent", _tangent_impl, _abstract_eval, _batch_rule,
+                        _tangent_jvp_rule, _tangent_transpose)
+_tangent_jvp_p = _ac.define("flashvjp_tangent_jvp", _tangent_jvp_impl, _abstract_eval,
+                            _batch_rule, _tangent_jvp_jvp_rule, _tangent_jvp_transpose_rule)
