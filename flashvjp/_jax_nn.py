@@ -81,7 +81,8 @@ def dot_product_attention(
     query, key, value, bias=None, mask=None, *, scale: Optional[float] = None,
     is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
     local_window_size: Union[int, Tuple[int, int], None] = None,
-    implementation: Optional[str] = None, return_residual: bool = False):
+    implementation: Optional[str] = None, return_residual: bool = False, mask_mod=None,
+    sinks=None):
   """`jax.nn.dot_product_attention`'s signature and meaning, computed by flashvjp.
 
   Switch by changing one import: ``from flashvjp import dot_product_attention``.
@@ -109,6 +110,9 @@ def dot_product_attention(
     return_residual: also return the logsumexp of the logits, float32 [B, T, N]
       (or [T, N]). Unlike jax.nn's it is differentiable, and -inf for a row with
       no allowed key.
+    mask_mod: flashvjp extension (keyword only): ``(b, h, q_idx, kv_idx) -> bool`` with
+      h the query head N (see `flashvjp.flash_attention`); ANDed with the other masks.
+    sinks: flashvjp extension (keyword only): float [N], differentiable attention sinks.
 
   Returns:
     [B, T, N, H_v] (or [T, N, H_v]) in query's dtype; with return_residual, (out, lse).
@@ -151,7 +155,7 @@ def dot_product_attention(
   result = _api.flash_attention(
       to_bnth(query), to_bnth(key), to_bnth(value), bias=bias, mask=mask, causal=is_causal,
       window=window, segment_ids=segment_ids, scale=scale, return_lse=return_residual,
-      implementation=implementation)
+      implementation=implementation, mask_mod=mask_mod, sinks=sinks)
   out, lse = result if return_residual else (result, None)
   out = to_bnth(out)  # [B, T, N, H_v]
   if return_residual:

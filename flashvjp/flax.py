@@ -88,7 +88,8 @@ def make_attention_fn(*, causal: bool = False,
                       window: Optional[Tuple[Optional[int], Optional[int]]] = None,
                       score_mod: Optional[Callable] = None, scale: Optional[float] = None,
                       implementation: Optional[str] = None, block_q: Optional[int] = None,
-                      block_kv: Optional[int] = None) -> Callable:
+                      block_kv: Optional[int] = None, mask_mod: Optional[Callable] = None,
+                      sinks=None) -> Callable:
   """An ``attention_fn`` for Flax with flashvjp options baked in.
 
   Args:
@@ -101,6 +102,11 @@ def make_attention_fn(*, causal: bool = False,
     scale: logit scale (default 1 / sqrt(head_dim), as Flax).
     implementation: None (choose; see `flashvjp.explain`), "pallas", "blockwise", "naive".
     block_q, block_kv: block sizes (None: tuned defaults).
+    mask_mod: ``(b, h, q_idx, kv_idx) -> bool`` (e.g. `flashvjp.chunked(1024)`), ANDed
+      with Flax's mask; b is the index into the flattened batch dims.
+    sinks: float [num_heads] attention sinks. As for score_mod's arrays, a learned sink
+      receives its gradient when the attention_fn is built inside the traced function
+      (e.g. in the module's ``__call__`` from a ``self.param``).
 
   Returns:
     A function with Flax's attention_fn signature (see `attention_fn`).
@@ -179,7 +185,8 @@ def make_attention_fn(*, causal: bool = False,
         causal=bool(causal or is_causal), window=window, score_mod=score_mod, scale=scale,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, deterministic=bool(deterministic),
         implementation=implementation, block_q=block_q, block_kv=block_kv,
-        dropout_broadcast=(bool(broadcast_dropout), bool(broadcast_dropout)))
+        dropout_broadcast=(bool(broadcast_dropout), bool(broadcast_dropout)),
+        mask_mod=mask_mod, sinks=sinks)
     out = jnp.swapaxes(out, 1, 2)  # [B, Lq, H, Dv]
     return jnp.reshape(out, batch_dims + tuple(out.shape[1:]))
 

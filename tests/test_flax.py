@@ -261,3 +261,22 @@ def test_make_attention_fn_window_and_score_mod_match_explicit_forms():
   s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(8.0)
   ref = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(cap * jnp.tanh(s / cap), axis=-1), v)
   assert_close(got, ref, F64, "softcap")
+
+
+def test_make_attention_fn_mask_mod_and_sinks_match_explicit_forms():
+  """mask_mod equals Flax's default with the same dense mask; sinks equal a float64 softmax
+  with one extra zero-value key per head (independently computed)."""
+  kq, kk, kv = jax.random.split(jax.random.key(10), 3)
+  q = jax.random.normal(kq, (BATCH, L, HEADS, 8), F64)
+  k = jax.random.normal(kk, (BATCH, L, HEADS, 8), F64)
+  v = jax.random.normal(kv, (BATCH, L, HEADS, 8), F64)
+  pos = jnp.arange(L)
+  chunk = (pos[None, :] // 4 == pos[:, None] // 4) & (pos[None, :] <= pos[:, None])
+  got = jax.jit(flashvjp.flax.make_attention_fn(mask_mod=flashvjp.chunked(4)))(q, k, v)
+  assert_close(got, nn.dot_product_attention(q, k, v, mask=chunk[None, None]), F64, "mask_mod")
+  sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], F64)
+  got = jax.jit(flashvjp.flax.make_attention_fn(sinks=sinks))(q, k, v)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(8.0)
+  s = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, None, None], s.shape[:3] + (1,))], -1)
+  p = jax.nn.softmax(s, axis=-1)[..., :-1]
+  assert_close(got, jnp.einsum("bhqk,bkhd->bqhd", p, v), F64, "sinks")

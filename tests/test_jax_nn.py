@@ -292,3 +292,25 @@ def test_low_precision_matches_jax_nn_float64(dtype):
   assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
   assert_close(out, ref_out, dtype, "out")
   assert_close(grads, ref_grads, dtype, "grads")
+
+
+def test_mask_mod_and_sinks_extensions_match_dense_forms():
+  """The keyword-only extensions: mask_mod equals jax.nn with the same dense mask; sinks
+  equal jax.nn's logits with one extra zero-value key per head (float64)."""
+  q, k, v, _, _, _ = _inputs(21, T=S)  # float32 through flashvjp, float64 references
+  q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
+  t, s_ = np.arange(S)[:, None], np.arange(S)[None, :]
+  prefix = jnp.asarray([3, 11], jnp.int32)
+  dense = (s_ <= t)[None, None] | (s_[None, None] < np.asarray(prefix)[:, None, None, None])
+  got = flashvjp.dot_product_attention(q, k, v, mask_mod=flashvjp.prefix_lm(prefix))
+  ref = jax.nn.dot_product_attention(q64, k64, v64, mask=jnp.asarray(dense), implementation="xla")
+  assert_close(got, ref, F32, "mask_mod")
+  sinks = jnp.asarray([0.2, -0.7, 1.1, 3.0], F32)
+  got = flashvjp.dot_product_attention(q, k, v, sinks=sinks)
+  kk = jnp.repeat(k64, N // K, axis=2)
+  vv = jnp.repeat(v64, N // K, axis=2)
+  logits = jnp.einsum("btnh,bsnh->bnts", q64, kk) / np.sqrt(H)
+  sinks = sinks.astype(jnp.float64)
+  logits = jnp.concatenate([logits, jnp.broadcast_to(sinks[None, :, None, None], logits.shape[:3] + (1,))], -1)
+  p = jax.nn.softmax(logits, axis=-1)[..., :-1]
+  assert_close(got, jnp.einsum("bnts,bsnh->btnh", p, vv), F32, "sinks")
