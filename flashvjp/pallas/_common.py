@@ -16,6 +16,7 @@ from jax import lax
 
 from flashvjp import _dropout
 from flashvjp import _mask
+from flashvjp import _mask_mod
 from flashvjp import _score_mod
 from flashvjp import _config
 from flashvjp._config import AttentionConfig
@@ -129,7 +130,7 @@ def acc_dtype(dtype):
 
 def needs_mask(cfg: AttentionConfig, g: Geometry, has_seg: bool, has_mask: bool) -> bool:
   return (cfg.causal or cfg.window is not None or has_seg or has_mask
-          or g.Sqp != g.Sq or g.Skvp != g.Skv)
+          or cfg.mask_mod is not None or g.Sqp != g.Sq or g.Skvp != g.Skv)
 
 
 def hoist_constants(fn, consts, acc):
@@ -261,6 +262,76 @@ def split_per_head(cfg: AttentionConfig, consts, acc, B: int, H: int, grads: boo
   return HeadSplit(new_cfg, arrays, scalar, n_diff, to_consts)
 
 
+@dataclasses.dataclass
+class ModSplit:
+  """A mask_mod split like a score_mod (`HeadSplit`): per-(b, h) residuals and a tile part.
+
+  Attributes:
+    cfg: the config with mask_mod = tile part ``(b, h, q, kv, *residuals) -> bool``
+      (None without a mask_mod).
+    arrays: residuals [B, H, *shape] (scalars stored [B, H, 1]); floats keep their
+      dtype, everything else travels as int32 (cast back inside the tile part).
+    scalar: per residual, whether it is a scalar (loaded with ``ref[0]``).
+    avals: the residuals' abstract values (shape per (b, h), original dtype).
+  """
+
+  cfg: AttentionConfig
+  arrays: tuple = ()
+  scalar: tuple = ()
+  avals: tuple = ()
+
+
+def _mask_mod_as_score_mod(mask_mod):
+  """A mask_mod ``(b, h, q, kv, *c) -> bool`` in score_mod form ``(s, b, h, q, kv, *c)``
+  (so that `hoist_constants` / `split_score_mod_jaxprs` split it; s is unused)."""
+  return lambda s, b, h, q, kv, *c: mask_mod(b, h, q, kv, *c)
+
+
+def split_mask_mod_jaxprs(mask_mod, consts):
+  """(known(b, h, *consts) -> residuals, tile(b, h, q, kv, *residuals) -> bool, residual
+  avals, tile jaxpr, consts) of a scalar mask_mod (`_mask_mod.ScalarMaskMod`).
+
+  The split of `split_score_mod_jaxprs`: what depends on (b, h) and the closed-over
+  arrays only (``prefix_lengths[b]``) is a residual, computed outside the kernels.
+  """
+  fn, consts = hoist_constants(_mask_mod_as_score_mod(mask_mod), consts, jnp.float32)
+  known_fn, tile5, res_avals, tile_jaxpr = split_score_mod_jaxprs(fn, consts, jnp.float32)
+  dtypes = tuple(a.dtype for a in res_avals)
+
+  def tile_fn(b, h, q, kv, *res):
+    res = tuple(jnp.asarray(x).astype(dt) for x, dt in zip(res, dtypes))
+    return tile5(jnp.zeros((), jnp.float32), b, h, q, kv, *res)
+
+  return known_fn, tile_fn, res_avals, tile_jaxpr, consts
+
+
+def split_mask_mod(cfg: AttentionConfig, mod, B: int, H: int) -> ModSplit:
+  """Split cfg.mask_mod into residual arrays [B, H, ...] and a tile function.
+
+  `mod`: the `_mask_mod.ModInputs` (None without a mask_mod); its consts are the arrays
+  the mask_mod closes over. Not differentiable (a mask has no gradient).
+  """
+  if cfg.mask_mod is None:
+    return ModSplit(cfg)
+  consts = tuple(jnp.asarray(c) for c in (() if mod is None else mod.consts))
+  known_fn, tile_fn, res_avals, _, consts = split_mask_mod_jaxprs(cfg.mask_mod, consts)
+  bs, hs = jnp.arange(B, dtype=jnp.int32), jnp.arange(H, dtype=jnp.int32)
+  f = lambda b, h: tuple(known_fn(b, h, *consts))
+  res = tuple(jax.vmap(jax.vmap(f, (None, 0)), (0, None))(bs, hs)) if res_avals else ()
+  res = tuple(r if jnp.issubdtype(r.dtype, jnp.inexact) else r.astype(jnp.int32) for r in res)
+  scalar = tuple(r.ndim == 2 for r in res)
+  arrays = tuple(r[..., None] if sc else r for r, sc in zip(res, scalar))
+  return ModSplit(dataclasses.replace(cfg, mask_mod=tile_fn), arrays, scalar, tuple(res_avals))
+
+
+def mod_classes(cfg: AttentionConfig, g: Geometry, mod):
+  """The mask_mod's block classes resampled to the kernel's blocks (g.bq, g.bk), or None."""
+  if mod is None or cfg.mask_mod is None:
+    return None
+  return _mask.resample_classes(mod.classes, *cfg.mask_mod_blocks, g.bq, g.bk, g.Sq, g.Skv,
+                                g.nq, g.nk)
+
+
 def load_head_consts(refs, scalar, lead=()):
   """Load the residuals of one (b, h): `lead` indexes the leading dims of each ref."""
   return tuple(ref[tuple(lead) + (0,)] if sc else ref[tuple(lead) + (slice(None),) * (ref.ndim - len(lead))]
@@ -293,18 +364,21 @@ def pad_segments(q_seg, kv_seg, g: Geometry):
           _mask.pad_axis(kv_seg, 1, g.Skvp, "edge", keep_broadcast=False))
 
 
-def block_lists(cfg: AttentionConfig, g: Geometry, q_seg_p, kv_seg_p, mask_p, by: str):
-  """Compacted block lists for segment ids / a dense mask, as two kernel inputs; None without.
+def block_lists(cfg: AttentionConfig, g: Geometry, q_seg_p, kv_seg_p, mask_p, by: str,
+                mod_cls=None):
+  """Compacted block lists for segment ids / a dense mask / a mask_mod, as two kernel
+  inputs; None without any of them.
 
   Returns (counts int32 [B', H', 2, n_rows], lists int32 [B', H', n_rows, 2, n_cols]):
   index 0 of the "2" axis is the PARTIAL list (elementwise mask needed), 1 the FULL
   list (no mask). Rows are q blocks (by="q") or kv blocks (by="kv"); see
   `_mask.block_lists` (it also applies causal / window / padding). `mask_p` is the
-  padded bool mask.
+  padded bool mask; `mod_cls` the mask_mod's classes at the kernel's blocks (`mod_classes`).
   """
-  if q_seg_p is None and mask_p is None:
+  if q_seg_p is None and mask_p is None and mod_cls is None:
     return None
-  cls = _mask.block_classes(mask_spec(cfg), q_seg_p, kv_seg_p, mask_p, g.bq, g.bk, g.nq, g.nk)
+  cls = _mask.block_classes(mask_spec(cfg), q_seg_p, kv_seg_p, mask_p, g.bq, g.bk, g.nq, g.nk,
+                            mod_cls)
   # block_classes keeps a size-1 q (or kv) axis when nothing varies along it (a mask
   # broadcast over queries, no causal/window); the lists need every row and column.
   cls = jnp.broadcast_to(cls, cls.shape[:2] + (g.nq, g.nk))
@@ -438,6 +512,15 @@ class TileInputs:
   mask: Optional[jax.Array] = None  # int8 [bq|1, bk|1] ([bk|1, bq|1] for a transposed tile)
   q_seg: Optional[jax.Array] = None  # int32 [bq]
   kv_seg: Optional[jax.Array] = None  # int32 [bk]
+  mod: tuple = ()  # the mask_mod's residuals of (b, h), loaded (`ModSplit`)
+
+
+def mask_mod_allowed(cfg: AttentionConfig, t, qi, ki):
+  """The mask_mod's tile part at global (qi, ki), clamped into the real sequences as
+  `_mask_mod.tile_allowed` (padding is masked by the mask model anyway); bool, broadcast
+  shape of qi and ki. `t` has .b, .h and .mod (the loaded residuals)."""
+  return _mask_mod.tile_allowed(cfg.mask_mod, tuple(t.mod), t.b, t.h, qi, ki, cfg.seq_q,
+                                cfg.seq_kv)
 
 
 def biased_modded(cfg: AttentionConfig, qk, t, qi, ki, consts, acc, diff_consts=None):
@@ -470,7 +553,8 @@ def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, 
   with broadcast indices, so each entry is bitwise the same as in the [bq, bk] layout
   (the dot's own summation order aside).
 
-  `ok` is the mask model's bool [bq, bk] (None when not `masked`). `s` is returned
+  `ok` is the mask model's bool [bq, bk] (None when not `masked`), ANDed with the
+  mask_mod's tile part (cfg.mask_mod after `split_mask_mod`, residuals in t.mod). `s` is returned
   unmasked: callers select with `ok` (against the finite `mask_value`, never -inf, so
   that no inf is produced inside the kernels for finite inputs, see `mask_value`).
   With `diff_consts` (a tuple, possibly empty) the score_mod is differentiated:
@@ -488,6 +572,8 @@ def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, 
     ks = None if t.kv_seg is None else t.kv_seg[kv_ax]
     dense = None if t.mask is None else (t.mask != 0)
     ok = mask_spec(cfg).allowed(qi, ki, q_seg=qs, kv_seg=ks, dense=dense)
+    if cfg.mask_mod is not None:  # PARTIAL blocks only: FULL ones come with masked=False
+      ok = ok & mask_mod_allowed(cfg, t, qi, ki)
   return s, ok, sm_vjp
 
 

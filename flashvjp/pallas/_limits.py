@@ -1,8 +1,8 @@
 """Lowering limits shared by the Pallas kernel families (each family's `_limits` adds its own).
 
 Room: Pallas limits (shared part). Both families take the same head dims and, in
-interpret mode, the same dtypes; a score_mod's per-tile part must use elementwise
-primitives only (neither Triton nor Mosaic-TPU lowers a gather on a tile).
+interpret mode, the same dtypes; a score_mod's or mask_mod's per-tile part must use
+elementwise primitives only (neither Triton nor Mosaic-TPU lowers a gather on a tile).
 """
 from __future__ import annotations
 
@@ -57,10 +57,36 @@ def score_mod_problem(score_mod, consts, acc_dtype, *, lowering, residual_proble
   return None
 
 
+def mask_mod_problem(mask_mod, consts, *, lowering, residual_problem):
+  """Why a (scalar, `_mask_mod.ScalarMaskMod`) mask_mod's per-tile part cannot lower, or None.
+
+  As `score_mod_problem`: the per-(b, h) part (``prefix_lengths[b]``) is precomputed by
+  XLA (`_common.split_mask_mod`); the tile part must use `ELEMENTWISE_PRIMITIVES`, and
+  `residual_problem(aval, "mask_mod")` must accept each per-head residual.
+  """
+  _, _, res_avals, tile, _ = _common.split_mask_mod_jaxprs(mask_mod, tuple(consts))
+  bad = sorted({e.primitive.name for e in all_eqns(tile.jaxpr)} - ELEMENTWISE_PRIMITIVES)
+  if bad:
+    return (f"mask_mod uses {', '.join(bad)} on per-position values, which the {lowering}"
+            " lowering cannot apply to a tile (e.g. reading an array at q_idx / kv_idx, as"
+            " document_causal's doc_ids[b, q_idx], is a gather); the blockwise path or"
+            " interpret mode run it")
+  for a in res_avals:
+    problem = residual_problem(a, "mask_mod")
+    if problem is not None:
+      return problem
+  return None
+
+
 def supports(*, kernels, interpret_name, compiled_name, score_mod_problem_fn, platform,
              interpret, query_shape, value_shape, dtype, has_score_mod, score_mod,
-             score_mod_consts, mask_mod=None, mask_mod_consts=(), mask_mod_supported=False):
-  """The checks both families make, in order: head dims, dtype, mask_mod, score_mod. (ok, reason)."""
+             score_mod_consts, mask_mod=None, mask_mod_consts=(), mask_mod_supported=False,
+             mask_mod_problem_fn=None):
+  """The checks both families make, in order: head dims, dtype, mask_mod, score_mod. (ok, reason).
+
+  Compiled, a mask_mod's tile part is checked by `mask_mod_problem_fn(mask_mod, consts)`
+  (the family's `mask_mod_problem` rules); interpret mode runs any mask_mod.
+  """
   D, Dv = query_shape[-1], value_shape[-1]
   if mask_mod is not None and not mask_mod_supported:
     return False, f"mask_mod is not implemented in {kernels} yet"
@@ -74,6 +100,10 @@ def supports(*, kernels, interpret_name, compiled_name, score_mod_problem_fn, pl
     return True, f"{interpret_name} in interpret mode on {platform!r}"
   if not any(dt == jnp.dtype(d) for d in COMPILED_DTYPES):
     return False, f"dtype {dt.name}: {kernels} support float16, bfloat16 and float32"
+  if mask_mod is not None and mask_mod_problem_fn is not None:
+    problem = mask_mod_problem_fn(mask_mod, mask_mod_consts)
+    if problem is not None:
+      return False, problem
   if has_score_mod and score_mod is not None:
     problem = score_mod_problem_fn(score_mod, score_mod_consts,
                                    jnp.promote_types(dt, jnp.float32))

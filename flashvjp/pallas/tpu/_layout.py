@@ -12,13 +12,14 @@ equal to the array's. Hence:
 * per-row vectors (lse, delta, q segment ids) travel lane-broadcast as [.., S, 128]
   (read as a [block_q, 1] column), kv segment ids sublane-broadcast as [B, 8, Skv]
   (read as a [1, block_kv] row), as in JAX's TPU flash / splash attention;
-* small per-(batch, head) scalars (score_mod residuals, the dropout seed) and the
-  block lists live in SMEM.
+* small per-(batch, head) scalars (score_mod and mask_mod residuals, the dropout seed)
+  and the block lists live in SMEM.
 
 Block sparsity: each kernel's innermost ("arbitrary") grid axis walks a compacted
 per-row list of the non-empty blocks (`flashvjp._mask.block_lists`, merged here
 into one increasing visiting order with a per-entry "needs the elementwise mask"
-bit). The lists are scalar-prefetched, the K/V (or Q) index maps read them, and
+bit; a mask_mod's block classes join them, resampled to the kernel's blocks). The lists
+are scalar-prefetched, the K/V (or Q) index maps read them, and
 entries past a row's count repeat the last block, so an idle step issues neither a
 DMA nor a matmul. The axis is as long as the longest row allowed by the static
 causal / window bounds (`static_width`), never the full kv length for local masks.
@@ -130,16 +131,18 @@ class Lists:
     return cnt_ref[self.row(b, h, r)].astype(jnp.int32)
 
 
-def visit_lists(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p, by: str):
+def visit_lists(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p, by: str,
+                mod_cls=None):
   """(Lists, counts, entries): one increasing visiting order per row, partial and full merged.
 
-  q_seg_p / kv_seg_p: padded int32 segment ids (or None); mask_p: padded bool mask (or None).
+  q_seg_p / kv_seg_p: padded int32 segment ids (or None); mask_p: padded bool mask (or None);
+  mod_cls: the mask_mod's block classes at these blocks (`_common.mod_classes`, or None).
   """
   spec = C.mask_spec(cfg)
   # `_mask.block_lists`, on classes broadcast to every (q block, kv block): where nothing
   # varies along the rows, block_classes returns a size-1 row dim, which by="kv" would
   # turn into a size-1 column dim.
-  cls = _mask.block_classes(spec, q_seg_p, kv_seg_p, mask_p, g.bq, g.bk, g.nq, g.nk)
+  cls = _mask.block_classes(spec, q_seg_p, kv_seg_p, mask_p, g.bq, g.bk, g.nq, g.nk, mod_cls)
   cls = jnp.broadcast_to(cls, cls.shape[:2] + (g.nq, g.nk))
   if by == "kv":
     cls = jnp.swapaxes(cls, -1, -2)
@@ -162,17 +165,19 @@ def visit_lists(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p, 
   return Lists(Bl, Hl, R, W), count.reshape(-1).astype(small), entries.reshape(-1).astype(small)
 
 
-def block_class_table(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p):
+def block_class_table(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p,
+                      mod_cls=None):
   """(Bl, Hl, flat int8 [Bl * Hl * nq * nk]): EMPTY / PARTIAL / FULL per block pair (SMEM)."""
   cls = _mask.block_classes(C.mask_spec(cfg), q_seg_p, kv_seg_p, mask_p, g.bq, g.bk, g.nq,
-                            g.nk)
+                            g.nk, mod_cls)
   cls = jnp.broadcast_to(cls, cls.shape[:2] + (g.nq, g.nk))
   return cls.shape[0], cls.shape[1], cls.astype(jnp.int8).reshape(-1)
 
 
 def maybe_partial(cfg: AttentionConfig, g: C.Geometry, has_seg: bool, has_mask: bool) -> bool:
   """Can any block need the elementwise mask? (Query padding never does.)"""
-  return (cfg.causal or cfg.window is not None or has_seg or has_mask or g.Skvp != g.Skv)
+  return (cfg.causal or cfg.window is not None or has_seg or has_mask
+          or cfg.mask_mod is not None or g.Skvp != g.Skv)
 
 
 # ---- inputs (outside the kernels) ----------------------------------------------------
@@ -251,11 +256,13 @@ class Tile:
   mask: Optional[jax.Array] = None  # int8 [bq|1, bk|1]
   q_seg: Optional[jax.Array] = None  # int32 [bq, 1]
   kv_seg: Optional[jax.Array] = None  # int32 [1, bk]
+  mod: tuple = ()  # the mask_mod's residuals of (b, h), loaded
 
 
-def load_tile(r, b, h, i, j) -> Tile:
-  """Tile inputs from the refs of a kernel whose blocks are this tile's."""
-  t = Tile(b=b, h=h, i=i, j=j)
+def load_tile(r, b, h, i, j, mod=()) -> Tile:
+  """Tile inputs from the refs of a kernel whose blocks are this tile's (`mod`: the loaded
+  mask_mod residuals)."""
+  t = Tile(b=b, h=h, i=i, j=j, mod=tuple(mod))
   if "bias" in r:
     t.bias = r["bias"][...]
   if "mask" in r:
@@ -271,7 +278,7 @@ def scores(cfg: AttentionConfig, g: C.Geometry, q, k, t: Tile, consts, acc, mask
   """scale * q k^T + bias, score_mod -> (s [bq, bk], ok, score_mod vjp or None).
 
   The semantics of `flashvjp.pallas._common.scores` (same mask model, same score_mod
-  call with global int32 indices), on TPU-shaped segment ids. `ok` is the mask model's
+  call with global int32 indices, the same mask_mod tile part), on TPU-shaped segment ids. `ok` is the mask model's
   bool [bq, bk] (None when not `masked`); `s` is unmasked: callers select with `ok`
   against the finite `_common.mask_value`, never -inf, so that no inf is produced inside
   the kernels for finite inputs (`jax.debug_infs`).
@@ -283,6 +290,8 @@ def scores(cfg: AttentionConfig, g: C.Geometry, q, k, t: Tile, consts, acc, mask
     # int8 tile widened before the compare (int8 vector compares are not on every TPU).
     dense = None if t.mask is None else (t.mask.astype(jnp.int32) != 0)
     ok = C.mask_spec(cfg).allowed(qi, ki, q_seg=t.q_seg, kv_seg=t.kv_seg, dense=dense)
+    if cfg.mask_mod is not None:  # PARTIAL blocks only (FULL ones come with masked=False)
+      ok = ok & C.mask_mod_allowed(cfg, t, qi, ki)
   return s, ok, sm_vjp
 
 

@@ -20,6 +20,10 @@ logsumexp; nothing O(seq_q * seq_kv) is kept or written.
   it when the bias gradient is unused. Empty tiles (block classes, scalar-prefetched)
   skip the matmuls.
 
+A mask_mod works as in the forward in every kernel: its block classes (resampled to the
+kernel's blocks) join the lists / the dbias class table, its tile part masks PARTIAL
+blocks only.
+
 Every output block is written by exactly one program after a sequential reduction:
 bitwise deterministic.
 """
@@ -109,7 +113,7 @@ def read_rows(ref):
 # ---- dK / dV ------------------------------------------------------------------------
 
 def _dkdv_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, names, meta,
-                 may_mask):
+                 may_mask, mod_meta=None):
   r = dict(zip(names + ["dk", "dv", "dk_s", "dv_s"], refs))
   acc = r["dk_s"].dtype
   b, hk, j, t_ = (_compat.program_id(a) for a in range(4))
@@ -124,7 +128,7 @@ def _dkdv_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, n
 
   def compute(masked):
     consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
-    t = Lo.load_tile(r, b, h, i, j)
+    t = Lo.load_tile(r, b, h, i, j, F.load_mod_consts(r, mod_meta, b, h))
     q, do = r["q"][...], r["do"][...]
     pd, ds, _ = tile_grads(cfg, g, q, r["k"][...], r["v"][...], do, read_rows(r["lse"]),
                            read_rows(r["delta"]), t, consts, r.get("seed"), acc, masked, 0)
@@ -141,8 +145,8 @@ def _dkdv_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, n
 
 
 def _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, carrays, meta,
-          acc):
-  (q_l, k_l), lists, counts, entries = F.prepare(cfg, g, q_seg, kv_seg, mask, "kv")
+          acc, mod=None, marrays=(), mmeta=None):
+  (q_l, k_l), lists, counts, entries = F.prepare(cfg, g, q_seg, kv_seg, mask, "kv", mod)
   G, W = g.G, lists.W
 
   def index(b, hk, j, t, cnt, ent, *_):
@@ -166,10 +170,11 @@ def _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed
   ins.add("v", C.pad_seq_head(v, g.Skvp, g.Dvp), _bs((None, None, g.bk, g.Dvp), kv_map))
   F.add_common(ins, cfg, g, tile_index, bias_p=C.pad_pair(bias, g),
                mask_p=None if mask is None else C.pad_pair(mask, g).astype(jnp.int8),
-               seg_l=(q_l, k_l), seed=seed, const_arrays=carrays, meta=meta)
+               seg_l=(q_l, k_l), seed=seed, const_arrays=carrays, meta=meta,
+               mod_arrays=marrays, mod_meta=mmeta)
   may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_dkdv_kernel, cfg=cfg, g=g, lists=lists, names=ins.names,
-                             meta=meta, may_mask=may_mask)
+                             meta=meta, may_mask=may_mask, mod_meta=mmeta)
   tiles = g.B * g.H * Lo.static_tiles(cfg, g, "kv")
   isz = jnp.dtype(q.dtype).itemsize
   cost = _compat.cost_estimate(
@@ -192,7 +197,7 @@ def _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed
 # ---- dQ (+ score_mod residual grads) ----------------------------------------------------
 
 def _dq_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, names, meta,
-               may_mask, n_diff, dc_sizes):
+               may_mask, n_diff, dc_sizes, mod_meta=None):
   outs = ["dq"] + [f"dconst{n}" for n in range(n_diff)]
   scratch = ["dq_s"] + [f"dc_s{n}" for n in range(n_diff)]
   r = dict(zip(names + outs + scratch, refs))
@@ -207,7 +212,7 @@ def _dq_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, nam
 
   def compute(masked):
     consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
-    t = Lo.load_tile(r, b, h, i, j)
+    t = Lo.load_tile(r, b, h, i, j, F.load_mod_consts(r, mod_meta, b, h))
     k = r["k"][...]
     _, ds, dc = tile_grads(cfg, g, r["q"][...], k, r["v"][...], r["do"][...], read_rows(r["lse"]),
                            read_rows(r["delta"]), t, consts, r.get("seed"), acc, masked, n_diff)
@@ -230,9 +235,10 @@ def _dq_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, nam
 
 
 def _dq(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, carrays, meta,
-        acc, n_diff, diff_shapes):
-  seg_l, lists, counts, entries = F.prepare(cfg, g, q_seg, kv_seg, mask, "q")
-  ins = F.row_inputs(cfg, g, lists, q, k, v, bias, mask, *seg_l, seed, carrays, meta)
+        acc, n_diff, diff_shapes, mod=None, marrays=(), mmeta=None):
+  seg_l, lists, counts, entries = F.prepare(cfg, g, q_seg, kv_seg, mask, "q", mod)
+  ins = F.row_inputs(cfg, g, lists, q, k, v, bias, mask, *seg_l, seed, carrays, meta, marrays,
+                     mmeta)
   row_map = lambda b, h, i, s, *_: (b, h, i, 0)
   ins.add("do", C.pad_seq_head(dout, g.Sqp, g.Dvp), _bs((None, None, g.bq, g.Dvp), row_map))
   add_rows(ins, g, delta_l, lse_l, lambda b, h, i, s, *_: (b, h, i))
@@ -249,7 +255,8 @@ def _dq(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, 
     scratch.append(_compat.tpu_vmem((Lo.SUBLANES, L), acc))
   may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_dq_kernel, cfg=cfg, g=g, lists=lists, names=ins.names, meta=meta,
-                             may_mask=may_mask, n_diff=n_diff, dc_sizes=tuple(sizes))
+                             may_mask=may_mask, n_diff=n_diff, dc_sizes=tuple(sizes),
+                             mod_meta=mmeta)
   tiles = g.B * g.H * Lo.static_tiles(cfg, g, "q")
   isz = jnp.dtype(q.dtype).itemsize
   cost = _compat.cost_estimate(
@@ -270,7 +277,7 @@ def _dq(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, 
 # ---- dbias ----------------------------------------------------------------------------
 
 def _dbias_kernel(cls_ref, *refs, cfg, g: C.Geometry, names, meta, may_mask, bias_shape, red,
-                  Bl, Hl):
+                  Bl, Hl, mod_meta=None):
   r = dict(zip(names + ["dbias", "acc_s"], refs))
   acc = r["acc_s"].dtype
   pids = tuple(_compat.program_id(a) for a in range(5))
@@ -285,7 +292,7 @@ def _dbias_kernel(cls_ref, *refs, cfg, g: C.Geometry, names, meta, may_mask, bia
 
   def compute(masked):
     consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
-    t = Lo.load_tile(r, b, h, i, j)
+    t = Lo.load_tile(r, b, h, i, j, F.load_mod_consts(r, mod_meta, b, h))
     _, ds, _ = tile_grads(cfg, g, r["q"][...], r["k"][...], r["v"][...], r["do"][...],
                           read_rows(r["lse"]), read_rows(r["delta"]), t, consts, r.get("seed"), acc,
                           masked, 0)
@@ -326,10 +333,10 @@ def _decode(pids, bias_shape, red):
 
 
 def _dbias(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, carrays, meta,
-           acc):
+           acc, mod=None, marrays=(), mmeta=None):
   q_seg_p, kv_seg_p, q_l, k_l = Lo.segments(q_seg, kv_seg, g)
   mask_p = None if mask is None else C.pad_pair(mask, g)
-  Bl, Hl, cls = Lo.block_class_table(cfg, g, q_seg_p, kv_seg_p, mask_p)
+  Bl, Hl, cls = Lo.block_class_table(cfg, g, q_seg_p, kv_seg_p, mask_p, C.mod_classes(cfg, g, mod))
   bias_p = C.pad_pair(bias, g)
   bshape = bias_p.shape
   red = _reduction(bshape, g)
@@ -351,10 +358,12 @@ def _dbias(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, see
           _bs((None, None, g.bk, g.Dvp), lambda *a: (index(*a)[0], Lo.div(index(*a)[1], G), index(*a)[3], 0)))
   F.add_common(ins, cfg, g, index, bias_p=bias_p,
                mask_p=None if mask_p is None else mask_p.astype(jnp.int8),
-               seg_l=(q_l, k_l), seed=seed, const_arrays=carrays, meta=meta)
+               seg_l=(q_l, k_l), seed=seed, const_arrays=carrays, meta=meta,
+               mod_arrays=marrays, mod_meta=mmeta)
   may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_dbias_kernel, cfg=cfg, g=g, names=ins.names, meta=meta,
-                             may_mask=may_mask, bias_shape=bshape, red=red, Bl=Bl, Hl=Hl)
+                             may_mask=may_mask, bias_shape=bshape, red=red, Bl=Bl, Hl=Hl,
+                             mod_meta=mmeta)
   Bb, Hb, Sqb, Skb = bshape
   blk = (g.bq if Sqb != 1 else 1, g.bk if Skb != 1 else 1)
   own = lambda pb, ph, pi, pj, *_: (pb, ph, pi, pj)
@@ -383,6 +392,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   user_consts = tuple(consts)
   B, H = q.shape[0], q.shape[1]
   cfg, split, carrays, meta = F.split_consts(cfg, consts, acc, B, H, grads=True)
+  cfg, marrays, mmeta = F.split_mod(cfg, mod, acc, B, H)
+  mod_kw = dict(mod=mod, marrays=marrays, mmeta=mmeta)
   n_diff = split.n_diff
 
   # dK / dV (and dbias, on the same blocks).
@@ -390,12 +401,12 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   g = Lo.geometry(q.shape, k.shape, v.shape, bq, bk)
   delta_l, lse_l = preprocess(out, lse, dout, dlse, g.Sqp, acc)
   dk, dv = _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed,
-                 carrays, meta, acc)
+                 carrays, meta, acc, **mod_kw)
   dk, dv = dk[:, :, : g.Skv, : g.D], dv[:, :, : g.Skv, : g.Dv]
   dbias = None
   if bias is not None:
     dbias = _dbias(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed,
-                   carrays, meta, acc)
+                   carrays, meta, acc, **mod_kw)
     dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
 
   # dQ (and the score_mod residuals' grads).
@@ -406,7 +417,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   diff_shapes = [tuple(a.shape[2:]) if not sc else () for a, sc in
                  zip(split.arrays[:n_diff], split.scalar[:n_diff])]
   dq, dres = _dq(cfg, g2, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed,
-                 carrays, meta, acc, n_diff, diff_shapes)
+                 carrays, meta, acc, n_diff, diff_shapes, **mod_kw)
   dq = dq[:, :, : g2.Sq, : g2.D]
   if n_diff:
     dconsts = tuple(split.to_consts(dres))

@@ -5,7 +5,9 @@ is the kv reduction ("arbitrary", innermost) and walks this q block's compacted 
 of non-empty kv blocks (scalar-prefetched; `_layout.visit_lists`). m / l / acc live
 in VMEM scratch (float32; float64 for float64 inputs in interpret mode), initialised
 at step 0 and written out at the last step. Steps past the row's count repeat the
-last block index: no DMA, no matmul.
+last block index: no DMA, no matmul. A mask_mod's block classes join the lists and its
+tile part (`_common.split_mask_mod`; per-(b, h) residuals in SMEM) joins the elementwise
+mask of PARTIAL blocks; FULL blocks never evaluate it.
 
 GQA: the K/V index maps read kv head h // G, so K/V are never repeated.
 """
@@ -45,8 +47,9 @@ def pair_spec(x, g: C.Geometry, index):
 
 
 def add_common(ins: C.KernelInputs, cfg, g: C.Geometry, index, *, bias_p, mask_p, seg_l, seed,
-               const_arrays, meta: Lo.ConstMeta):
-  """Bias, mask, segment ids, seed and score_mod residuals for any (b, h, i, j) grid.
+               const_arrays, meta: Lo.ConstMeta, mod_arrays=(), mod_meta=None):
+  """Bias, mask, segment ids, seed and score_mod / mask_mod residuals for any (b, h, i, j)
+  grid (mask_mod residuals: "mconst{n}", described by `mod_meta`).
 
   `index(*grid, *prefetch) -> (b, h, i, j)`: the tile a grid step works on.
   """
@@ -67,16 +70,26 @@ def add_common(ins: C.KernelInputs, cfg, g: C.Geometry, index, *, bias_p, mask_p
     ins.add("kv_seg", k_l, _bs((None, Lo.SUBLANES, g.bk), kv_seg_map))
   if cfg.dropout_active:
     ins.add("seed", Lo.seed_words(seed), _compat.smem_spec())
-  for n, (c, sc) in enumerate(zip(const_arrays, meta.scalar)):
-    if sc:
-      ins.add(f"const{n}", c, _compat.smem_spec())
-    else:
-      nd = c.ndim
-      ins.add(f"const{n}", c, _bs(c.shape, functools.partial(lambda nd, *a: (0,) * nd, nd)))
+  mod_scalar = () if mod_meta is None else mod_meta.scalar
+  for prefix, arrays, scalar in (("const", const_arrays, meta.scalar),
+                                 ("mconst", mod_arrays, mod_scalar)):
+    for n, (c, sc) in enumerate(zip(arrays, scalar)):
+      if sc:
+        ins.add(f"{prefix}{n}", c, _compat.smem_spec())
+      else:
+        nd = c.ndim
+        ins.add(f"{prefix}{n}", c, _bs(c.shape, functools.partial(lambda nd, *a: (0,) * nd, nd)))
+
+
+def load_mod_consts(r, mod_meta, b, h):
+  """The mask_mod residuals of (b, h) (refs "mconst{n}"; () without a mask_mod)."""
+  if mod_meta is None:
+    return ()
+  return Lo.load_consts([r[f"mconst{n}"] for n in range(len(mod_meta.scalar))], mod_meta, b, h)
 
 
 def row_inputs(cfg: AttentionConfig, g: C.Geometry, lists: Lo.Lists, q, k, v, bias, mask,
-               q_seg, kv_seg, seed, const_arrays, meta):
+               q_seg, kv_seg, seed, const_arrays, meta, mod_arrays=(), mod_meta=None):
   """Inputs for a (batch, head, q block, step) grid (the forward and dQ kernels)."""
   G, W = g.G, lists.W
 
@@ -97,15 +110,18 @@ def row_inputs(cfg: AttentionConfig, g: C.Geometry, lists: Lo.Lists, q, k, v, bi
               lambda b, h, i, s, cnt, ent, *_: (b, Lo.div(h, G), kv_block(b, h, i, s, cnt, ent), 0)))
   add_common(ins, cfg, g, index, bias_p=C.pad_pair(bias, g),
              mask_p=None if mask is None else C.pad_pair(mask, g).astype(jnp.int8),
-             seg_l=(q_seg, kv_seg), seed=seed, const_arrays=const_arrays, meta=meta)
+             seg_l=(q_seg, kv_seg), seed=seed, const_arrays=const_arrays, meta=meta,
+             mod_arrays=mod_arrays, mod_meta=mod_meta)
   return ins
 
 
-def prepare(cfg, g, q_seg, kv_seg, mask, by):
-  """(segment layouts, Lists, counts, entries) for one kernel's blocks."""
+def prepare(cfg, g, q_seg, kv_seg, mask, by, mod=None):
+  """(segment layouts, Lists, counts, entries) for one kernel's blocks (`mod`: the
+  mask_mod's `ModInputs`, whose classes join the lists)."""
   q_seg_p, kv_seg_p, q_l, k_l = Lo.segments(q_seg, kv_seg, g)
   mask_p = None if mask is None else C.pad_pair(mask, g)
-  lists, counts, entries = Lo.visit_lists(cfg, g, q_seg_p, kv_seg_p, mask_p, by)
+  lists, counts, entries = Lo.visit_lists(cfg, g, q_seg_p, kv_seg_p, mask_p, by,
+                                          C.mod_classes(cfg, g, mod))
   return (q_l, k_l), lists, counts, entries
 
 
@@ -125,7 +141,7 @@ def when_active(active, partial, may_mask: bool, compute):
 
 
 def _forward_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, names,
-                    meta: Lo.ConstMeta, may_mask):
+                    meta: Lo.ConstMeta, may_mask, mod_meta=None):
   r = dict(zip(names + ["out", "lse", "m_s", "l_s", "o_s"], refs))
   acc = r["o_s"].dtype
   b, h, i, s = (_compat.program_id(a) for a in range(4))
@@ -142,7 +158,7 @@ def _forward_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
 
   def compute(masked):
     consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
-    t = Lo.load_tile(r, b, h, i, j)
+    t = Lo.load_tile(r, b, h, i, j, load_mod_consts(r, mod_meta, b, h))
     sc, ok, _ = Lo.scores(cfg, g, r["q"][...], r["k"][...], t, consts, acc, masked)
     m_prev, l_prev = m_s[:, 0:1], l_s[:, 0:1]
     if ok is None:
@@ -175,6 +191,15 @@ def _forward_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
     r["lse"][...] = lse.astype(r["lse"].dtype)
 
 
+def split_mod(cfg, mod, acc, B, H):
+  """(cfg with the per-tile mask_mod, kernel arrays, ConstMeta or None) of a mask_mod
+  (`_common.split_mask_mod`; residuals travel as the score_mod's do)."""
+  msplit = C.split_mask_mod(cfg, mod, B, H)
+  if msplit.cfg.mask_mod is None:
+    return msplit.cfg, (), None
+  return msplit.cfg, Lo.const_arrays(msplit, acc), Lo.ConstMeta(tuple(msplit.scalar), H)
+
+
 def split_consts(cfg, consts, acc, B, H, grads):
   """(cfg with the per-tile score_mod, HeadSplit, kernel arrays, ConstMeta)."""
   cfg, consts = C.hoist_score_mod(cfg, consts, acc)
@@ -199,11 +224,13 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   g = Lo.geometry(q.shape, k.shape, v.shape, cfg.blocks.block_q, cfg.blocks.block_kv)
   acc = C.acc_dtype(q.dtype)
   cfg, _, carrays, meta = split_consts(cfg, consts, acc, g.B, g.H, grads=False)
-  seg_l, lists, counts, entries = prepare(cfg, g, q_seg, kv_seg, mask, "q")
-  ins = row_inputs(cfg, g, lists, q, k, v, bias, mask, *seg_l, seed, carrays, meta)
+  cfg, marrays, mmeta = split_mod(cfg, mod, acc, g.B, g.H)
+  seg_l, lists, counts, entries = prepare(cfg, g, q_seg, kv_seg, mask, "q", mod)
+  ins = row_inputs(cfg, g, lists, q, k, v, bias, mask, *seg_l, seed, carrays, meta, marrays,
+                   mmeta)
   may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_forward_kernel, cfg=cfg, g=g, lists=lists, names=ins.names,
-                             meta=meta, may_mask=may_mask)
+                             meta=meta, may_mask=may_mask, mod_meta=mmeta)
   out_map = lambda b, h, i, s, *_: (b, h, i, 0)
   cost = forward_cost(cfg, g, q.dtype, bias is not None)
   # lse: lane-major [B, H, 1, Sqp] when block_q is a multiple of 128 (the compiled

@@ -20,10 +20,10 @@ import numpy as np
 from flashvjp.pallas import _limits as shared
 
 
-def _residual_problem(aval):
+def _residual_problem(aval, what="score_mod"):
   size = int(np.prod(aval.shape))
   if size & (size - 1):
-    return (f"score_mod reads a per-head value of shape {aval.shape} inside the kernel: the"
+    return (f"{what} reads a per-head value of shape {aval.shape} inside the kernel: the"
             " Triton lowering loads only tensors whose size is a power of 2")
   return None
 
@@ -45,8 +45,20 @@ def score_mod_lowering_problem(score_mod, consts, acc_dtype=np.float32):
                                   residual_problem=_residual_problem)
 
 
+def mask_mod_lowering_problem(mask_mod, consts):
+  """Why a (scalar) mask_mod cannot lower to Pallas Triton, or None.
+
+  As for a score_mod: what depends on (b, h) and the closed-over arrays alone (prefix_lm's
+  ``prefix_lengths[b]``) is precomputed per head by XLA (`_common.split_mask_mod`); the
+  per-tile part must be elementwise (document_causal's ``doc_ids[b, q_idx]`` is a gather:
+  it runs in interpret mode and on the blockwise path only).
+  """
+  return shared.mask_mod_problem(mask_mod, consts, lowering="Pallas Triton",
+                                 residual_problem=_residual_problem)
+
+
 # Whether the kernels apply a mask_mod (its per-tile part) and its block classes.
-MASK_MOD = False
+MASK_MOD = True
 
 
 def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
@@ -74,4 +86,4 @@ def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
       platform=platform, interpret=interpret, query_shape=query_shape,
       value_shape=value_shape, dtype=dtype, has_score_mod=has_score_mod, score_mod=score_mod,
       score_mod_consts=score_mod_consts, mask_mod=mask_mod, mask_mod_consts=mask_mod_consts,
-      mask_mod_supported=MASK_MOD)
+      mask_mod_supported=MASK_MOD, mask_mod_problem_fn=mask_mod_lowering_problem)

@@ -9,8 +9,8 @@ logsumexp; nothing O(seq_q * seq_kv) is kept or written.
   select), and no inf is produced for finite inputs.
 * dK/dV kernel: grid (batch, kv head, kv block); loops over the G query heads of
   the group and, for each, over the q blocks that see this kv block
-  (`MaskSpec.q_block_range`; with segment ids / a dense mask the compacted PARTIAL
-  and FULL q block lists of this kv block, `_mask.block_lists(by="kv")`), so GQA
+  (`MaskSpec.q_block_range`; with segment ids / a dense mask / a mask_mod the compacted
+  PARTIAL and FULL q block lists of this kv block, `_mask.block_lists(by="kv")`), so GQA
   gradients are summed in-kernel without repeating K/V per query head. Its tiles are
   transposed ([bk, bq]: sT = k q^T, dpT = v dO^T, dV += pT dO, dK += dsT q, as
   FlashAttention-2/3), so every dot has M = block_kv rows (wgmma on sm_90) whatever block_q.
@@ -20,9 +20,12 @@ logsumexp; nothing O(seq_q * seq_kv) is kept or written.
   summed outside the kernel (deterministic, no atomics).
 * dbias kernel: grid over the bias' own blocks; loops over the dims the bias is
   broadcast along, so a bias broadcast over batch/heads/rows gets its reduced
-  gradient without any [B, H, Sq, Skv] array (with segment ids / a dense mask, over
-  the block lists along the broadcast seq dim). A separate pallas_call, so XLA drops
+  gradient without any [B, H, Sq, Skv] array (with segment ids / a dense mask / a
+  mask_mod, over the block lists along the broadcast seq dim). A separate pallas_call, so XLA drops
   it when the bias gradient is unused.
+
+A mask_mod is applied as in the forward: its block classes join the lists (per kernel,
+resampled to that kernel's blocks) and its tile part masks PARTIAL blocks only.
 
 Every output block is written by exactly one program with a sequential loop:
 bitwise deterministic.
@@ -103,7 +106,7 @@ def _group5(x, g: C.Geometry):
   return x.reshape((x.shape[0], g.Hkv, g.G) + x.shape[2:])
 
 
-def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked):
+def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, mod_scalar=()):
   masked_any = masked
   r = dict(zip(names + ["dk", "dv"], refs))
   acc = C.acc_dtype(r["q"].dtype)
@@ -119,12 +122,13 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked):
   def group_body(gi, carry):
     h = hk * g.G + gi
     consts = C.load_head_consts(const_refs, scalar, (gi,))
+    mconsts = F.load_mod_consts(r, mod_scalar, (gi,))
 
     def q_body(i, masked, carry):
       dk, dv = carry
       rows = _compat.ds(i * g.bq, g.bq)
       q, do = r["q"][gi, rows, :], r["do"][gi, rows, :]
-      t = C.TileInputs(b=b, h=h, i=i, j=j, kv_seg=kv_seg)
+      t = C.TileInputs(b=b, h=h, i=i, j=j, kv_seg=kv_seg, mod=mconsts)
       for name in ("bias", "mask"):  # [bq|1, bk|1] tiles (used transposed when g.transposed)
         if name in r:
           x = C.pair_tile(r[name], lead(name, gi), i, j, g, full_q=True, full_kv=False)
@@ -145,7 +149,7 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked):
     def run(start, stop, masked, carry):
       return lax.fori_loop(start, stop, lambda i, c: q_body(i, masked, c), carry)
 
-    if "lists" in r:  # segment ids / dense mask: this kv block's compacted q block lists
+    if "lists" in r:  # segment ids / dense mask / mask_mod: this kv block's q block lists
       gl = lead("lists", gi)
       counts = (r["counts"][gl + (0, j)], r["counts"][gl + (1, j)])
       return C.list_loops(counts, lambda kind, t: r["lists"][gl + (kind, t)], q_body, carry)
@@ -160,7 +164,7 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked):
 
 
 def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, lists_kv,
-          seed, consts, scalar, masked, acc):
+          seed, consts, scalar, masked, acc, msplit=None):
   G = g.G
   ins = C.KernelInputs()
   ins.add("q", qp.reshape(g.B, g.Hkv, G, g.Sqp, g.Dp),
@@ -194,13 +198,17 @@ def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_s
         (None, None, Gl, None, 2, g.nq), lambda b, h, j: bh(b, h) + (0, j, 0, 0)))
   if cfg.dropout_active:
     ins.add("seed", seed, F._full_spec(seed))
-  for n, c in enumerate(consts):  # per-(b, h) residuals [B, H, ...] -> [B, Hkv, G, ...]
-    c5 = c.reshape((g.B, g.Hkv, G) + c.shape[2:])
-    nd = c.ndim - 2
-    ins.add(f"const{n}", c5, _compat.block_spec(
-        (None, None, G) + c.shape[2:], functools.partial(lambda nd, b, h, j: (b, h, 0) + (0,) * nd, nd)))
+  mod_arrays = () if msplit is None else msplit.arrays
+  for prefix, arrays in (("const", consts), ("mconst", mod_arrays)):
+    for n, c in enumerate(arrays):  # per-(b, h) residuals [B, H, ...] -> [B, Hkv, G, ...]
+      c5 = c.reshape((g.B, g.Hkv, G) + c.shape[2:])
+      nd = c.ndim - 2
+      ins.add(f"{prefix}{n}", c5, _compat.block_spec(
+          (None, None, G) + c.shape[2:],
+          functools.partial(lambda nd, b, h, j: (b, h, 0) + (0,) * nd, nd)))
   kernel = functools.partial(_dkdv_kernel, cfg=cfg, g=g, names=ins.names,
-                             n_consts=len(consts), scalar=scalar, masked=masked)
+                             n_consts=len(consts), scalar=scalar, masked=masked,
+                             mod_scalar=() if msplit is None else msplit.scalar)
   return _compat.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), acc),
@@ -216,7 +224,7 @@ def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_s
 
 # ---- dQ (+ score_mod dconsts partials) ----------------------------------------
 
-def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, n_diff, masked):
+def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, n_diff, masked, mod_scalar=()):
   masked_any = masked
   r = dict(zip(names + ["dq"] + [f"dconst{n}" for n in range(n_diff)], refs))
   acc = C.acc_dtype(r["q"].dtype)
@@ -224,11 +232,12 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, n_diff, maske
   q, do = r["q"][...], r["do"][...]
   lse, delta = r["lse"][...], r["delta"][...]
   consts = C.load_head_consts([r[f"const{n}"] for n in range(n_consts)], scalar)
+  mconsts = F.load_mod_consts(r, mod_scalar)
   lo, hi = C.mask_spec(cfg).kv_block_range(i, g.bq, g.bk, g.nk)
 
   def body(j, masked, carry):
     dq, dcs = carry
-    t = F.load_tile_inputs(r, g, b, h, i, j)
+    t = F.load_tile_inputs(r, g, b, h, i, j, mconsts)
     cols = _compat.ds(j * g.bk, g.bk)
     k = r["k"][cols, :]
     _, ds, dc = _tile_grads(cfg, g, q, k, r["v"][cols, :], do, lse, delta, t, consts,
@@ -243,7 +252,7 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, n_diff, maske
 
   dc0 = tuple(jnp.zeros(jnp.shape(consts[n]), r[f"dconst{n}"].dtype) for n in range(n_diff))
   init = (jnp.zeros((g.bq, g.Dp), acc), dc0)
-  if "lists" in r:  # segment ids / dense mask: the compacted kv block lists of q block i
+  if "lists" in r:  # segment ids / dense mask / mask_mod: the kv block lists of q block i
     dq, dcs = F.list_loops(r, i, body, init)
   elif not masked_any:
     dq, dcs = run(lo, hi, False, init)
@@ -255,8 +264,8 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, n_diff, maske
 
 
 def _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop, lse_p, delta_p,
-        masked, acc, n_diff):
-  ins = F.kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts)
+        masked, acc, n_diff, mod=None, msplit=None):
+  ins = F.kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, msplit)
   ins.add("do", dop, _compat.block_spec((None, None, g.bq, g.Dvp), lambda b, h, i: (b, h, i, 0)))
   for name, x in (("lse", lse_p), ("delta", delta_p)):
     ins.add(name, x, _compat.block_spec((None, None, g.bq), lambda b, h, i: (b, h, i)))
@@ -269,7 +278,8 @@ def _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop, l
     out_specs.append(_compat.block_spec(
         (None, None, None) + rest, functools.partial(lambda nd, b, h, i: (b, h, i) + (0,) * nd, nd)))
   kernel = functools.partial(_dq_kernel, cfg=cfg, g=g, names=ins.names, n_consts=len(consts),
-                             scalar=scalar, n_diff=n_diff, masked=masked)
+                             scalar=scalar, n_diff=n_diff, masked=masked,
+                             mod_scalar=() if msplit is None else msplit.scalar)
   outs = _compat.pallas_call(
       kernel, out_shape=tuple(out_shape), grid=(g.B, g.H, g.nq), in_specs=ins.specs,
       out_specs=tuple(out_specs), interpret=cfg.interpret, name="flashvjp_bwd_dq",
@@ -282,7 +292,8 @@ def _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop, l
 
 # ---- dbias ----------------------------------------------------------------------
 
-def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, bias_shape):
+def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, bias_shape,
+                  mod_scalar=()):
   r = dict(zip(names + ["dbias"], refs))
   acc = C.acc_dtype(r["q"].dtype)
   Bb, Hb, Sqb, Skb = bias_shape
@@ -292,19 +303,20 @@ def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, bi
   nb = g.B if Bb == 1 else 1
   nh = g.H if Hb == 1 else 1
   spec = C.mask_spec(cfg)
-  sparse = "q_seg" in r or "mask" in r  # segment ids / dense mask
+  sparse = "q_seg" in r or "mask" in r or cfg.mask_mod is not None  # block lists / classes
 
   def bh_body(t_bh, accum):
     b = pb if Bb != 1 else (t_bh // nh if nh != 1 else t_bh)
     h = ph if Hb != 1 else (t_bh % nh if nh != 1 else t_bh)
     consts = C.load_head_consts(const_refs, scalar, (b, h))
+    mconsts = F.load_mod_consts(r, mod_scalar, (b, h))
 
     def tile(i, j, masked, accum):
       rows, cols = _compat.ds(i * g.bq, g.bq), _compat.ds(j * g.bk, g.bk)
       q, do = r["q"][b, h, rows, :], r["do"][b, h, rows, :]
       hkv = h // g.G
       k, v = r["k"][b, hkv, cols, :], r["v"][b, hkv, cols, :]
-      t = C.TileInputs(b=b, h=h, i=i, j=j, bias=bias_tile)
+      t = C.TileInputs(b=b, h=h, i=i, j=j, bias=bias_tile, mod=mconsts)
       if "mask" in r:
         m = r["mask"]
         t.mask = C.pair_tile(m, (0 if m.shape[0] == 1 else b, 0 if m.shape[1] == 1 else h),
@@ -350,17 +362,18 @@ def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, bi
 
 
 def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, mask_b,
-           seed, consts, scalar, masked, acc):
+           seed, consts, scalar, masked, acc, mod_cls=None, msplit=None):
   ins = C.KernelInputs()
   Bb, Hb, Sqb, Skb = bias_p.shape
   bq, bk = (g.bq if Sqb != 1 else 1), (g.bk if Skb != 1 else 1)
   counts = lists = None
-  if (q_seg_p is not None or mask_b is not None) and (Sqb == 1 or Skb == 1):
+  sparse = q_seg_p is not None or mask_b is not None or mod_cls is not None
+  if sparse and (Sqb == 1 or Skb == 1):
     # A program loops over kv blocks (bias broadcast over kv: lists per q block) or over
     # q blocks (broadcast over q: lists per kv block). A bias with both seq dims has one
     # block per program and needs no list.
     by = "q" if Skb == 1 else "kv"
-    counts, lists = C.block_lists(cfg, g, q_seg_p, kv_seg_p, mask_b, by=by)
+    counts, lists = C.block_lists(cfg, g, q_seg_p, kv_seg_p, mask_b, by=by, mod_cls=mod_cls)
   for name, x in (("q", qp), ("k", kp), ("v", vp), ("do", dop), ("lse", lse_p),
                   ("delta", delta_p), ("mask", mask_p), ("q_seg", q_seg_p), ("kv_seg", kv_seg_p),
                   ("counts", counts), ("lists", lists)):
@@ -371,8 +384,11 @@ def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_
     ins.add("seed", seed, F._full_spec(seed))
   for n, c in enumerate(consts):
     ins.add(f"const{n}", c, F._full_spec(c))
+  for n, c in enumerate(() if msplit is None else msplit.arrays):
+    ins.add(f"mconst{n}", c, F._full_spec(c))
   kernel = functools.partial(_dbias_kernel, cfg=cfg, g=g, names=ins.names, n_consts=len(consts),
-                             scalar=scalar, masked=masked, bias_shape=bias_p.shape)
+                             scalar=scalar, masked=masked, bias_shape=bias_p.shape,
+                             mod_scalar=() if msplit is None else msplit.scalar)
   grid = (Bb, Hb, g.nq if Sqb != 1 else 1, g.nk if Skb != 1 else 1)
   gb = C.relaunch(cfg, g, "dbias", qp.dtype)
   return _compat.pallas_call(
@@ -393,6 +409,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts: as `forward`.
     out: [B, H, Sq, Dv] forward output; lse: [B, H, Sq] its logsumexp (-inf on empty rows).
     dout: [B, H, Sq, Dv] cotangent of out; dlse: [B, H, Sq] cotangent of lse (or None).
+    mod: None, or the mask_mod's `ModInputs` (as `forward`).
 
   Returns:
     (dq [B, H, Sq, D], dk [B, Hkv, Skv, D], dv [B, Hkv, Skv, Dv] in the input dtype,
@@ -407,7 +424,9 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   cfg, consts = C.hoist_score_mod(cfg, consts, acc)
   split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), acc, q.shape[0],
                            q.shape[1], grads=True)
-  cfg, consts, scalar, n_diff = split.cfg, split.arrays, split.scalar, split.n_diff
+  consts, scalar, n_diff = split.arrays, split.scalar, split.n_diff
+  msplit = C.split_mask_mod(split.cfg, mod, q.shape[0], q.shape[1])
+  cfg = msplit.cfg
   has_seg, has_mask = q_seg is not None, mask is not None
 
   # dK / dV (and dbias, which shares its blocks).
@@ -420,15 +439,16 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   bias_p, mask_b = C.pad_pair(bias, g), C.pad_pair(mask, g)
   mask_p = None if mask_b is None else mask_b.astype(jnp.int8)
   q_seg_p, kv_seg_p = C.pad_segments(q_seg, kv_seg, g)
-  lists_kv = C.block_lists(cfg, g, q_seg_p, kv_seg_p, mask_b, by="kv")
+  mod_cls = C.mod_classes(cfg, g, mod)
+  lists_kv = C.block_lists(cfg, g, q_seg_p, kv_seg_p, mask_b, by="kv", mod_cls=mod_cls)
   dk, dv = _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p,
-                 lists_kv, seed, consts, scalar, masked, acc)
+                 lists_kv, seed, consts, scalar, masked, acc, msplit)
   dk = dk[:, :, : g.Skv, : g.D].astype(k.dtype)
   dv = dv[:, :, : g.Skv, : g.Dv].astype(v.dtype)
   dbias = None
   if bias is not None:
     dbias = _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p,
-                   mask_b, seed, consts, scalar, masked, acc)
+                   mask_b, seed, consts, scalar, masked, acc, mod_cls, msplit)
     dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
 
   # dQ (and the score_mod consts' grads).
@@ -438,7 +458,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   delta_p, lse_p = _preprocess(out, lse, dout, dlse, g, acc)
   dop = C.pad_seq_head(dout, g.Sqp, g.Dvp)
   dq, dres = _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop, lse_p,
-                 delta_p, masked, acc, n_diff)
+                 delta_p, masked, acc, n_diff, mod, msplit)
   dq = dq[:, :, : g.Sq, : g.D].astype(q.dtype)
   if n_diff:
     dres = tuple(d[..., 0] if sc else d for d, sc in zip(dres, scalar))

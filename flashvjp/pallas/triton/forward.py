@@ -4,10 +4,13 @@ Room: Pallas kernels (forward). Grid (batch, head, q block); each program keeps
 its q tile and loops over kv blocks, accumulating in float32 (float64 for float64
 inputs in interpret mode). Causal / window / padding only: the mask model's static
 bounds (`MaskSpec.kv_block_range` on the program id), the elementwise mask only on
-edge blocks (`split_loop`). With segment ids or a dense mask: two loops over this q
-block's compacted kv block lists (`_mask.block_lists`, kernel inputs), the PARTIAL
+edge blocks (`split_loop`). With segment ids, a dense mask or a mask_mod: two loops
+over this q block's compacted kv block lists (`_mask.block_lists`, kernel inputs), the PARTIAL
 list with the elementwise mask and the FULL list without; empty blocks are never
-visited and no branch surrounds the K/V loads, so Triton pipelines them.
+visited and no branch surrounds the K/V loads, so Triton pipelines them. A mask_mod
+adds its block classes to the lists (resampled to the kernel's blocks) and its tile
+part (`_common.split_mask_mod`: per-(b, h) residuals loaded once per program) to the
+elementwise mask of PARTIAL blocks; FULL blocks never evaluate it.
 
 No inf is produced inside the kernel for finite inputs (`_common.mask_value`); the
 -inf lse of an empty row is made outside it.
@@ -34,11 +37,12 @@ def _full_spec(x):
 
 
 def kernel_inputs(cfg: AttentionConfig, g: C.Geometry, q, k, v, bias, mask, q_seg, kv_seg, seed,
-                  consts):
+                  consts, mod=None, msplit=None):
   """Padded inputs and specs for a kernel with grid (batch, head, q block).
 
   Shared by the forward and the dQ kernel. `consts` are the per-(b, h) score_mod
-  residuals of `_common.split_per_head`.
+  residuals of `_common.split_per_head`; `mod` the mask_mod's `ModInputs` (its block
+  classes join the lists) and `msplit` its `_common.ModSplit` (residuals "mconst{n}").
   """
   G = g.G
   ins = C.KernelInputs()
@@ -60,14 +64,25 @@ def kernel_inputs(cfg: AttentionConfig, g: C.Geometry, q, k, v, bias, mask, q_se
   if q_seg_p is not None:
     ins.add("q_seg", q_seg_p, _compat.block_spec((None, g.bq), lambda b, h, i: (b, i)))
     ins.add("kv_seg", kv_seg_p, _compat.block_spec((None, g.Skvp), lambda b, h, i: (b, 0)))
-  add_block_lists(ins, C.block_lists(cfg, g, q_seg_p, kv_seg_p, mask_p, by="q"), g)
+  add_block_lists(ins, C.block_lists(cfg, g, q_seg_p, kv_seg_p, mask_p, by="q",
+                                     mod_cls=C.mod_classes(cfg, g, mod)), g)
   if cfg.dropout_active:
     ins.add("seed", seed, _full_spec(seed))
-  for n, c in enumerate(consts):  # per-(b, h) score_mod residuals [B, H, ...]
-    nd = c.ndim - 2
-    ins.add(f"const{n}", c, _compat.block_spec(
-        (None, None) + c.shape[2:], functools.partial(lambda nd, b, h, i: (b, h) + (0,) * nd, nd)))
+  mod_arrays = () if msplit is None else msplit.arrays
+  for prefix, arrays in (("const", consts), ("mconst", mod_arrays)):
+    for n, c in enumerate(arrays):  # per-(b, h) score_mod / mask_mod residuals [B, H, ...]
+      nd = c.ndim - 2
+      ins.add(f"{prefix}{n}", c, _compat.block_spec(
+          (None, None) + c.shape[2:],
+          functools.partial(lambda nd, b, h, i: (b, h) + (0,) * nd, nd)))
   return ins
+
+
+def load_mod_consts(r, msplit_scalar, lead=()):
+  """The mask_mod residuals of this program's (b, h) ("mconst{n}" refs; `lead` indexes
+  leading dims, as `_common.load_head_consts`)."""
+  return C.load_head_consts([r[f"mconst{n}"] for n in range(len(msplit_scalar))],
+                            msplit_scalar, lead)
 
 
 def add_block_lists(ins, lists, g: C.Geometry):
@@ -101,9 +116,10 @@ def pair_spec_q(x, g: C.Geometry):
       lambda b, h, i: (b if Bp != 1 else 0, h if Hp != 1 else 0, i if Sq2 != 1 else 0, 0))
 
 
-def load_tile_inputs(r, g: C.Geometry, b, h, i, j):
-  """TileInputs of tile (i, j) for a (batch, head, q block) program."""
-  t = C.TileInputs(b=b, h=h, i=i, j=j)
+def load_tile_inputs(r, g: C.Geometry, b, h, i, j, mod=()):
+  """TileInputs of tile (i, j) for a (batch, head, q block) program (`mod`: the loaded
+  mask_mod residuals)."""
+  t = C.TileInputs(b=b, h=h, i=i, j=j, mod=tuple(mod))
   if "bias" in r:
     t.bias = C.pair_tile(r["bias"], (), i, j, g, full_q=False, full_kv=True)
   if "mask" in r:
@@ -114,19 +130,21 @@ def load_tile_inputs(r, g: C.Geometry, b, h, i, j):
   return t
 
 
-def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts, scalar, masked):
+def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts, scalar, masked,
+                    mod_scalar=()):
   r = dict(zip(names + ["out", "lse"], refs))
   acc = C.acc_dtype(r["q"].dtype)
   b, h, i = _compat.program_id(0), _compat.program_id(1), _compat.program_id(2)
   q = r["q"][...]
   consts = C.load_head_consts([r[f"const{n}"] for n in range(n_consts)], scalar)
+  mconsts = load_mod_consts(r, mod_scalar)
   lo, hi = C.mask_spec(cfg).kv_block_range(i, g.bq, g.bk, g.nk)
 
   neg = C.mask_value(acc)
 
   def body(j, masked, carry):
     m, l, o = carry
-    t = load_tile_inputs(r, g, b, h, i, j)
+    t = load_tile_inputs(r, g, b, h, i, j, mconsts)
     kv = _compat.ds(j * g.bk, g.bk)
     s, ok, _ = C.scores(cfg, g, q, r["k"][kv, :], t, consts, acc, masked)
     if ok is None:
@@ -148,7 +166,7 @@ def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
 
   # m starts at mask_value (not -inf): a row that sees no allowed entry keeps l == 0.
   init = (jnp.full((g.bq,), neg, acc), jnp.zeros((g.bq,), acc), jnp.zeros((g.bq, g.Dvp), acc))
-  if "lists" in r:  # segment ids / dense mask: the compacted block lists
+  if "lists" in r:  # segment ids / dense mask / mask_mod: the compacted block lists
     m, l, o = list_loops(r, i, body, init)
   elif not masked:
     m, l, o = run(lo, hi, False, init)
@@ -170,6 +188,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     bias: None or rank 4 float, dims 1 or full. mask: None or rank-4 bool, dims 1 or full.
     q_seg, kv_seg: None or int32 [B, Sq] / [B, Skv]. seed: uint32 [2] or None.
     consts: score_mod consts (differentiable first).
+    mod: None, or the mask_mod's `ModInputs` (block classes at cfg.mask_mod_blocks, consts).
 
   Returns:
     (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32 (float64 for float64 inputs)).
@@ -179,11 +198,13 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   acc = C.acc_dtype(q.dtype)
   cfg, consts = C.hoist_score_mod(cfg, consts, acc)
   split = C.split_per_head(cfg, consts, acc, g.B, g.H, grads=False)
-  cfg = split.cfg
-  ins = kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, split.arrays)
+  msplit = C.split_mask_mod(split.cfg, mod, g.B, g.H)
+  cfg = msplit.cfg
+  ins = kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, split.arrays, mod, msplit)
   masked = C.needs_mask(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_forward_kernel, cfg=cfg, g=g, names=ins.names,
-                             n_consts=len(split.arrays), scalar=split.scalar, masked=masked)
+                             n_consts=len(split.arrays), scalar=split.scalar, masked=masked,
+                             mod_scalar=msplit.scalar)
   out, lse = _compat.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dvp), q.dtype),
