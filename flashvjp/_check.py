@@ -77,6 +77,7 @@ class Row:
 
 
 def _features(B, H, Sq) -> List[tuple]:
+  import flashvjp
   from flashvjp import _score_mod
   rng = np.random.default_rng(0)
   mask = rng.random((B, 1, Sq, Sq)) > 0.3
@@ -93,11 +94,14 @@ def _features(B, H, Sq) -> List[tuple]:
       ("softcap", dict(score_mod=_score_mod.softcap(3.0), causal=True)),
       ("alibi", dict(score_mod=_score_mod.alibi(_score_mod.alibi_slopes(H)), causal=True)),
       ("dropout 0.2", dict(dropout_rate=0.2, dropout_rng=jax.random.key(3), deterministic=False)),
+      ("mask_mod prefix_lm", dict(mask_mod=flashvjp.prefix_lm(
+          jnp.asarray((np.arange(B) * 17 + 9) % Sq, jnp.int32)))),
+      ("sinks", dict(sinks=jnp.linspace(-1.0, 2.0, H), causal=True)),
   ]
 
 
 FEATURES = ("plain", "causal", "window(8,4)", "segment_ids", "mask+empty row", "bias", "softcap",
-            "alibi", "dropout 0.2")
+            "alibi", "dropout 0.2", "mask_mod prefix_lm", "sinks")
 
 
 def run(implementations, dtype=jnp.float32, B=1, H=4, Hkv=2, S=70, D=32,

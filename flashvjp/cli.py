@@ -21,9 +21,9 @@ _CHECK_DESCRIPTION = """\
 Check that flashvjp computes attention and its gradients correctly on this machine.
 
 For each feature (plain, causal, local window, segment ids, a dense mask with an
-empty row, an additive bias, the softcap and ALiBi score_mods, dropout) it runs each
-implementation available here on a small problem (batch 1, 4 query heads on 2 kv
-heads, seq 70, head_dim 32) and compares the output and the gradients dq, dk, dv with
+empty row, an additive bias, the softcap and ALiBi score_mods, dropout, a prefix-LM
+mask_mod, attention sinks) it runs each implementation available here on a small
+problem (batch 1, 4 query heads on 2 kv heads, seq 70, head_dim 32) and compares the output and the gradients dq, dk, dv with
 naive attention computed in float64 and differentiated by jax autodiff. A row passes
 when every max |error| <= tolerance x max |reference| (tolerance per input dtype).
 
