@@ -38,6 +38,12 @@ class Decision:
     return self.implementation.startswith("pallas")
 
   @property
+  def forward_mode(self) -> dict:
+    """What runs for jvp / grad / hvp / second order on this path (docs/forward_mode.md)."""
+    from flashvjp import _vjp  # lazy: _vjp imports the kernels
+    return _vjp.forward_mode_paths(self.implementation)
+
+  @property
   def family(self):
     """"triton", "tpu" or None (not a Pallas path)."""
     return self.implementation.split("_", 1)[1] if self.is_pallas else None

@@ -14,10 +14,12 @@ hand-written backward, so:
 * jvp-of-jvp (`jacfwd(jacfwd)`, `check_grads(order=2, modes=("fwd",))`): the tangent
   primitive's JVP is itself (linear in the tangents) plus a second primitive,
   `flashvjp_tangent_jvp` (forward-mode autodiff of the blockwise tangent pass, linear in
-  the primals' tangents). A gradient through a tangent output w.r.t. the primals would
-  transpose that second primitive: not supported (no O(seq) way), it raises a clear
-  error; with the tangent under `stop_gradient` (consistency-model training) nothing is
-  transposed and it works. Gradients w.r.t. the tangent *direction* use the backward.
+  the primals' tangents);
+* reverse-over-forward (a gradient through a tangent output): w.r.t. the tangent
+  direction it is the backward (the transpose of the tangent pass); w.r.t. the primals it
+  transposes the second primitive, whose transpose rule is, by the symmetry of second
+  derivatives, forward mode through the blockwise backward (O(seq)). With the tangent
+  under `stop_gradient` (consistency-model training) nothing extra runs.
 
 Both primitives batch (vmap) by recording, per vmap level, which operands carry a
 leading batch axis, and implementing themselves as nested `jax.vmap`s of the backend
@@ -88,8 +90,9 @@ def forward_mode_paths(implementation: str) -> dict:
       "hvp": (f"{fwd} + tangent pass + {implementation} backward, differentiated in forward mode"
               " through the blockwise backward (JAX autodiff of pure-JAX loops, O(seq) memory)"),
       "jvp of jvp": "tangent pass + JAX forward-mode autodiff of the blockwise tangent pass",
-      "grad through a tangent output": ("NotImplementedError (no O(seq) way); use"
-                                        " jax.lax.stop_gradient on the tangent"),
+      "grad through a tangent output": ("w.r.t. the tangent direction: the backward; w.r.t."
+                                        " the primals: forward mode through the blockwise"
+                                        " backward (O(seq))"),
   }
 
 
@@ -188,16 +191,6 @@ def _backward_jvp(cfg, primals, tangents):
 # present tangents of the primal leaves (`dpresent`). `levels`: one tuple of bools per
 # vmap level (outermost first): which operands carry that level's axis (leading, in
 # level order).
-
-_NO_REVERSE = (
-    "flashvjp: reverse-mode differentiation through the tangent output of a forward-mode "
-    "derivative (jax.grad of a function of jax.jvp(flash_attention, ...)'s tangent, w.r.t. the "
-    "primal inputs) is not supported: it would need a second-order backward kernel, and "
-    "autodiff of the tangent pass would keep O(seq_q * seq_kv) residuals. Wrap the tangent in "
-    "jax.lax.stop_gradient (as consistency-model training does), differentiate w.r.t. the "
-    "tangent direction only (supported: it runs the backward), or use implementation='naive' "
-    "(see docs/forward_mode.md).")
-
 
 def tangent(cfg: AttentionConfig, primal, ts):
   """Bind the fused tangent pass: primal = (q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
@@ -350,10 +343,70 @@ def _tangent_jvp_jvp_rule(primals, tangents, **params):
   return list(outs), list(t_outs)
 
 
-def _tangent_jvp_transpose_rule(cts, *flat, **params):
-  if all(type(c) is _ac.Zero for c in cts):
+def _tangent_jvp_transpose_rule(cts, *flat, cfg, tree, present, dpresent, levels):
+  """Reverse mode through a tangent output (grad of a function of jvp's tangent, w.r.t. the
+  primals): the transpose of dP -> d(tangent pass)(P, T)[dP], in O(seq).
+
+  By the symmetry of second derivatives, for F = attention and a cotangent c of its
+  tangent output, grad_x <c, DF(x)[T]> = d/de grad_x <c, F(x + e T)> = the JVP, in the
+  direction T, of x -> backward(x, F(x), c): forward mode through the blockwise backward,
+  with out and lse moving along (t_out, t_lse) = the tangent pass. That is the TOTAL
+  derivative w.r.t. (q, k, v, bias, score_mod consts), which already includes the paths
+  through out and lse; their own cotangents are therefore returned as zero. This is exact
+  because the operands out and lse of these primitives are always attention(q, k, v, ...)
+  of the same operands (they are only bound by `attention`'s JVP rule).
+  """
+  ct_out, ct_lse = cts
+  n_p = tree.num_leaves
+  if type(ct_out) is _ac.Zero and type(ct_lse) is _ac.Zero:
     return [None] * len(flat)
-  raise NotImplementedError(_NO_REVERSE)
+  prim = flat[:n_p + sum(present)]
+  if any(isinstance(x, _ac.UndefinedPrimal) for x in prim):
+    raise NotImplementedError("flashvjp_tangent_jvp is linear in its last operands only")
+  from flashvjp.blockwise import _impl as blockwise
+  cfg_b = dataclasses.replace(cfg, implementation="blockwise")
+  dout = _ac.instantiate(ct_out, None)
+  has_dlse = type(ct_lse) is not _ac.Zero
+  n = cfg.num_diff_consts
+
+  def second(*f):
+    primal, ts, _ = _split(list(f[:len(prim)]), tree, present)
+    q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, out, lse = primal
+    t_out, t_lse = _run_tangent(cfg, primal, ts)
+    dout_, dlse_ = f[len(prim)], (f[len(prim) + 1] if has_dlse else None)
+    zero = lambda x, t: jnp.zeros_like(x) if t is None else t.astype(x.dtype)
+    tq, tk, tv, tbias, *tc = ts
+    dc = tuple(consts[:n])
+
+    def bwd(q, k, v, bias, dc, out, lse):
+      dq, dk, dv, dbias, dconsts = blockwise.backward(
+          cfg_b, q, k, v, bias, mask, q_seg, kv_seg, seed, tuple(dc) + tuple(consts[n:]), out,
+          lse, dout_, dlse_, mod)
+      return dq, dk, dv, dbias, tuple(dconsts)
+    tb = None if bias is None else zero(bias, tbias)
+    _, (gq, gk, gv, gbias, gc) = jax.jvp(
+        bwd, (q, k, v, bias, dc, out, lse),
+        (zero(q, tq), zero(k, tk), zero(v, tv), tb, tuple(zero(c, t) for c, t in zip(dc, tc)),
+         t_out.astype(out.dtype), t_lse.astype(lse.dtype)))
+    # cotangents of the primal leaves, in leaf order (None: zero)
+    zeros = lambda x: jax.tree_util.tree_map(jnp.zeros_like, x)
+    grads = tree.flatten_up_to(
+        (gq, gk, gv, gbias, zeros(mask), zeros(q_seg), zeros(kv_seg), zeros(seed),
+         tuple(gc) + zeros(tuple(consts[n:])), zeros(mod), None, None))
+    return [g for g, d in zip(grads, dpresent) if d]
+
+  lv = tuple(tuple(l[:len(prim)]) + (True,) * (1 + has_dlse) for l in levels)
+  grads = _over_levels(second, lv, list(prim) + [dout] + ([ct_lse] if has_dlse else []))
+  res = [None] * len(prim)
+  for pos, (g, x) in enumerate(zip(grads, flat[len(prim):])):
+    if g is None or not isinstance(x, _ac.UndefinedPrimal):
+      res.append(None)
+      continue
+    axes = tuple(li for li, l in enumerate(levels) if not l[len(prim) + pos])
+    if axes:
+      g = g.sum(axis=axes)
+    res.append(g.astype(x.aval.dtype))
+  return res
 
 
 _tangent_p = _ac.define("flashvjp_tangent", _tangent_impl, _abstract_eval, _batch_rule,

@@ -1,0 +1,329 @@
+"""Forward mode (issue 12): jax.jvp / linearize / jacfwd, HVPs and second order, against JAX
+autodiff of naive attention in float64 (tolerances: flashvjp._check, via tests/_util).
+
+Shapes and feature cases come from the shared base (tests/attention_base.py). Pallas runs in
+interpret mode (slow op by op: few cases, under jit).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashvjp
+from flashvjp import _vjp
+from tests import _util
+from tests.attention_base import B, BLOCK_KV, BLOCK_Q, CASES, D, DV, H, HKV, SKV, SQ
+
+# Every feature of the shared base (ragged lengths 37/45 with blocks of 16: padding).
+BLOCKWISE_CASES = sorted(CASES)
+PALLAS_CASES = ("causal", "mask_dense", "bias_full", "alibi", "dropout", "combo")
+
+
+def _problem(name, dtype, seed=0):
+  """(q, k, v, diff dict, kwargs, make(diff) -> kwargs with the diff arrays, dims)."""
+  shape, make = CASES[name]
+  dims = dict(B=B, H=H, Hkv=HKV, Sq=SQ, Skv=SKV, D=D, Dv=DV)
+  dims.update(shape)
+  q, k, v = _util.random_qkv(seed, dims["B"], dims["H"], dims["Hkv"], dims["Sq"], dims["Skv"],
+                             dims["D"], dims["Dv"], dtype)
+  kw = make(dtype)
+  diff = kw.pop("diff", {})
+  arrays = {n: (x[1] if isinstance(x, tuple) else x) for n, x in diff.items()}
+
+  def with_diff(d):
+    args = dict(kw)
+    if "bias" in d:
+      args["bias"] = d["bias"]
+    if "score_mod" in d:
+      args["score_mod"] = diff["score_mod"][0](d["score_mod"])
+    return args
+  return q, k, v, arrays, with_diff
+
+
+def _tangents_like(tree, seed):
+  leaves, td = jax.tree_util.tree_flatten(tree)
+  keys = jax.random.split(jax.random.key(seed), max(len(leaves), 1))
+  return jax.tree_util.tree_unflatten(td, [
+      jax.random.normal(kk, x.shape, jnp.float64).astype(x.dtype) for kk, x in zip(keys, leaves)])
+
+
+def _jvp_case(impl, name, dtype=jnp.float32, **extra):
+  q, k, v, d, with_diff = _problem(name, dtype)
+  primals = (q, k, v, d)
+  tangents = _tangents_like(primals, 42)
+  if impl == "naive":
+    primals, tangents = _util.as64(primals), _util.as64(tangents)
+  else:
+    extra = dict(block_q=BLOCK_Q, block_kv=BLOCK_KV, **extra)
+
+  def f(q, k, v, d):
+    return flashvjp.flash_attention(q, k, v, implementation=impl, return_lse=True,
+                                    **with_diff(d), **extra)
+  return jax.jit(lambda p, t: jax.jvp(f, p, t))(primals, tangents)
+
+
+def _check_jvp(impl, name, dtype=jnp.float32, **extra):
+  got = _jvp_case(impl, name, dtype, **extra)
+  ref = _jvp_case("naive", name, dtype)
+  _util.assert_close(got, ref, dtype, what=f"jvp {impl}/{name}", impl=impl)
+
+
+@pytest.mark.parametrize("name", BLOCKWISE_CASES)
+def test_jvp_blockwise(name):
+  _check_jvp("blockwise", name)
+
+
+@pytest.mark.parametrize("name", PALLAS_CASES)
+def test_jvp_pallas_triton_interpret(name):
+  _check_jvp("pallas_triton", name)
+
+
+def test_jvp_blockwise_bfloat16():
+  _check_jvp("blockwise", "alibi", jnp.bfloat16)
+
+
+# ---- tiny float64 problems: jacfwd, check_grads, empty rows ------------------------------
+
+def _tiny(impl="blockwise", **kw):
+  q, k, v = _util.random_qkv(3, 1, 2, 1, 5, 6, 3, 2, jnp.float64)
+  bias = 0.3 * jax.random.normal(jax.random.key(1), (1, 2, 5, 6), jnp.float64)
+  mask = jnp.asarray(np.random.default_rng(4).random((5, 6)) > 0.2)
+  opts = dict(mask=mask, causal=True, window=(3, None), block_q=2, block_kv=4) if impl != "naive" \
+      else dict(mask=mask, causal=True, window=(3, None))
+  opts.update(kw)
+
+  def f(q, k, v, bias):
+    out, lse = flashvjp.flash_attention(q, k, v, bias=bias, implementation=impl,
+                                        return_lse=True, **opts)
+    return out, jnp.where(jnp.isfinite(lse), lse, 0.0)
+  return f, (q, k, v, bias)
+
+
+def test_jacfwd_matches_naive():
+  f, args = _tiny()
+  fn, _ = _tiny("naive")
+  got = jax.jit(jax.jacfwd(f, argnums=(0, 1, 2, 3)))(*args)
+  ref = jax.jacfwd(fn, argnums=(0, 1, 2, 3))(*args)
+  _util.assert_close(got, ref, jnp.float64, what="jacfwd")
+  # and the reverse-mode Jacobian agrees (both modes, one function)
+  rev = jax.jit(jax.jacrev(f, argnums=(0, 1, 2, 3)))(*args)
+  _util.assert_close(rev, ref, jnp.float64, what="jacrev")
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "pallas_triton"])
+def test_check_grads_order2_fwd_and_rev(impl):
+  # No dense mask: the order-2 "rev" leg is reverse-over-reverse, JAX autodiff of the
+  # backward's loops, which needs a static trip count (docs/forward_mode.md).
+  f, args = _tiny(impl, mask=None)
+  g = jax.jit(lambda q, k, v, bias: jnp.sum(f(q, k, v, bias)[0] ** 2) + jnp.sum(
+      jnp.sin(f(q, k, v, bias)[1])))
+  jax.test_util.check_grads(g, args, order=2, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
+
+
+def test_linearize_matches_jvp():
+  f, args = _tiny()
+  t = _tangents_like(args, 5)
+  out, lin = jax.linearize(f, *args)
+  _, ref = jax.jvp(f, args, t)
+  _util.assert_close(lin(*t), ref, jnp.float64, what="linearize")
+  _util.assert_close(out, f(*args), jnp.float64, what="linearize primal")
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "pallas_triton"])
+def test_empty_rows_zero_finite_tangents(impl):
+  q, k, v = _util.random_qkv(1, 1, 2, 1, 8, 8, 4)
+  mask = jnp.ones((1, 1, 8, 8), bool).at[:, :, 2].set(False)
+  f = lambda q, k, v: flashvjp.flash_attention(q, k, v, mask=mask, return_lse=True,
+                                               implementation=impl, block_q=4, block_kv=4)
+  t = _tangents_like((q, k, v), 9)
+  (out, lse), (t_out, t_lse) = jax.jit(lambda p, t: jax.jvp(f, p, t))((q, k, v), t)
+  assert np.all(np.asarray(lse[:, :, 2]) == -np.inf)
+  for x in (t_out, t_lse):
+    assert np.isfinite(np.asarray(x)).all()
+  np.testing.assert_array_equal(np.asarray(t_out[:, :, 2]), 0.0)
+  np.testing.assert_array_equal(np.asarray(t_lse[:, :, 2]), 0.0)
+  assert np.abs(np.asarray(t_out[:, :, [0, 1, 3]])).max() > 0  # the rest is not all zero
+
+
+# ---- second order ---------------------------------------------------------------------
+
+def _hvp_loss(impl, name="combo"):
+  q, k, v, d, with_diff = _problem(name, jnp.float32)
+  extra = {} if impl == "naive" else dict(block_q=BLOCK_Q, block_kv=BLOCK_KV)
+  w = jax.random.normal(jax.random.key(8), (q.shape[0], q.shape[1], q.shape[2], v.shape[3]),
+                        jnp.float64)
+
+  def loss(p):
+    q, k, v, d = p
+    out, lse = flashvjp.flash_attention(q, k, v, implementation=impl, return_lse=True,
+                                        **with_diff(d), **extra)
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return jnp.sum(jnp.tanh(out.astype(jnp.float64)) * w) + jnp.sum(lse.astype(jnp.float64) ** 2)
+  return loss, (q, k, v, d)
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "pallas_triton"])
+def test_hvp_forward_over_reverse(impl):
+  loss, p = _hvp_loss(impl)
+  loss_n, _ = _hvp_loss("naive")
+  t = _tangents_like(p, 13)
+  hvp = lambda L, p, t: jax.jvp(jax.grad(L), (p,), (t,))
+  got = jax.jit(functools.partial(hvp, loss))(p, t)
+  ref = jax.jit(functools.partial(hvp, loss_n))(_util.as64(p), _util.as64(t))
+  _util.assert_close(got, ref, jnp.float32, what=f"hvp {impl}", impl=impl)
+
+
+def test_vmap_of_jvp_and_jvp_of_vmap():
+  f, args = _tiny()
+  fn, _ = _tiny("naive")
+  ts = [_tangents_like(args, s) for s in (1, 2, 3)]
+  ts = jax.tree_util.tree_map(lambda *x: jnp.stack(x), *ts)
+  vj = lambda f: jax.vmap(lambda t: jax.jvp(f, args, t)[1])(ts)
+  _util.assert_close(jax.jit(lambda: vj(f))(), vj(fn), jnp.float64, what="vmap(jvp)")
+  # jvp of a vmapped function: batched primals (the batching rule of the primitives)
+  qs = jnp.stack([args[0], 2 * args[0]])
+  fv = lambda g: (lambda qs: jax.vmap(lambda q: g(q, *args[1:]))(qs))
+  got = jax.jit(lambda: jax.jvp(fv(f), (qs,), (jnp.ones_like(qs),)))()
+  _util.assert_close(got, jax.jvp(fv(fn), (qs,), (jnp.ones_like(qs),)), jnp.float64,
+                     what="jvp(vmap)")
+
+
+def test_reverse_over_forward():
+  f, args = _tiny()
+  fn, _ = _tiny("naive")
+  t = _tangents_like(args, 21)
+  # sCM-style: the tangent under stop_gradient is a constant of the loss.
+  def scm(f):
+    def loss(p):
+      (out, _), (t_out, _) = jax.jvp(f, p, t)
+      return jnp.sum(out * jax.lax.stop_gradient(t_out))
+    return loss
+  _util.assert_close(jax.jit(jax.grad(scm(f)))(args), jax.grad(scm(fn))(args), jnp.float64,
+                     what="grad with stop_gradient(tangent)")
+  # A gradient w.r.t. the tangent direction runs the backward.
+  dir_loss = lambda f: (lambda t: jnp.sum(jnp.sin(jax.jvp(f, args, t)[1][0])))
+  _util.assert_close(jax.jit(jax.grad(dir_loss(f)))(t), jax.grad(dir_loss(fn))(t), jnp.float64,
+                     what="grad w.r.t. the tangent direction")
+  # A gradient through the tangent w.r.t. the primals (and the direction at once).
+  through = lambda f: (lambda p, t: jnp.sum(jnp.sin(jax.jvp(f, p, t)[1][0])) + jnp.sum(
+      jax.jvp(f, p, t)[1][1] ** 2))
+  _util.assert_close(jax.jit(jax.grad(through(f), (0, 1)))(args, t),
+                     jax.grad(through(fn), (0, 1))(args, t), jnp.float64,
+                     what="grad through the tangent")
+
+
+def test_jvp_under_remat_scan_and_value_dtype():
+  q, k, v = _util.random_qkv(4, 1, 2, 1, 24, 24, 8)
+  t = _tangents_like((q, k, v), 3)
+
+  def step(c, _):
+    out = jax.checkpoint(lambda q: flashvjp.flash_attention(q, k, v, causal=True,
+                                                            implementation="blockwise",
+                                                            block_q=8, block_kv=8))(c)
+    return out, None
+
+  def step_n(c, _):
+    return flashvjp.flash_attention(c, k, v, causal=True, implementation="naive"), None
+  run = lambda st: (lambda q: jax.lax.scan(st, q, None, length=2)[0])
+  got = jax.jit(lambda: jax.jvp(run(step), (q,), (t[0],)))()
+  ref = jax.jvp(run(step_n), (q,), (t[0],))
+  _util.assert_close(got, ref, jnp.float32, what="jvp(scan(remat))")
+  assert got[1].dtype == q.dtype
+
+
+# ---- structure and memory -------------------------------------------------------------
+
+def _eqns(jaxpr):
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+        if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
+          yield from _eqns(sub.jaxpr)
+        elif hasattr(sub, "eqns"):
+          yield from _eqns(sub)
+
+
+def _prim_names(closed):
+  return [e.primitive.name for e in _eqns(closed.jaxpr)]
+
+
+def _max_array(closed):
+  sizes = [int(np.prod(v.aval.shape)) for e in _eqns(closed.jaxpr) for v in e.outvars
+           if hasattr(v.aval, "shape")]
+  return max(sizes)
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "pallas_triton"])
+def test_structure_grad_runs_backward_jvp_runs_tangent_pass(impl):
+  Sq = Skv = 64
+  q, k, v = _util.random_qkv(0, 1, 2, 2, Sq, Skv, 8)
+  f = lambda q, k, v: flashvjp.flash_attention(q, k, v, implementation=impl, causal=True,
+                                               block_q=16, block_kv=16)
+  grad_jaxpr = jax.make_jaxpr(jax.grad(lambda *a: f(*a).sum(), (0, 1, 2)))(q, k, v)
+  names = _prim_names(grad_jaxpr)
+  # grad: the tangent pass was transposed into the hand-written backward; no tangent pass,
+  # and the forward is run once, not differentiated.
+  assert "flashvjp_tangent" not in names and "flashvjp_tangent_jvp" not in names
+  assert "custom_vjp_call" in str(grad_jaxpr) or "custom_vjp_call_jaxpr" in str(grad_jaxpr)
+  if impl == "pallas_triton":
+    kernels = [str(e.params.get("name", e.params.get("name_and_src_info")))
+               for e in _eqns(grad_jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+    assert any("dkdv" in n or "dk" in n for n in kernels), kernels
+    assert any("fwd" in n or "forward" in n for n in kernels), kernels
+  assert _max_array(grad_jaxpr) < Sq * Skv
+  # jvp: the tangent primitive, and nothing of size [seq_q, seq_kv] inside it either.
+  t = _tangents_like((q, k, v), 1)
+  jvp_jaxpr = jax.make_jaxpr(lambda p, t: jax.jvp(f, p, t))((q, k, v), t)
+  eqns = [e for e in _eqns(jvp_jaxpr.jaxpr) if e.primitive.name == "flashvjp_tangent"]
+  assert len(eqns) == 1
+  assert _max_array(jvp_jaxpr) < Sq * Skv
+  e = eqns[0]
+  inner = jax.make_jaxpr(functools.partial(_vjp._tangent_impl, **e.params))(
+      *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in e.invars])
+  assert _max_array(inner) < Sq * Skv, "tangent pass materialises an O(seq^2) array"
+
+
+def _temp_bytes(fn, seq, causal):
+  x = jax.ShapeDtypeStruct((1, 4, seq, 32), jnp.float32)
+  return jax.jit(fn(causal)).lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+
+def _jvp_fn(impl):
+  def make(causal):
+    f = lambda q, k, v: flashvjp.flash_attention(q, k, v, causal=causal, implementation=impl)
+    return lambda q, k, v: jax.jvp(f, (q, k, v), (q, k, v))[1]
+  return make
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_jvp_temp_memory_is_linear_in_seq(causal):
+  m1, m2, m4 = (_temp_bytes(_jvp_fn("blockwise"), s, causal) for s in (1024, 2048, 4096))
+  assert m2 <= 2.2 * m1 and m4 <= 2.2 * m2, (m1, m2, m4)
+  assert m4 < 4 * 4096 * 4096 * 4 / 8
+
+
+def test_naive_jvp_memory_is_quadratic_so_the_measurement_can_fail():
+  n1, n2 = (_temp_bytes(_jvp_fn("naive"), s, False) for s in (512, 1024))
+  assert n2 > 3.0 * n1, (n1, n2)
+
+
+def test_hvp_temp_memory_is_linear_in_seq():
+  def make(causal):
+    f = lambda q, k, v: jnp.sum(flashvjp.flash_attention(q, k, v, causal=causal,
+                                                         implementation="blockwise") ** 2)
+    return lambda q, k, v: jax.jvp(jax.grad(f), (q, k, v), (q, k, v))[1]
+  m1, m2 = (_temp_bytes(make, s, True) for s in (1024, 2048))
+  assert m2 <= 2.2 * m1, (m1, m2)
+
+
+def test_explain_says_what_forward_mode_runs():
+  q = jax.ShapeDtypeStruct((1, 2, 128, 64), jnp.float32)
+  paths = flashvjp.explain(q, q, q, implementation="blockwise").forward_mode
+  assert "tangent pass" in paths["jvp"] and "backward" in paths["grad"]
+  paths = flashvjp.explain(q, q, q, implementation="pallas_triton").forward_mode
+  assert "jvp" in paths and "hvp" in paths
