@@ -327,3 +327,22 @@ def test_explain_says_what_forward_mode_runs():
   assert "tangent pass" in paths["jvp"] and "backward" in paths["grad"]
   paths = flashvjp.explain(q, q, q, implementation="pallas_triton").forward_mode
   assert "jvp" in paths and "hvp" in paths
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "pallas_triton"])
+def test_jvp_mask_mod_and_sinks(impl):
+  """mask_mod (its block classes travel as `mod`) and sinks (plain JAX after the op)."""
+  q, k, v = _util.random_qkv(6, B, H, HKV, SQ, SQ, D, DV)
+  sinks = jnp.linspace(-1.0, 1.0, H)
+  mm = flashvjp.prefix_lm(jnp.asarray([5, 20], jnp.int32))
+  primals = (q, k, v, sinks)
+  tangents = _tangents_like(primals, 17)
+
+  def run(impl, primals, tangents):
+    extra = {} if impl == "naive" else dict(block_q=BLOCK_Q, block_kv=BLOCK_KV)
+    f = lambda q, k, v, s: flashvjp.flash_attention(q, k, v, mask_mod=mm, sinks=s,
+                                                    implementation=impl, return_lse=True, **extra)
+    return jax.jit(lambda p, t: jax.jvp(f, p, t))(primals, tangents)
+  got = run(impl, primals, tangents)
+  ref = run("naive", _util.as64(primals), _util.as64(tangents))
+  _util.assert_close(got, ref, jnp.float32, what=f"jvp mask_mod+sinks {impl}", impl=impl)
