@@ -213,6 +213,7 @@ def test_block_sparse_kernels_loop_without_a_branch(kw):
 _PER_HEAD_MASK = np.random.default_rng(4).random((1, 4, 64, 64)) > 0.4
 _PER_HEAD_MASK[..., 16:32, :] = False  # whole empty block rows and columns
 _PER_HEAD_MASK[..., 48:] = False
+_PREFIX = jnp.asarray([7, 30], jnp.int32)  # per-batch prefix lengths read by a mask_mod
 
 
 @pytest.mark.parametrize("kw, bias_shape", [
@@ -221,10 +222,15 @@ _PER_HEAD_MASK[..., 48:] = False
     (dict(mask=_PER_HEAD_MASK), (1, 4, 1, 64)),  # dbias: q lists per kv block
     (dict(segment_ids=_SPARSE_SEG, mask=_PER_HEAD_MASK), (1, 4, 1, 1)),  # every q block's lists
     (dict(mask=_PER_HEAD_MASK[:, :, :1], causal=True), (2, 1, 64, 64)),  # dbias: one tile
+    # mask_mod (per-batch prefix lengths, chunks): its classes in every kernel's lists
+    (dict(mask_mod=lambda b, h, q, kv: ((kv <= q) | (kv < _PREFIX[b])) & (q // 32 == kv // 32)),
+     (1, 4, 1, 64)),  # dbias: q lists per kv block
+    (dict(mask_mod=flashvjp.sliding_window_with_global(12, 3), segment_ids=_SPARSE_SEG),
+     (2, 4, 64, 64)),  # dbias: one tile, mask_mod ANDed with segment ids
 ], ids=["segments_causal", "segments_bias_rows", "mask_bias_cols", "both_bias_scalar",
-        "mask_q_broadcast_bias_full"])
+        "mask_q_broadcast_bias_full", "mask_mod_bias_cols", "mask_mod_segments_bias_full"])
 def test_block_sparse_numerics(kw, bias_shape):
-  """Packed documents / per-head masks with whole empty block pairs, through every kernel
+  """Packed documents / per-head masks / mask_mods with whole empty block pairs, through every kernel
   (forward, dK/dV, dQ, dbias on each of its block-list paths): out, lse and all gradients
   against float64 naive attention."""
   q, k, v = _util.random_qkv(10, 2, 4, 2, 64, 64, 16)
@@ -404,3 +410,104 @@ def test_dkdv_both_orientations_against_naive(head_dim):
   ref = jax.grad(lambda *a: loss("naive", *a), (0, 1, 2, 3))(*_util.as64((q, k, v, bias)))
   for name, g, r in zip(("dq", "dk", "dv", "dbias"), got, ref):
     _util.assert_close(g, r, jnp.float32, name, impl="pallas_triton")
+
+
+# ---- mask_mod -------------------------------------------------------------------------
+
+def _mod_setup(mod, B, H, S, bq, bk, uses=(True, True), mod_blocks=(16, 16)):
+  """(cfg with the scalar mask_mod, ModInputs at mod_blocks, dense allowed [B', H', S, S])."""
+  from flashvjp import _config, _mask_mod
+  fn, consts, uses = _mask_mod.check(mod, (B, H, S, S))
+  classes = _mask_mod.classify(fn, consts, uses, B, H, S, S, *mod_blocks)
+  cfg = _config.AttentionConfig(
+      scale=1.0, causal=False, window=None, seq_q=S, seq_kv=S, dropout_rate=0.0,
+      blocks=_config.BlockSizes(bq, bk), mask_mod=fn, mask_mod_blocks=mod_blocks,
+      mask_mod_uses=uses)
+  Bp, Hp = classes.shape[:2]
+  idx = lambda n, shape: jnp.arange(n, dtype=jnp.int32).reshape(shape)
+  dense = _mask_mod.apply(fn, consts, idx(Bp, (Bp, 1, 1, 1)), idx(Hp, (1, Hp, 1, 1)),
+                          idx(S, (1, 1, S, 1)), idx(S, (1, 1, 1, S)))
+  dense = np.asarray(jnp.broadcast_to(dense, (Bp, Hp, S, S)))
+  return cfg, _mask_mod.ModInputs(classes, consts), dense
+
+
+@pytest.mark.parametrize("mod_blocks", [(16, 16), (8, 8), (8, 32)],
+                         ids=["same_blocks", "finer_classes", "coarser_kv_classes"])
+def test_mask_mod_lists_visit_exactly_the_non_empty_blocks(mod_blocks):
+  """A mask_mod's block classes (resampled to the kernel's blocks when they differ) make
+  the kernels' lists: per q block (forward, dQ) and per kv block (dK/dV), the PARTIAL list
+  is exactly the blocks the mask_mod allows somewhere but not everywhere, the FULL list
+  exactly those it allows everywhere; an EMPTY block is in neither (never visited).
+  Classes at coarser blocks than the kernel's are resampled conservatively: a kernel block
+  inside a PARTIAL class block stays PARTIAL (masked), never FULL."""
+  B, H, S, bq, bk = 2, 1, 96, 16, 16
+  mod = lambda b, h, q, kv: ((kv <= q) | (kv < jnp.asarray([20, 50])[b])) & (q // 32 == kv // 32) | (kv < 3)
+  cfg, mod_in, dense = _mod_setup(mod, B, H, S, bq, bk, mod_blocks=mod_blocks)
+  g = _common.geometry(cfg, (B, H, S, 16), (B, H, S, 16), (B, H, S, 16), bq, bk)
+  tiles = dense.reshape(dense.shape[0], dense.shape[1], g.nq, bq, g.nk, bk)
+  some, every = tiles.any(axis=(3, 5)), tiles.all(axis=(3, 5))
+  for by in ("q", "kv"):
+    counts, lists = (np.asarray(x) for x in _common.block_lists(
+        cfg, g, None, None, None, by, mod_cls=_common.mod_classes(cfg, g, mod_in)))
+    s_, e_ = (some, every) if by == "q" else (np.swapaxes(some, 2, 3), np.swapaxes(every, 2, 3))
+    for b in range(counts.shape[0]):
+      for row in range(counts.shape[3]):
+        partial = lists[b, 0, row, 0, : counts[b, 0, 0, row]]
+        full = lists[b, 0, row, 1, : counts[b, 0, 1, row]]
+        if mod_blocks[1] > bk:  # conservative: FULL only where truly full, nothing non-empty lost
+          assert set(full) <= set(np.flatnonzero(e_[b, 0, row]))
+          assert set(np.flatnonzero(s_[b, 0, row])) <= set(full) | set(partial)
+          continue
+        np.testing.assert_array_equal(full, np.flatnonzero(e_[b, 0, row]))
+        np.testing.assert_array_equal(partial, np.flatnonzero(s_[b, 0, row] & ~e_[b, 0, row]))
+  assert (~some).sum() > 0 and every.sum() > 0  # the case has EMPTY and FULL blocks
+
+
+def test_mask_mod_empty_blocks_are_never_read():
+  """K/V of a kv block no query may attend (EMPTY for every q block) hold NaN: a kernel
+  that copied or multiplied them would put NaN into out or dQ. The mask_mod also reads a
+  per-batch array (a residual loaded per program)."""
+  q, k, v = _util.random_qkv(21, 2, 2, 1, 48, 64, 16)
+  k = k.at[:, :, 16:32].set(jnp.nan)
+  v = v.at[:, :, 16:32].set(jnp.nan)
+  lengths = jnp.asarray([10, 40], jnp.int32)
+  mod = lambda b, h, qi, kv: ((kv <= qi) | (kv < lengths[b])) & ((kv < 16) | (kv >= 32))
+
+  def loss(q, k, v):
+    return jnp.sum(_pallas(q, k, v, mask_mod=mod) ** 2)
+
+  val, (dq, dk, dv) = jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+  assert np.isfinite(np.asarray(val)) and np.isfinite(np.asarray(dq)).all()
+  keep = np.r_[0:16, 32:64]
+  assert np.isfinite(np.asarray(dk)[:, :, keep]).all() and np.isfinite(np.asarray(dv)[:, :, keep]).all()
+  ref = flashvjp.flash_attention(q, k[:, :, keep], v[:, :, keep], implementation="naive",
+                                 mask_mod=lambda b, h, qi, kv: mod(b, h, qi, jnp.where(kv >= 16, kv + 16, kv)))
+  with jax.default_matmul_precision("highest"):  # not TF32: compare to float32 rounding
+    got = _pallas(q, k, v, mask_mod=mod)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_mask_mod_dispatch_compiled():
+  """document_causal reads doc_ids[b, q_idx] per position (a gather): a named family
+  compiled refuses it naming mask_mod; implementation=None on a GPU takes blockwise and
+  says why; prefix_lm / chunked / sliding_window_with_global stay on the Triton kernels."""
+  from flashvjp import _dispatch
+  x = jax.ShapeDtypeStruct((2, 2, 64, 32), jnp.bfloat16)
+  docs = flashvjp.document_causal(jnp.zeros((2, 64), jnp.int32))
+  with pytest.raises(ValueError, match="mask_mod uses (gather|dynamic_slice)"):
+    flashvjp.explain(x, x, x, mask_mod=docs, implementation="pallas_triton", interpret=False)
+  with pytest.raises(ValueError, match="mask_mod uses (gather|dynamic_slice)"):
+    flashvjp.explain(x, x, x, mask_mod=docs, implementation="pallas_tpu", interpret=False)
+  # Interpret mode gathers fine.
+  assert flashvjp.explain(x, x, x, mask_mod=docs, implementation="pallas_triton").interpret
+  mp = pytest.MonkeyPatch()
+  try:
+    mp.setattr(_dispatch, "platform", lambda: "gpu")
+    d = flashvjp.explain(x, x, x, mask_mod=docs)
+    assert d.implementation == "blockwise" and "mask_mod" in d.reason, d
+    for ok in (flashvjp.prefix_lm(jnp.asarray([3, 40], jnp.int32)), flashvjp.chunked(16),
+               flashvjp.sliding_window_with_global(8, 2)):
+      d = flashvjp.explain(x, x, x, mask_mod=ok)
+      assert (d.implementation, d.interpret) == ("pallas_triton", False), d
+  finally:
+    mp.undo()

@@ -7,6 +7,7 @@ below check what is particular to this family: a subset under the Mosaic simulat
 blocks, bitwise determinism, agreement with the Triton family and the blockwise path,
 the dispatcher picking the family on a TPU, block sparsity and the VMEM budget.
 """
+import dataclasses
 import functools
 import math
 
@@ -304,6 +305,40 @@ def test_lists_visit_exactly_the_non_empty_blocks():
     np.testing.assert_array_equal(got % 2 == 1, ~every[some])
     assert (entries[i, counts[i]:] == entries[i, counts[i] - 1]).all()
   assert lists.W == g.nk  # causal: the longest row visits every kv block
+
+
+def test_mask_mod_lists_visit_exactly_the_non_empty_blocks():
+  """Chunked local attention (chunk 256) with per-batch prefixes as a mask_mod, classes at
+  the kernel's own blocks: the merged lists hold exactly the non-empty blocks, mask bit on
+  partial ones only, per batch row (the classes vary with b)."""
+  from flashvjp import _mask_mod
+  from flashvjp.pallas import _common
+  B, S, bq, bk = 2, 1024, 128, 128
+  lengths = jnp.asarray([100, 300], jnp.int32)
+  mod = lambda b, h, q, kv: ((kv <= q) | (kv < lengths[b])) & (q // 256 == kv // 256)
+  fn, consts, uses = _mask_mod.check(mod, (B, 1, S, S))
+  classes = _mask_mod.classify(fn, consts, uses, B, 1, S, S, bq, bk)
+  cfg = dataclasses.replace(_static_cfg(False, None, S, _config.BlockSizes(bq, bk)),
+                            mask_mod=fn, mask_mod_blocks=(bq, bk), mask_mod_uses=uses)
+  g = _layout.geometry((B, 1, S, 64), (B, 1, S, 64), (B, 1, S, 64), bq, bk)
+  mod_cls = _common.mod_classes(cfg, g, _mask_mod.ModInputs(classes, consts))
+  idx = lambda shape: jnp.arange(max(shape), dtype=jnp.int32).reshape(shape)
+  allowed = np.asarray(jnp.broadcast_to(_mask_mod.apply(
+      fn, consts, idx((B, 1, 1)), 0, idx((1, S, 1)), idx((1, 1, S))), (B, S, S)))
+  for by in ("q", "kv"):
+    lists, counts, entries = _layout.visit_lists(cfg, g, None, None, None, by, mod_cls)
+    counts = np.asarray(counts).reshape(lists.Bl, lists.R)
+    entries = np.asarray(entries).reshape(lists.Bl, lists.R, lists.W)
+    assert lists.Bl == B
+    for b in range(B):
+      a = allowed[b] if by == "q" else allowed[b].T
+      tiles = a.reshape(g.nq, bq, g.nk, bk)
+      for row in range(g.nq):
+        some = np.flatnonzero(tiles[row].any(axis=(0, 2)))
+        every = tiles[row].all(axis=(0, 2))
+        got = entries[b, row, : counts[b, row]]
+        np.testing.assert_array_equal(got // 2, some)
+        np.testing.assert_array_equal(got % 2 == 1, ~every[some])
 
 
 def test_sliding_window_grid_is_as_short_as_the_window():

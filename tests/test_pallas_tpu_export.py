@@ -20,7 +20,8 @@ from tests import attention_base as AB
 
 # Refused before any kernel runs (the limits say why): a relative-position table lookup
 # is a gather on per-position values, which Mosaic cannot lower.
-REFUSED = {"relative_bias": "gather"}
+# document_causal reads doc_ids[b, q_idx] per position: refused the same way, naming mask_mod.
+REFUSED = {"relative_bias": "gather", "mask_mod_document": "mask_mod uses (gather|dynamic_slice)"}
 
 
 def _abstract_case(name, dtype):
@@ -81,3 +82,18 @@ def test_blocks_that_break_the_tiling_rule_are_rounded_not_rejected():
       interpret=False).astype(jnp.float32).sum()
   exported = jax.export.export(jax.jit(jax.grad(f, (0, 1, 2))), platforms=["tpu"])(x, x, x)
   assert exported.mlir_module().count("@tpu_custom_call") == 3
+
+
+@pytest.mark.parametrize("mod", ["prefix_lm", "chunked"])
+def test_mask_mod_lowers_for_tpu_at_default_blocks(mod):
+  """prefix_lm (per-batch lengths[b]: an SMEM residual) and chunked (integer floor division,
+  lowered without knowing the TPU generation) through the compiled kernels, several blocks."""
+  B, H, S, D = 2, 2, 1024, 64
+  m = (flashvjp.prefix_lm(jnp.asarray([100, 700], jnp.int32)) if mod == "prefix_lm"
+       else flashvjp.chunked(256))
+  x = jax.ShapeDtypeStruct((B, H, S, D), jnp.bfloat16)
+  f = lambda q, k, v: flashvjp.flash_attention(
+      q, k, v, mask_mod=m, implementation="pallas_tpu", interpret=False).astype(jnp.float32).sum()
+  exported = jax.export.export(jax.jit(jax.grad(f, (0, 1, 2))), platforms=["tpu"])(x, x, x)
+  kernels = re.findall(r'kernel_name = "([^"]+)"', exported.mlir_module())
+  assert sorted(kernels) == ["flashvjp_tpu_bwd_dkdv", "flashvjp_tpu_bwd_dq", "flashvjp_tpu_fwd"]

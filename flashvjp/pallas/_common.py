@@ -287,6 +287,33 @@ def _mask_mod_as_score_mod(mask_mod):
   return lambda s, b, h, q, kv, *c: mask_mod(b, h, q, kv, *c)
 
 
+def _portable_eval(jaxpr, consts, *args):
+  """`jax.core.eval_jaxpr` with integer `sign` written as two compares (recursing into
+  jit): jnp's integer floor division (``q_idx // chunk``) goes through `sign`, which
+  Mosaic lowers only when it knows the TPU generation (not when exporting from a host)."""
+  env = {}
+  read = lambda v: v.val if type(v).__name__ == "Literal" else env[v]
+  for v, x in zip(jaxpr.constvars, consts):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args):
+    env[v] = x
+  for e in jaxpr.eqns:
+    ins = [read(v) for v in e.invars]
+    name = e.primitive.name
+    if name == "sign" and jnp.issubdtype(jnp.result_type(ins[0]), jnp.integer):
+      x = ins[0]
+      outs = [(x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)]
+    elif name in ("jit", "pjit") and hasattr(e.params.get("jaxpr"), "jaxpr"):
+      sub = e.params["jaxpr"]
+      outs = _portable_eval(sub.jaxpr, sub.consts, *ins)
+    else:
+      outs = e.primitive.bind(*ins, **e.primitive.get_bind_params(e.params))
+      outs = list(outs) if e.primitive.multiple_results else [outs]
+    for v, x in zip(e.outvars, outs):
+      env[v] = x
+  return [read(v) for v in jaxpr.outvars]
+
+
 def split_mask_mod_jaxprs(mask_mod, consts):
   """(known(b, h, *consts) -> residuals, tile(b, h, q, kv, *residuals) -> bool, residual
   avals, tile jaxpr, consts) of a scalar mask_mod (`_mask_mod.ScalarMaskMod`).
@@ -295,12 +322,23 @@ def split_mask_mod_jaxprs(mask_mod, consts):
   arrays only (``prefix_lengths[b]``) is a residual, computed outside the kernels.
   """
   fn, consts = hoist_constants(_mask_mod_as_score_mod(mask_mod), consts, jnp.float32)
-  known_fn, tile5, res_avals, tile_jaxpr = split_score_mod_jaxprs(fn, consts, jnp.float32)
+  known_fn, _, res_avals, tile_jaxpr = split_score_mod_jaxprs(fn, consts, jnp.float32)
   dtypes = tuple(a.dtype for a in res_avals)
+  # split_score_mod_jaxprs orders residuals float first; the tile jaxpr takes them in its
+  # own order, then (s, q, kv).
+  orig_avals = tile_jaxpr.in_avals[:len(res_avals)]
+  perm = ([n for n, a in enumerate(orig_avals) if jnp.issubdtype(a.dtype, jnp.inexact)]
+          + [n for n, a in enumerate(orig_avals) if not jnp.issubdtype(a.dtype, jnp.inexact)])
 
   def tile_fn(b, h, q, kv, *res):
+    del b, h  # folded into the residuals
     res = tuple(jnp.asarray(x).astype(dt) for x, dt in zip(res, dtypes))
-    return tile5(jnp.zeros((), jnp.float32), b, h, q, kv, *res)
+    orig = [None] * len(perm)
+    for new_pos, old_pos in enumerate(perm):
+      orig[old_pos] = res[new_pos]
+    (out,) = _portable_eval(tile_jaxpr.jaxpr, tile_jaxpr.consts, *orig,
+                            jnp.zeros((), jnp.float32), q, kv)
+    return out
 
   return known_fn, tile_fn, res_avals, tile_jaxpr, consts
 
