@@ -91,6 +91,7 @@ class Case:
   dropout: float = 0.0
   softcap: float | None = None
   alibi: bool = False  # score_mod closing over differentiated slopes
+  mask_mod: str | None = None  # "prefix_lm" (per-batch lengths, a traced input) | "chunked"
   return_lse: bool = False
   precision: str | None = None  # jax.default_matmul_precision for the export
   baseline: str | None = None  # "jax_mha": jax.experimental.pallas.ops.gpu.attention.mha
@@ -133,6 +134,10 @@ def matrix() -> list[Case]:
       F("f32_d128_full_highest", dtype="f32", D=128, precision="highest"),
       F("bf16_d128_combo", causal=True, segments=True, dropout=0.1, softcap=30.0,
         bias="broadcast"),
+      # mask_mod: block lists from its classes, its tile part on PARTIAL blocks only.
+      F("bf16_d128_mask_mod_prefix_lm", B=2, mask_mod="prefix_lm"),
+      F("bf16_d64_mask_mod_prefix_lm", D=64, B=2, mask_mod="prefix_lm"),
+      F("bf16_d128_mask_mod_chunked", mask_mod="chunked"),
   ]
   for D in (64, 128):
     for causal in (True, False):
@@ -194,6 +199,8 @@ def export_case(case: Case) -> str:
     if case.segments:
       nondiff["segment_ids"] = ((S((B, Sq), jnp.int32), S((B, Skv), jnp.int32))
                                 if Sq != Skv else S((B, Sq), jnp.int32))
+    if case.mask_mod == "prefix_lm":
+      nondiff["prefix_lengths"] = S((B,), jnp.int32)
 
     def loss(a, nd):
       score_mod = None
@@ -203,6 +210,13 @@ def export_case(case: Case) -> str:
         score_mod = flashvjp.alibi(a["slopes"])
       elif case.softcap:
         score_mod = flashvjp.softcap(case.softcap)
+      mask_mod = None
+      if case.mask_mod == "prefix_lm":
+        mask_mod = flashvjp.prefix_lm(nd["prefix_lengths"])
+      elif case.mask_mod == "chunked":
+        mask_mod = flashvjp.chunked(1024)
+      elif case.mask_mod is not None:
+        raise ValueError(f"unknown mask_mod {case.mask_mod!r}")
       kw = {}
       if case.dropout:
         kw = dict(dropout_rate=case.dropout, dropout_rng=jax.random.key(0),
@@ -211,7 +225,7 @@ def export_case(case: Case) -> str:
           a["q"], a["k"], a["v"], bias=a.get("bias"), mask=nd.get("mask"),
           causal=case.causal, window=case.window, segment_ids=nd.get("segment_ids"),
           score_mod=score_mod, return_lse=case.return_lse, implementation="pallas_triton",
-          interpret=False, **kw)
+          interpret=False, mask_mod=mask_mod, **kw)
       if case.return_lse:
         o, lse = r
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
