@@ -197,6 +197,7 @@ def test_matrix_covers_the_issue():
   assert has(lambda c: c.softcap) and has(lambda c: c.alibi)
   assert has(lambda c: c.Hkv and c.Hkv < c.H) and has(lambda c: c.return_lse)
   assert has(lambda c: c.precision == "highest") and has(lambda c: c.baseline == "jax_mha")
+  assert has(lambda c: c.mask_mod == "prefix_lm") and has(lambda c: c.mask_mod == "chunked")
 
 
 def test_compiles_one_case_end_to_end(tmp_path):
