@@ -73,6 +73,9 @@ def _tangent_kernel(implementation: str):
   from flashvjp.blockwise import _tangent
   if implementation == "blockwise":
     return _tangent.tangent, "blockwise fused tangent pass (pure JAX, O(seq) memory)"
+  if implementation == "pallas_triton":
+    from flashvjp.pallas.triton import tangent as triton_tangent
+    return triton_tangent.tangent, "Pallas-Triton fused tangent kernel (flashvjp_tangent)"
   return _tangent.tangent, ("blockwise fused tangent pass (pure JAX, O(seq) memory): the"
                             f" {implementation} family has no tangent kernel yet")
 

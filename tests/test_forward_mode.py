@@ -20,7 +20,8 @@ from tests.attention_base import B, BLOCK_KV, BLOCK_Q, CASES, D, DV, H, HKV, SKV
 
 # Every feature of the shared base (ragged lengths 37/45 with blocks of 16: padding).
 BLOCKWISE_CASES = sorted(CASES)
-PALLAS_CASES = ("causal", "mask_dense", "bias_full", "alibi", "dropout", "combo")
+PALLAS_CASES = ("causal", "segments", "mask_dense", "bias_full", "alibi", "relative_bias",
+                "dropout", "combo")
 
 
 def _problem(name, dtype, seed=0):
@@ -286,6 +287,12 @@ def test_structure_grad_runs_backward_jvp_runs_tangent_pass(impl):
   inner = jax.make_jaxpr(functools.partial(_vjp._tangent_impl, **e.params))(
       *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in e.invars])
   assert _max_array(inner) < Sq * Skv, "tangent pass materialises an O(seq^2) array"
+  kernels = [str(x.params.get("name", x.params.get("name_and_src_info")))
+             for x in _eqns(inner.jaxpr) if x.primitive.name == "pallas_call"]
+  if impl == "pallas_triton":  # the fused tangent kernel, not the blockwise pass
+    assert len(kernels) == 1 and "flashvjp_tangent" in kernels[0], kernels
+  else:
+    assert not kernels
 
 
 def _temp_bytes(fn, seq, causal):
