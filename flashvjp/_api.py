@@ -267,7 +267,7 @@ def _run(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
     q = (q.astype(acc) * scale_array.astype(acc)).astype(q.dtype)
   mod = None
   if cfg.mask_mod is not None:
-    if mod_classes is None:
+    if mod_classes is None and cfg.implementation != "naive":  # naive masks densely
       B, H = q.shape[0], q.shape[1]
       mod_classes = _mask_mod.classify(cfg.mask_mod, mod_consts, cfg.mask_mod_uses, B, H,
                                        cfg.seq_q, cfg.seq_kv, *cfg.mask_mod_blocks)
