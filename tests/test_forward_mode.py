@@ -353,3 +353,42 @@ def test_jvp_mask_mod_and_sinks(impl):
   got = run(impl, primals, tangents)
   ref = run("naive", _util.as64(primals), _util.as64(tangents))
   _util.assert_close(got, ref, jnp.float32, what=f"jvp mask_mod+sinks {impl}", impl=impl)
+
+
+# ---- the Triton tangent kernel lowers for CUDA (no GPU; as tests/test_pallas_triton_lowering) --
+
+@pytest.mark.parametrize("feature", ["causal_gqa", "segments_bias", "alibi_dropout", "softcap_window"])
+def test_triton_tangent_kernel_lowers_for_cuda(feature, monkeypatch):
+  from jax import export
+  from jax._src.pallas.triton import pallas_call_registration as registration
+  if hasattr(registration, "gpu_info_lib"):  # jax >= 0.11 asks for the device's capability
+    from jax._src.pallas.triton import gpu_info
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    monkeypatch.setattr(registration, "gpu_info_lib",
+                        type("_Info", (), {"get_gpu_info": staticmethod(lambda: info)}))
+  Bn, Hn, Hk, S, Dn = 2, 4, 2, 256, 64
+  dt = jnp.bfloat16
+  sd = lambda *s: jax.ShapeDtypeStruct(s, dt)
+  q, k, v = sd(Bn, Hn, S, Dn), sd(Bn, Hk, S, Dn), sd(Bn, Hk, S, Dn)
+  bias = sd(1, Hn, S, S) if feature == "segments_bias" else None
+  slopes = jax.ShapeDtypeStruct((Hn,), jnp.float32) if feature == "alibi_dropout" else None
+  kw = dict(causal_gqa=dict(causal=True),
+            segments_bias=dict(segment_ids=jnp.asarray(
+                np.repeat(np.arange(S)[None] * 3 // S, Bn, 0), jnp.int32)),
+            alibi_dropout=dict(causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0),
+                               deterministic=False),
+            softcap_window=dict(window=(64, 0), score_mod=flashvjp.softcap(30.0)))[feature]
+
+  def f(q, k, v, bias, slopes):
+    extra = dict(kw)
+    if slopes is not None:
+      extra["score_mod"] = flashvjp.alibi(slopes)
+    return flashvjp.flash_attention(q, k, v, bias=bias, implementation="pallas_triton",
+                                    interpret=False, return_lse=True, block_q=64, block_kv=64,
+                                    **extra)
+  jvp = jax.jit(lambda p, t: jax.jvp(f, p, t))
+  prim = (q, k, v, bias, slopes)
+  exp = export.export(jvp, platforms=["cuda"], disabled_checks=[
+      export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(prim, prim)
+  text = exp.mlir_module()
+  assert "flashvjp_tangent" in text and "flashvjp_fwd" in text
