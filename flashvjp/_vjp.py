@@ -76,6 +76,9 @@ def _tangent_kernel(implementation: str):
   if implementation == "pallas_triton":
     from flashvjp.pallas.triton import tangent as triton_tangent
     return triton_tangent.tangent, "Pallas-Triton fused tangent kernel (flashvjp_tangent)"
+  if implementation == "pallas_tpu":
+    from flashvjp.pallas.tpu import tangent as tpu_tangent
+    return tpu_tangent.tangent, "Mosaic-TPU fused tangent kernel (flashvjp_tpu_tangent)"
   return _tangent.tangent, ("blockwise fused tangent pass (pure JAX, O(seq) memory): the"
                             f" {implementation} family has no tangent kernel yet")
 

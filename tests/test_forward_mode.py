@@ -79,8 +79,9 @@ def test_jvp_blockwise(name):
 
 
 @pytest.mark.parametrize("name", PALLAS_CASES)
-def test_jvp_pallas_triton_interpret(name):
-  _check_jvp("pallas_triton", name)
+@pytest.mark.parametrize("impl", ["pallas_triton", "pallas_tpu"])
+def test_jvp_pallas_interpret(impl, name):
+  _check_jvp(impl, name)
 
 
 def test_jvp_blockwise_bfloat16():
@@ -134,7 +135,7 @@ def test_linearize_matches_jvp():
   _util.assert_close(out, f(*args), jnp.float64, what="linearize primal")
 
 
-@pytest.mark.parametrize("impl", ["blockwise", "pallas_triton"])
+@pytest.mark.parametrize("impl", ["blockwise", "pallas_triton", "pallas_tpu"])
 def test_empty_rows_zero_finite_tangents(impl):
   q, k, v = _util.random_qkv(1, 1, 2, 1, 8, 8, 4)
   mask = jnp.ones((1, 1, 8, 8), bool).at[:, :, 2].set(False)
@@ -167,7 +168,7 @@ def _hvp_loss(impl, name="combo"):
   return loss, (q, k, v, d)
 
 
-@pytest.mark.parametrize("impl", ["blockwise", "pallas_triton"])
+@pytest.mark.parametrize("impl", ["blockwise", "pallas_triton", "pallas_tpu"])
 def test_hvp_forward_over_reverse(impl):
   loss, p = _hvp_loss(impl)
   loss_n, _ = _hvp_loss("naive")
@@ -259,9 +260,9 @@ def _max_array(closed):
   return max(sizes)
 
 
-@pytest.mark.parametrize("impl", ["blockwise", "pallas_triton"])
+@pytest.mark.parametrize("impl", ["blockwise", "pallas_triton", "pallas_tpu"])
 def test_structure_grad_runs_backward_jvp_runs_tangent_pass(impl):
-  Sq = Skv = 64
+  Sq = Skv = 512  # (the TPU family pads head dims to 128 lanes: O(seq * 128) arrays)
   q, k, v = _util.random_qkv(0, 1, 2, 2, Sq, Skv, 8)
   f = lambda q, k, v: flashvjp.flash_attention(q, k, v, implementation=impl, causal=True,
                                                block_q=16, block_kv=16)
@@ -271,11 +272,12 @@ def test_structure_grad_runs_backward_jvp_runs_tangent_pass(impl):
   # and the forward is run once, not differentiated.
   assert "flashvjp_tangent" not in names and "flashvjp_tangent_jvp" not in names
   assert "custom_vjp_call" in str(grad_jaxpr) or "custom_vjp_call_jaxpr" in str(grad_jaxpr)
-  if impl == "pallas_triton":
+  if impl != "blockwise":
     kernels = [str(e.params.get("name", e.params.get("name_and_src_info")))
                for e in _eqns(grad_jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
     assert any("dkdv" in n or "dk" in n for n in kernels), kernels
     assert any("fwd" in n or "forward" in n for n in kernels), kernels
+    assert not any("tangent" in n for n in kernels), kernels
   assert _max_array(grad_jaxpr) < Sq * Skv
   # jvp: the tangent primitive, and nothing of size [seq_q, seq_kv] inside it either.
   t = _tangents_like((q, k, v), 1)
@@ -289,8 +291,8 @@ def test_structure_grad_runs_backward_jvp_runs_tangent_pass(impl):
   assert _max_array(inner) < Sq * Skv, "tangent pass materialises an O(seq^2) array"
   kernels = [str(x.params.get("name", x.params.get("name_and_src_info")))
              for x in _eqns(inner.jaxpr) if x.primitive.name == "pallas_call"]
-  if impl == "pallas_triton":  # the fused tangent kernel, not the blockwise pass
-    assert len(kernels) == 1 and "flashvjp_tangent" in kernels[0], kernels
+  if impl != "blockwise":  # the family's fused tangent kernel, not the blockwise pass
+    assert len(kernels) == 1 and "tangent" in kernels[0], kernels
   else:
     assert not kernels
 
@@ -336,7 +338,7 @@ def test_explain_says_what_forward_mode_runs():
   assert "jvp" in paths and "hvp" in paths
 
 
-@pytest.mark.parametrize("impl", ["blockwise", "pallas_triton"])
+@pytest.mark.parametrize("impl", ["blockwise", "pallas_triton", "pallas_tpu"])
 def test_jvp_mask_mod_and_sinks(impl):
   """mask_mod (its block classes travel as `mod`) and sinks (plain JAX after the op)."""
   q, k, v = _util.random_qkv(6, B, H, HKV, SQ, SQ, D, DV)
@@ -392,3 +394,30 @@ def test_triton_tangent_kernel_lowers_for_cuda(feature, monkeypatch):
       export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(prim, prim)
   text = exp.mlir_module()
   assert "flashvjp_tangent" in text and "flashvjp_fwd" in text
+
+
+@pytest.mark.parametrize("feature", ["causal_gqa", "segments_bias", "alibi_dropout"])
+def test_tpu_tangent_kernel_lowers_for_tpu(feature):
+  """jax.export of jit(jvp) for TPU (no libtpu): the Mosaic lowering of the tangent kernel."""
+  Bn, Hn, Hk, S, Dn = 2, 4, 2, 256, 128
+  sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  q, k, v = sd(Bn, Hn, S, Dn), sd(Bn, Hk, S, Dn), sd(Bn, Hk, S, Dn)
+  bias = sd(1, Hn, S, S) if feature == "segments_bias" else None
+  slopes = jax.ShapeDtypeStruct((Hn,), jnp.float32) if feature == "alibi_dropout" else None
+  kw = dict(causal_gqa=dict(causal=True),
+            segments_bias=dict(segment_ids=jnp.asarray(
+                np.repeat(np.arange(S)[None] * 3 // S, Bn, 0), jnp.int32)),
+            alibi_dropout=dict(causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0),
+                               deterministic=False))[feature]
+
+  def f(q, k, v, bias, slopes):
+    extra = dict(kw)
+    if slopes is not None:
+      extra["score_mod"] = flashvjp.alibi(slopes)
+    return flashvjp.flash_attention(q, k, v, bias=bias, implementation="pallas_tpu",
+                                    interpret=False, return_lse=True, block_q=128,
+                                    block_kv=128, **extra)
+  prim = (q, k, v, bias, slopes)
+  exp = jax.export.export(jax.jit(lambda p, t: jax.jvp(f, p, t)), platforms=["tpu"])(prim, prim)
+  text = exp.mlir_module()
+  assert "flashvjp_tpu_tangent" in text and "flashvjp_tpu_fwd" in text
