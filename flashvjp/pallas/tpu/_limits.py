@@ -11,7 +11,9 @@ up to 256 (zero-padded to 128 lanes), blocks rounded to (8, 128). A score_mod's
 per-position part must be elementwise: no gather / dynamic indexing by q_idx or
 kv_idx (Mosaic has no vector gather), and the per-head values it reads must be
 scalars (they live in SMEM). Per-head indexing such as ALiBi's ``slopes[h]`` is
-precomputed outside the kernels and is fine.
+precomputed outside the kernels and is fine. A mask_mod obeys the same rule
+(`mask_mod_lowering_problem`): prefix_lm, chunked and sliding_window_with_global lower;
+document_causal (doc_ids[b, q_idx]) does not.
 """
 from __future__ import annotations
 

@@ -11,7 +11,9 @@ to 256 (padded to a power of two >= 16), sequence blocks rounded to powers of tw
 >= 16. A score_mod's per-position part must lower to Triton: no gather / dynamic
 indexing by q_idx or kv_idx (per-head indexing such as ALiBi's ``slopes[h]`` is
 precomputed outside the kernels and is fine); checked on its jaxpr when the
-dispatcher passes the score_mod (`score_mod_lowering_problem`).
+dispatcher passes the score_mod (`score_mod_lowering_problem`). A mask_mod obeys the
+same rule (`mask_mod_lowering_problem`): prefix_lm, chunked and
+sliding_window_with_global lower; document_causal (doc_ids[b, q_idx]) does not.
 """
 from __future__ import annotations
 
