@@ -56,8 +56,8 @@ def is_zero(t) -> bool:
   return t is None or isinstance(t, (Zero, SymbolicZero))
 
 
-def instantiate(t, like):
-  """A symbolic zero as a zeros array shaped like `like` (tangent dtype); else t."""
+def instantiate(t):
+  """A symbolic zero as a zeros array of its aval (tangent dtype); else t."""
   if isinstance(t, Zero):
     return ad.instantiate_zeros(t)
   if isinstance(t, SymbolicZero):

@@ -320,6 +320,11 @@ def flash_attention(
   query row with no allowed position gives 0 output, -inf lse (``sinks[h]`` with sinks)
   and zero gradients.
 
+  Differentiable in reverse mode (``jax.grad``: the hand-written backward on the residuals
+  q, k, v, out, lse) and in forward mode (``jax.jvp``, ``jax.linearize``, ``jax.jacfwd``:
+  a fused O(seq)-memory tangent pass), and to second order (Hessian-vector products);
+  see docs/forward_mode.md and ``explain(...).forward_mode``.
+
   Args:
     query: [batch, num_heads, seq_q, head_dim].
     key: [batch, num_kv_heads, seq_kv, head_dim]; num_heads % num_kv_heads == 0 (GQA/MQA).

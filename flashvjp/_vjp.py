@@ -315,7 +315,7 @@ def _tangent_transpose(cts, *flat, cfg, tree, present, levels):
   prim = flat[:n_p]
   if any(isinstance(x, _ac.UndefinedPrimal) for x in prim):
     raise NotImplementedError("flashvjp_tangent is linear in its tangent operands only")
-  dout = _ac.instantiate(ct_out, None)
+  dout = _ac.instantiate(ct_out)
   has_dlse = type(ct_lse) is not _ac.Zero
 
   def bwd(*f):
@@ -343,7 +343,7 @@ def _tangent_transpose(cts, *flat, cfg, tree, present, levels):
 
 def _tangent_jvp_jvp_rule(primals, tangents, **params):
   """Third order and beyond: JAX forward-mode autodiff of the (pure-JAX) second primitive."""
-  tangents = [_ac.instantiate(t, p) for t, p in zip(tangents, primals)]
+  tangents = [_ac.instantiate(t) for t in tangents]
   outs, t_outs = jax.jvp(functools.partial(_tangent_jvp_impl, **params), list(primals),
                          list(tangents))
   return list(outs), list(t_outs)
@@ -371,7 +371,7 @@ def _tangent_jvp_transpose_rule(cts, *flat, cfg, tree, present, dpresent, levels
     raise NotImplementedError("flashvjp_tangent_jvp is linear in its last operands only")
   from flashvjp.blockwise import _impl as blockwise
   cfg_b = dataclasses.replace(cfg, implementation="blockwise")
-  dout = _ac.instantiate(ct_out, None)
+  dout = _ac.instantiate(ct_out)
   has_dlse = type(ct_lse) is not _ac.Zero
   n = cfg.num_diff_consts
 
