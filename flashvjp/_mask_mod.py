@@ -89,7 +89,7 @@ def convert(mask_mod: Callable) -> Tuple[ScalarMaskMod, tuple]:
         f" got {[tuple(a.shape) for a in out_avals]}")
   if out_avals[0].dtype != jnp.bool_:
     raise TypeError(f"mask_mod must return bool (True = may attend), got {out_avals[0].dtype}")
-  consts = tuple(c if isinstance(c, jax.core.Tracer) else jnp.asarray(c) for c in closed.consts)
+  consts = tuple(_score_mod.concrete_const(c) for c in closed.consts)
   return ScalarMaskMod(closed.jaxpr, str(closed.jaxpr)), consts
 
 

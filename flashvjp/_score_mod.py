@@ -126,6 +126,19 @@ def _traced(what, fn, *args, name="score_mod", argnames="(scores, b, h, q_idx, k
         " allowed; use jnp.where / lax.cond instead") from e
 
 
+def concrete_const(c):
+  """A constant of a traced user function, kept concrete where it is.
+
+  A tracer (an array closed over inside the caller's jit) stays as it is; a jax Array
+  too; a numpy-like constant (an array literal built inside the function) becomes a
+  numpy array, not `jnp.asarray(c)`: under the caller's jit that would stage it as a
+  tracer, whose value the elementwise checks could then not read.
+  """
+  if isinstance(c, (jax.core.Tracer, jax.Array)):
+    return c
+  return np.asarray(c)
+
+
 def convert(score_mod: Callable, acc_dtype) -> Tuple[Callable, tuple, int]:
   """Trace `score_mod` on scalars; every array it reads becomes an explicit input.
 
@@ -142,7 +155,7 @@ def convert(score_mod: Callable, acc_dtype) -> Tuple[Callable, tuple, int]:
     raise ValueError(
         "score_mod must be elementwise: called on one scalar score it must return one scalar,"
         f" got {[tuple(a.shape) for a in out_avals]}")
-  consts = [c if isinstance(c, jax.core.Tracer) else jnp.asarray(c) for c in closed.consts]
+  consts = [concrete_const(c) for c in closed.consts]
   inexact = [jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in consts]
   perm = ([n for n, f in enumerate(inexact) if f] + [n for n, f in enumerate(inexact) if not f])
   key = (str(closed.jaxpr), tuple(perm))

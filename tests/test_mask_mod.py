@@ -300,3 +300,20 @@ def test_sinks_errors():
     flashvjp.flash_attention(q, q, q, sinks=jnp.ones(3))
   with pytest.raises(TypeError, match="sinks must be a float array"):
     flashvjp.flash_attention(q, q, q, sinks=jnp.ones(2, jnp.int32))
+
+
+def test_array_literals_built_inside_the_function_under_jit():
+  """A mask_mod / score_mod that builds its array inside its body, first traced inside the
+  caller's jit: its constant stays concrete, so the elementwise check reads its values
+  (a staged constant was once replaced by zeros there, rejecting a valid mask_mod)."""
+  q, k, v = _util.random_qkv(9, B, H, 2, 37, 37, D, dtype=jnp.float64)
+  mm = lambda b, h, qi, kv: kv < jnp.asarray([7, 30])[b]
+  sm = lambda s, b, h, qi, kv: s + jnp.asarray([0.5, -0.25, 1.0, 0.0])[h]
+  f = jax.jit(lambda q, k, v: flashvjp.flash_attention(q, k, v, mask_mod=mm, score_mod=sm,
+                                                       implementation="blockwise"))
+  _, _, qq, kk = _grid(B, 1, 37, 37)
+  dense = kk < np.asarray([7, 30])[:, None, None, None]
+  bias = jnp.asarray([0.5, -0.25, 1.0, 0.0])[None, :, None, None]
+  ref = flashvjp.flash_attention(q, k, v, mask=jnp.asarray(dense), bias=jnp.broadcast_to(bias, (1, H, 37, 37)),
+                                 implementation="naive")
+  _util.assert_close(f(q, k, v), ref, jnp.float64)
