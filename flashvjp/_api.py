@@ -207,8 +207,10 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       mm_blocks, mm_classes = (block_mask.block_q, block_mask.block_kv), block_mask.classes
       mm_uses = (block_mask.classes.shape[0] != 1 or B == 1,
                  block_mask.classes.shape[1] != 1 or H == 1)
-    else:  # classified inside `_run`, at the forward's blocks
-      mm_blocks = (min(blocks.block_q, Sq), min(blocks.block_kv, Skv))
+    else:  # classified inside `_run`, at the smallest of the passes' blocks, so that every
+      # pass's blocks are multiples of it (powers of 2 for Pallas) and its lists exact
+      mm_blocks = (min(blocks.block_q, blocks.dkv[0], blocks.dq[0], Sq),
+                   min(blocks.block_kv, blocks.dkv[1], blocks.dq[1], Skv))
   cfg = AttentionConfig(
       scale=scale, causal=bool(causal), window=window, seq_q=Sq, seq_kv=Skv,
       dropout_rate=float(dropout_rate) if dropout_active else 0.0, blocks=blocks,
