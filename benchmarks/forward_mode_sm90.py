@@ -32,6 +32,8 @@ CASES = {
     "bf16_d64_alibi_dropout": ("bfloat16", 64, 2048, dict(causal=True, alibi=True, dropout=True)),
     "f16_d128_softcap_window": ("float16", 128, 2048, dict(softcap=True, window=(256, 0))),
     "f32_d64_causal_tf32": ("float32", 64, 2048, dict(causal=True)),
+    "f32_d128_causal_tf32": ("float32", 128, 2048, dict(causal=True)),
+    "bf16_d256_causal": ("bfloat16", 256, 2048, dict(causal=True)),
 }
 
 

@@ -22,6 +22,7 @@ by the sm_90 compile check).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 
@@ -118,14 +119,45 @@ def _tangent_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
   r["t_lse"][...] = mu
 
 
+# Shared memory the tangent kernel may plan for (sm_90: 227 KiB per block, some headroom).
+SMEM_BUDGET = 200 * 1024
+
+
+def _geometry(cfg: AttentionConfig, q, k, v, n_kv: int, n_q: int) -> C.Geometry:
+  """The forward's geometry, with blocks shrunk to what the tangent kernel's extra tiles need.
+
+  Per pipeline stage it loads n_kv [bk, D] tiles (k, v, and t_k, t_v when present) instead
+  of the forward's two, and keeps n_q [bq, D] tiles (q, t_q) resident: halve block_kv, then
+  block_q, until num_stages * n_kv * bk * D + n_q * bq * D bytes fit SMEM_BUDGET. Above
+  head dim 128, at most 32 rows (the [bq, Dv] tangent accumulator and the t_q tile: 64 rows
+  spilled at head dim 256). Checked by benchmarks/forward_mode_sm90.py (sm_90a, ptxas).
+  """
+  g = C.geometry(cfg, q.shape, k.shape, v.shape, cfg.blocks.block_q, cfg.blocks.block_kv,
+                 dtype=q.dtype)
+  isz = jnp.dtype(q.dtype).itemsize
+  d = max(g.Dp, g.Dvp)
+  smem = lambda bq, bk: g.num_stages * n_kv * bk * d * isz + n_q * bq * g.Dp * isz
+  bq, bk = g.bq, g.bk
+  while smem(bq, bk) > SMEM_BUDGET and bk > C.MIN_TRITON_DIM:
+    bk //= 2
+  while smem(bq, bk) > SMEM_BUDGET and bq > C.MIN_TRITON_DIM:
+    bq //= 2
+  if d > C.CAPPED_HEAD_DIM:
+    bq = max(C.MIN_TRITON_DIM, min(bq, 32))
+  if (bq, bk) == (g.bq, g.bk):
+    return g
+  warps = g.num_warps if bq >= 64 else min(g.num_warps, 4)
+  return dataclasses.replace(g, bq=bq, bk=bk, num_warps=warps)
+
+
 def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
             tq, tk, tv, tbias, tconsts, mod=None):
   """The fused tangent pass (`flashvjp.blockwise._tangent.tangent`'s interface).
 
   Returns (t_out [B, H, Sq, Dv] in out's dtype, t_lse [B, H, Sq] in lse's dtype).
   """
-  g = C.geometry(cfg, q.shape, k.shape, v.shape, cfg.blocks.block_q, cfg.blocks.block_kv,
-                 dtype=q.dtype)
+  g = _geometry(cfg, q, k, v, n_kv=2 + (tk is not None) + (tv is not None),
+                n_q=1 + (tq is not None))
   acc = C.acc_dtype(q.dtype)
   n_user = cfg.num_diff_consts
   tconsts = tuple(tconsts) if tconsts is not None else (None,) * n_user
