@@ -37,6 +37,11 @@ class _Layout:
     self.nk = _mask.num_blocks(self.Skv, self.bk)
     self.Sqp, self.Skvp = self.nq * self.bq, self.nk * self.bk
     self.acc = jnp.promote_types(q.dtype, jnp.float32)
+    # Matmul operand dtype: 16-bit inputs stay 16-bit in the forward's and backward's dots
+    # (accumulated in float32, with p and dS rounded to it, as the Pallas kernels and
+    # FlashAttention do): on CPUs with bf16 matmul units (AMX, AVX512-BF16) a bf16 tile
+    # product runs 1.6-3.3x faster than a float32 one (benchmarks/results/cpu_roofline.md).
+    self.mm = q.dtype if jnp.dtype(q.dtype).itemsize <= 2 else self.acc
     self.spec = _mask.MaskSpec(cfg.causal, cfg.window, cfg.seq_q, cfg.seq_kv)
 
   # ---- input preparation ---------------------------------------------------
@@ -145,6 +150,15 @@ class _Layout:
 
   def kv_tile(self, x, j):
     return lax.dynamic_slice_in_dim(x, j * self.bk, self.bk, axis=2).astype(self.acc)
+
+  def q_mm(self, x5, i):
+    """`q_tile` in the matmul operand dtype (`mm`)."""
+    t = lax.dynamic_slice_in_dim(x5, i * self.bq, self.bq, axis=3)
+    return t.reshape(self.B, self.Hkv, self.G * self.bq, x5.shape[-1]).astype(self.mm)
+
+  def kv_mm(self, x, j):
+    """`kv_tile` in the matmul operand dtype (`mm`)."""
+    return lax.dynamic_slice_in_dim(x, j * self.bk, self.bk, axis=2).astype(self.mm)
 
 
 def _carry_zero(acc, *refs):
@@ -268,7 +282,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   def body(t, carry):
     ml_all, o_all, walk = carry
     i, j, walk = at(t, walk)
-    s = L.scores(L.q_tile(q5, i), L.kv_tile(kp, j), bias5, i, j)
+    s = L.scores(L.q_mm(q5, i), L.kv_mm(kp, j), bias5, i, j)
     if cfg.score_mod is not None:
       s = _score_mod.apply(cfg.score_mod, consts, s, *L.indices(i, j))
     if masked:
@@ -282,8 +296,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     l = alpha * l + p.sum(axis=-1)
     if cfg.dropout_active:
       p = p * L.keep_scale(seed, i, j)
-    pv = jnp.einsum("bhqk,bhkd->bhqd", p.reshape(L.B, L.Hkv, L.G * L.bq, L.bk),
-                    L.kv_tile(vp, j), preferred_element_type=acc)
+    pv = jnp.einsum("bhqk,bhkd->bhqd", p.reshape(L.B, L.Hkv, L.G * L.bq, L.bk).astype(L.mm),
+                    L.kv_mm(vp, j), preferred_element_type=acc)
     o = alpha[..., None] * o + pv.reshape(L.B, L.Hkv, L.G, L.bq, L.Dv)
     return (_put_rows(ml_all, jnp.stack([m_new, l], axis=-1), i, L.bq),
             _put_rows(o_all, o, i, L.bq), walk)
@@ -333,8 +347,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   def body(t, carry):
     dq, dk, dv, dbias, dconsts, walk = carry
     i, j, walk = at(t, walk)
-    k_blk, v_blk = L.kv_tile(kp, j), L.kv_tile(vp, j)
-    q_blk, do_blk = L.q_tile(q5, i), L.q_tile(do5, i)
+    k_blk, v_blk = L.kv_mm(kp, j), L.kv_mm(vp, j)
+    q_blk, do_blk = L.q_mm(q5, i), L.q_mm(do5, i)
     s = L.scores(q_blk, k_blk, bias5, i, j)
     if cfg.score_mod is not None:
       idx = L.indices(i, j)
@@ -350,7 +364,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     if cfg.dropout_active:
       ks = L.keep_scale(seed, i, j)
       pd, dp = p * ks, dp * ks
-    dv_j = jnp.einsum("bhqk,bhqd->bhkd", pd.reshape(L.B, L.Hkv, L.G * L.bq, L.bk),
+    dv_j = jnp.einsum("bhqk,bhqd->bhkd", pd.reshape(L.B, L.Hkv, L.G * L.bq, L.bk).astype(L.mm),
                       do_blk, preferred_element_type=acc)
     ds = p * (dp - _rows(delta5, i, L.bq)[..., None])
     if cfg.score_mod is not None:
@@ -358,7 +372,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
       dconsts = tuple(a + b.astype(a.dtype) for a, b in zip(dconsts, dc))
     if dbias is not None:
       dbias = _add_bias_tile(L, dbias, ds, i, j)
-    ds4 = ds.reshape(L.B, L.Hkv, L.G * L.bq, L.bk) * jnp.asarray(cfg.scale, acc)
+    ds4 = (ds.reshape(L.B, L.Hkv, L.G * L.bq, L.bk) * jnp.asarray(cfg.scale, acc)).astype(L.mm)
     dk_j = jnp.einsum("bhqk,bhqd->bhkd", ds4, q_blk, preferred_element_type=acc)
     dq_i = jnp.einsum("bhqk,bhkd->bhqd", ds4, k_blk, preferred_element_type=acc)
     dq = _put_rows(dq, _rows(dq, i, L.bq) + dq_i.reshape(L.B, L.Hkv, L.G, L.bq, L.D), i, L.bq)
