@@ -8,6 +8,7 @@ its dots and the findings that would fail triton_sm90.py's gate.
 
     # venv: jax==0.11.2 jaxlib==0.11.2 triton==3.6.0, the project on the path
     python benchmarks/forward_mode_sm90.py     # -> benchmarks/results/forward_mode_sm90.md
+    python benchmarks/forward_mode_sm90.py --gate --out-md /tmp/x.md   # CI: exit 1 on a finding
 """
 from __future__ import annotations
 
@@ -70,7 +71,14 @@ def export_jvp(dtype, D, S, kw) -> str:
 
 
 def main():
+  import argparse
   import warnings
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out-md", default=None,
+                      help="where to write the table (default benchmarks/results/forward_mode_sm90.md)")
+  parser.add_argument("--gate", action="store_true",
+                      help="exit 1 when a tangent kernel fails to compile or has a finding (CI)")
+  args = parser.parse_args()
   warnings.simplefilter("ignore")
   T._abstract_h100()  # pylint: disable=protected-access
   rows = []
@@ -103,9 +111,18 @@ def main():
   for r in rows:
     md.append(f"| {r['case']} | {r['warps']}/{r['stages']} | {r['ok']} | {r['regs']} |"
               f" {r['spill']} | {r['smem']} | {r['mma']} | {r['findings']} |")
-  out = pathlib.Path(ROOT) / "benchmarks" / "results" / "forward_mode_sm90.md"
+  out = pathlib.Path(args.out_md or pathlib.Path(ROOT) / "benchmarks" / "results" /
+                     "forward_mode_sm90.md")
   out.write_text("\n".join(md) + "\n")
   print("wrote", out)
+  bad = [r for r in rows if not r["ok"] or r["findings"] != "none"]
+  if not rows:
+    bad = [dict(case="(none)", kernel="no tangent kernel found")]
+  for r in bad:
+    print(f"FAILING: {r['case']} / {r['kernel']}: {r.get('findings')} {r.get('error') or ''}")
+  print(f"{len(bad)} failing tangent kernel(s) of {len(rows)}")
+  if args.gate and bad:
+    sys.exit(1)
 
 
 if __name__ == "__main__":
