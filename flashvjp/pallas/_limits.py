@@ -80,7 +80,7 @@ def mask_mod_problem(mask_mod, consts, *, lowering, residual_problem):
 
 def supports(*, kernels, interpret_name, compiled_name, score_mod_problem_fn, platform,
              interpret, query_shape, value_shape, dtype, has_score_mod, score_mod,
-             score_mod_consts, mask_mod=None, mask_mod_consts=(), mask_mod_supported=False,
+             score_mod_consts, mask_mod=None, mask_mod_consts=(),
              mask_mod_problem_fn=None):
   """The checks both families make, in order: head dims, dtype, mask_mod, score_mod. (ok, reason).
 
@@ -88,8 +88,6 @@ def supports(*, kernels, interpret_name, compiled_name, score_mod_problem_fn, pl
   (the family's `mask_mod_problem` rules); interpret mode runs any mask_mod.
   """
   D, Dv = query_shape[-1], value_shape[-1]
-  if mask_mod is not None and not mask_mod_supported:
-    return False, f"mask_mod is not implemented in {kernels} yet"
   if max(D, Dv) > MAX_HEAD_DIM:
     return False, (f"head_dim {D} / head_dim_v {Dv}: {kernels} support head dims up to"
                    f" {MAX_HEAD_DIM}")

@@ -59,10 +59,6 @@ def mask_mod_lowering_problem(mask_mod, consts):
                                  residual_problem=_residual_problem)
 
 
-# Whether the kernels apply a mask_mod (its per-tile part) and its block classes.
-MASK_MOD = True
-
-
 def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
              has_score_mod=False, has_dropout=False, score_mod=None, score_mod_consts=(),
              mask_mod=None, mask_mod_consts=()):
@@ -88,4 +84,4 @@ def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
       platform=platform, interpret=interpret, query_shape=query_shape,
       value_shape=value_shape, dtype=dtype, has_score_mod=has_score_mod, score_mod=score_mod,
       score_mod_consts=score_mod_consts, mask_mod=mask_mod, mask_mod_consts=mask_mod_consts,
-      mask_mod_supported=MASK_MOD, mask_mod_problem_fn=mask_mod_lowering_problem)
+      mask_mod_problem_fn=mask_mod_lowering_problem)
