@@ -94,9 +94,13 @@ def _cases():
 CASES = _cases()
 
 
-def run_case(impl, name, dtype, *, return_lse=True, block_q=BLOCK_Q, block_kv=BLOCK_KV, extra=None,
-             seed=0):
-  """(value, grads) of a weighted loss of (out, lse) for implementation `impl`."""
+def case_problem(name, dtype, seed=0):
+  """The inputs of a case: (q, k, v, dims, arrays, with_diff).
+
+  `arrays` are the case's differentiable arrays by name (bias, sinks, score_mod's table or
+  slopes); ``with_diff(d, **extra)`` gives the flash_attention kwargs of the case with the
+  arrays of `d` (same names) in place, plus `extra`.
+  """
   shape, make = CASES[name]
   dims = dict(B=B, H=H, Hkv=HKV, Sq=SQ, Skv=SKV, D=D, Dv=DV)
   dims.update(shape)
@@ -104,26 +108,36 @@ def run_case(impl, name, dtype, *, return_lse=True, block_q=BLOCK_Q, block_kv=BL
                              dims["D"], dims["Dv"], dtype)
   kw = make(dtype)
   diff = kw.pop("diff", {})
+  arrays = {n: (x[1] if isinstance(x, tuple) else x) for n, x in diff.items()}
+
+  def with_diff(d, **extra):
+    args = dict(kw, **extra)
+    for n in ("bias", "sinks"):
+      if n in d:
+        args[n] = d[n]
+    if "score_mod" in d:
+      args["score_mod"] = diff["score_mod"][0](d["score_mod"])
+    return args
+
+  return q, k, v, dims, arrays, with_diff
+
+
+def run_case(impl, name, dtype, *, return_lse=True, block_q=BLOCK_Q, block_kv=BLOCK_KV, extra=None,
+             seed=0):
+  """(value, grads) of a weighted loss of (out, lse) for implementation `impl`."""
+  q, k, v, dims, d, with_diff = case_problem(name, dtype, seed)
   if impl == "naive":
-    q, k, v = _util.as64((q, k, v))
-    diff = {n: ((x[0], x[1].astype(jnp.float64)) if isinstance(x, tuple) else x.astype(jnp.float64))
-            for n, x in diff.items()}
-  kw.update(extra or {})
+    q, k, v, d = _util.as64((q, k, v, d))
+  extra = dict(extra or {})
   if impl != "naive":
-    kw.update(block_q=block_q, block_kv=block_kv)
+    extra.update(block_q=block_q, block_kv=block_kv)
   kr = jax.random.split(jax.random.key(seed + 100), 2)
   w_out = jax.random.normal(kr[0], (dims["B"], dims["H"], dims["Sq"], dims["Dv"]), jnp.float64)
   w_lse = jax.random.normal(kr[1], (dims["B"], dims["H"], dims["Sq"]), jnp.float64)
 
   def loss(q, k, v, d):
-    args = dict(kw)
-    if "bias" in d:
-      args["bias"] = d["bias"]
-    if "sinks" in d:
-      args["sinks"] = d["sinks"]
-    if "score_mod" in d:
-      args["score_mod"] = diff["score_mod"][0](d["score_mod"])
-    res = flashvjp.flash_attention(q, k, v, implementation=impl, return_lse=return_lse, **args)
+    res = flashvjp.flash_attention(q, k, v, implementation=impl, return_lse=return_lse,
+                                   **with_diff(d, **extra))
     out, lse = res if return_lse else (res, None)
     total = jnp.sum(out.astype(jnp.float64) * w_out)
     if lse is not None:
@@ -131,7 +145,6 @@ def run_case(impl, name, dtype, *, return_lse=True, block_q=BLOCK_Q, block_kv=BL
       total = total + jnp.sum(jnp.where(jnp.isfinite(lse64), lse64, 0.0) * w_lse)
     return total, res
 
-  d = {n: (x[1] if isinstance(x, tuple) else x) for n, x in diff.items()}
   (val, res), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, d)
   return res, grads
 

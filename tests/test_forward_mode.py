@@ -16,7 +16,8 @@ import pytest
 import flashvjp
 from flashvjp import _vjp
 from tests import _util
-from tests.attention_base import B, BLOCK_KV, BLOCK_Q, CASES, D, DV, H, HKV, SKV, SQ
+from tests import attention_base
+from tests.attention_base import B, BLOCK_KV, BLOCK_Q, CASES, D, DV, H, HKV, SQ
 
 # Every feature of the shared base (ragged lengths 37/45 with blocks of 16: padding).
 BLOCKWISE_CASES = sorted(CASES)
@@ -26,23 +27,8 @@ TPU_CASES = ("causal", "mask_dense", "alibi", "dropout", "combo")  # (the rest: 
 
 
 def _problem(name, dtype, seed=0):
-  """(q, k, v, diff dict, kwargs, make(diff) -> kwargs with the diff arrays, dims)."""
-  shape, make = CASES[name]
-  dims = dict(B=B, H=H, Hkv=HKV, Sq=SQ, Skv=SKV, D=D, Dv=DV)
-  dims.update(shape)
-  q, k, v = _util.random_qkv(seed, dims["B"], dims["H"], dims["Hkv"], dims["Sq"], dims["Skv"],
-                             dims["D"], dims["Dv"], dtype)
-  kw = make(dtype)
-  diff = kw.pop("diff", {})
-  arrays = {n: (x[1] if isinstance(x, tuple) else x) for n, x in diff.items()}
-
-  def with_diff(d):
-    args = dict(kw)
-    if "bias" in d:
-      args["bias"] = d["bias"]
-    if "score_mod" in d:
-      args["score_mod"] = diff["score_mod"][0](d["score_mod"])
-    return args
+  """(q, k, v, diff arrays, with_diff(d) -> kwargs with the diff arrays): the shared base's."""
+  q, k, v, _, arrays, with_diff = attention_base.case_problem(name, dtype, seed)
   return q, k, v, arrays, with_diff
 
 
