@@ -63,14 +63,9 @@ class ScalarMaskMod:
     (out,) = jax.core.eval_jaxpr(self._jaxpr, list(consts), b, h, q, kv)
     return out
 
-  def __eq__(self, other):
-    return isinstance(other, ScalarMaskMod) and self._key == other._key
-
-  def __hash__(self):
-    return hash(self._key)
-
-  def __repr__(self):
-    return f"ScalarMaskMod({self._key[:60]!r}...)"
+  __eq__ = _score_mod.keyed_eq
+  __hash__ = _score_mod.keyed_hash
+  __repr__ = _score_mod.keyed_repr
 
 
 def _traced(what, fn, *args):

@@ -81,6 +81,20 @@ def relative_position_bias(table: jax.Array, max_distance: int) -> ScoreMod:
   return mod
 
 
+# Equality, hash and repr of a function traced on scalars (`ScalarScoreMod`,
+# `flashvjp._mask_mod.ScalarMaskMod`): those of its traced computation, `self._key`.
+def keyed_eq(self, other):
+  return type(other) is type(self) and self._key == other._key  # pylint: disable=protected-access
+
+
+def keyed_hash(self):
+  return hash(self._key)  # pylint: disable=protected-access
+
+
+def keyed_repr(self):
+  return f"{type(self).__name__}({self._key[:60]!r}...)"  # pylint: disable=protected-access
+
+
 class ScalarScoreMod:
   """A score_mod traced on scalars: ``fn(s, b, h, q, kv, *consts) -> s``.
 
@@ -103,14 +117,7 @@ class ScalarScoreMod:
     (out,) = jax.core.eval_jaxpr(self._jaxpr, orig, s, b, h, q, kv)
     return out
 
-  def __eq__(self, other):
-    return isinstance(other, ScalarScoreMod) and self._key == other._key
-
-  def __hash__(self):
-    return hash(self._key)
-
-  def __repr__(self):
-    return f"ScalarScoreMod({self._key[:60]!r}...)"
+  __eq__, __hash__, __repr__ = keyed_eq, keyed_hash, keyed_repr
 
 
 def _traced(what, fn, *args, name="score_mod", argnames="(scores, b, h, q_idx, kv_idx)"):
