@@ -52,3 +52,23 @@ def random_qkv(seed, B, H, Hkv, Sq, Skv, D, Dv=None, dtype=jnp.float32):
 def as64(x):
   return jax.tree_util.tree_map(
       lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, x)
+
+
+def check_debug_infs_grads(impl):
+  """Random float64 inputs, key lengths and a causal mask (padded rows and masked entries
+  in every kernel): forward and backward of `impl` run op by op under jax.debug_infs
+  (jax.disable_jit: every pallas_call's outputs and every XLA op outside are checked),
+  and match float64 naive attention."""
+  rng = np.random.default_rng(3)
+  q, k, v = (rng.standard_normal((2, n, 4, 8)) for n in (7, 9, 9))
+  lengths = np.array([4, 9], np.int32)
+
+  def loss(impl_, q, k, v):
+    out = flashvjp.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, is_causal=True,
+                                         implementation=impl_)
+    return jnp.sum(jnp.sin(out))
+
+  with jax.debug_infs(True), jax.disable_jit():
+    got = jax.value_and_grad(lambda *a: loss(impl, *a), (0, 1, 2))(q, k, v)
+  ref = jax.value_and_grad(lambda *a: loss("naive", *a), (0, 1, 2))(q, k, v)
+  assert_close(got, ref, jnp.float64, what=f"{impl}/debug_infs")

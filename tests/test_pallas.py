@@ -291,23 +291,8 @@ def test_debug_infs_empty_query_rows_without_lse(impl):
 
 
 def test_debug_infs_grads_every_kernel_output_finite():
-  """Random float64 inputs, key lengths and a causal mask (padded rows and masked
-  entries in every kernel): forward and backward run op by op under jax.debug_infs
-  (jax.disable_jit: every pallas_call's outputs and every XLA op outside are checked),
-  and match float64 naive attention."""
-  rng = np.random.default_rng(3)
-  q, k, v = (rng.standard_normal((2, n, 4, 8)) for n in (7, 9, 9))
-  lengths = np.array([4, 9], np.int32)
-
-  def loss(impl, q, k, v):
-    out = flashvjp.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, is_causal=True,
-                                         implementation=impl)
-    return jnp.sum(jnp.sin(out))
-
-  with jax.debug_infs(True), jax.disable_jit():
-    got = jax.value_and_grad(lambda *a: loss("pallas", *a), (0, 1, 2))(q, k, v)
-  ref = jax.value_and_grad(lambda *a: loss("naive", *a), (0, 1, 2))(q, k, v)
-  _util.assert_close(got, ref, jnp.float64, what="pallas/debug_infs")
+  """Every kernel output finite under jax.debug_infs, forward and backward (`_util`)."""
+  _util.check_debug_infs_grads("pallas")
 
 
 # ---- limits ------------------------------------------------------------------------

@@ -209,22 +209,8 @@ def test_debug_infs_regression_case_and_empty_rows():
 
 
 def test_debug_infs_grads_every_kernel_output_finite():
-  """Key lengths and a causal mask (padded rows and masked entries in every kernel):
-  forward and backward op by op under jax.debug_infs (jax.disable_jit checks every
-  pallas_call's outputs and every XLA op outside), against float64 naive attention."""
-  rng = np.random.default_rng(3)
-  q, k, v = (rng.standard_normal((2, n, 4, 8)) for n in (7, 9, 9))
-  lengths = np.array([4, 9], np.int32)
-
-  def loss(impl, q, k, v):
-    out = flashvjp.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, is_causal=True,
-                                         implementation=impl)
-    return jnp.sum(jnp.sin(out))
-
-  with jax.debug_infs(True), jax.disable_jit():
-    got = jax.value_and_grad(lambda *a: loss("pallas_tpu", *a), (0, 1, 2))(q, k, v)
-  ref = jax.value_and_grad(lambda *a: loss("naive", *a), (0, 1, 2))(q, k, v)
-  _util.assert_close(got, ref, jnp.float64, what="pallas_tpu/debug_infs")
+  """Every kernel output finite under jax.debug_infs, forward and backward (`_util`)."""
+  _util.check_debug_infs_grads("pallas_tpu")
 
 
 # ---- dispatch -------------------------------------------------------------------------
