@@ -51,7 +51,8 @@ class _Layout:
     return x.reshape((self.B, self.Hkv, self.G) + x.shape[2:])
 
   def kv(self, x):
-    return _mask.pad_axis(x, 2, self.Skvp, keep_broadcast=False)
+    """[B, Hkv, Skv, X] -> padded [B, Hkv, 1, Skvp, X]: the q side's rank (see `q5`)."""
+    return _mask.pad_axis(x, 2, self.Skvp, keep_broadcast=False)[:, :, None]
 
   def pad_pair(self, x):
     """A rank-4 bias/mask (dims 1 or full), padded along its full seq dims."""
@@ -108,25 +109,37 @@ class _Layout:
       x5 = lax.dynamic_slice_in_dim(x5, j * self.bk, self.bk, axis=4)
     return x5
 
-  def indices(self, i, j):
-    """Global (b, h, q, kv) index tiles, broadcastable to [B, Hkv, G, bq, bk]."""
+  def indices(self, i, j, t=False):
+    """Global (b, h, q, kv) index tiles, broadcastable to the tile layout.
+
+    The layout is [B, Hkv, G, bq, bk], or with t=True the backward's transposed
+    [B, Hkv, bk, G, bq] (`_t`).
+    """
     b = jnp.arange(self.B, dtype=jnp.int32).reshape(self.B, 1, 1, 1, 1)
     h = jnp.arange(self.H, dtype=jnp.int32).reshape(1, self.Hkv, self.G, 1, 1)
     qi = (i * self.bq + jnp.arange(self.bq, dtype=jnp.int32)).reshape(1, 1, 1, self.bq, 1)
     ki = (j * self.bk + jnp.arange(self.bk, dtype=jnp.int32)).reshape(1, 1, 1, 1, self.bk)
-    return b, h, qi, ki
+    return tuple(map(_t, (b, h, qi, ki))) if t else (b, h, qi, ki)
 
-  def allowed(self, i, j, q_seg, kv_seg, mask5, mod=None):
-    b, h, qi, ki = self.indices(i, j)
+  def allowed(self, i, j, q_seg, kv_seg, mask5, mod=None, t=False):
+    b, h, qi, ki = self.indices(i, j, t)
     qs = ks = None
     if q_seg is not None:
       qs = lax.dynamic_slice_in_dim(q_seg, i * self.bq, self.bq, 1)[:, None, None, :, None]
       ks = lax.dynamic_slice_in_dim(kv_seg, j * self.bk, self.bk, 1)[:, None, None, None, :]
+      if t:
+        qs, ks = _t(qs), _t(ks)
     dense = self.pair_tile(mask5, i, j)
+    if t and dense is not None:
+      dense = _t(dense)
     if mod is not None:
       ok = _mask_mod.tile_allowed(self.cfg.mask_mod, mod.consts, b, h, qi, ki, self.Sq, self.Skv)
       dense = ok if dense is None else (dense & ok)
-    return self.spec.allowed(qi, ki, q_seg=qs, kv_seg=ks, dense=dense)
+    ok = self.spec.allowed(qi, ki, q_seg=qs, kv_seg=ks, dense=dense)
+    # Materialised once per tile (it broadcasts over batch and heads unless segment ids,
+    # a dense mask or a mask_mod vary there): otherwise XLA recomputes the predicate in
+    # every fusion that reads it, per head (causal forward 18% slower at seq 4096).
+    return lax.optimization_barrier(ok)
 
   def scores(self, q_blk, k_blk, bias5, i, j):
     """scale * q k^T (+ bias) as [B, Hkv, G, bq, bk] in the accumulation dtype."""
@@ -136,9 +149,17 @@ class _Layout:
       s = s + self.pair_tile(bias5, i, j).astype(self.acc)
     return s
 
-  def keep_scale(self, seed, i, j):
+  def scores_t(self, q_blk, k_blk, bias5, i, j):
+    """`scores` in the transposed layout [B, Hkv, bk, G, bq]: k q^T."""
+    s = jnp.einsum("bhkd,bhqd->bhkq", k_blk, q_blk, preferred_element_type=self.acc)
+    s = s.reshape(self.B, self.Hkv, self.bk, self.G, self.bq) * jnp.asarray(self.cfg.scale, self.acc)
+    if bias5 is not None:
+      s = s + _t(self.pair_tile(bias5, i, j)).astype(self.acc)
+    return s
+
+  def keep_scale(self, seed, i, j, t=False):
     """Dropout multiplier tile: 1/(1-rate) where kept, 0 where dropped."""
-    b, h, qi, ki = self.indices(i, j)
+    b, h, qi, ki = self.indices(i, j, t)
     keep = _dropout.keep(seed[0], seed[1], b, h, qi, ki, self.cfg.dropout_rate,
                          self.cfg.dropout_broadcast)
     return jnp.where(keep, jnp.asarray(1.0 / (1.0 - self.cfg.dropout_rate), self.acc), 0.0)
@@ -148,8 +169,9 @@ class _Layout:
     t = lax.dynamic_slice_in_dim(x5, i * self.bq, self.bq, axis=3)
     return t.reshape(self.B, self.Hkv, self.G * self.bq, x5.shape[-1]).astype(self.acc)
 
-  def kv_tile(self, x, j):
-    return lax.dynamic_slice_in_dim(x, j * self.bk, self.bk, axis=2).astype(self.acc)
+  def kv_tile(self, x5, j):
+    """[B, Hkv, 1, Skvp, X] -> [B, Hkv, bk, X] tile of kv block j in the accumulation dtype."""
+    return self.kv_mm(x5, j).astype(self.acc)
 
   def q_mm(self, x5, i):
     """`q_tile` in the matmul operand dtype (`mm`)."""
@@ -158,7 +180,13 @@ class _Layout:
 
   def kv_mm(self, x, j):
     """`kv_tile` in the matmul operand dtype (`mm`)."""
-    return lax.dynamic_slice_in_dim(x, j * self.bk, self.bk, axis=2).astype(self.mm)
+    t = lax.dynamic_slice_in_dim(x, j * self.bk, self.bk, axis=3)
+    return t.reshape(self.B, self.Hkv, self.bk, x.shape[-1]).astype(self.mm)
+
+
+def _t(x):
+  """[B, Hkv, G, bq, bk] (any dims broadcast) -> the backward's [B, Hkv, bk, G, bq]."""
+  return jnp.transpose(x, (0, 1, 4, 2, 3))
 
 
 def _carry_zero(acc, *refs):
@@ -318,12 +346,20 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
 
 def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
              out, lse, dout, dlse, mod=None):
-  """Hand-written backward. Returns (dq, dk, dv, dbias or None, dconsts (differentiable ones))."""
+  """Hand-written backward. Returns (dq, dk, dv, dbias or None, dconsts (differentiable ones)).
+
+  Tiles are kv-major ([B, Hkv, bk, G, bq]: s^T = k q^T), so that all five products are
+  plain [M, K] x [K, N] matmuls: dV = P^T dO, dK = dS^T Q, and dQ^T = K^T dS^T (dQ is
+  accumulated transposed and transposed once at the end). With q-major tiles dK and dV
+  contract over the tile's first axis, which XLA:CPU runs as a transposed-operand dot:
+  2.3x slower in float32 and 8x in bfloat16 (benchmarks/results/cpu_roofline.md).
+  """
   bq, bk = cfg.blocks.dkv
   L = _Layout(cfg, q, k, v, bq, bk)
   acc = L.acc
   q5, do5 = L.q5(q), L.q5(dout)
   kp, vp = L.kv(k), L.kv(v)
+  kTp = jnp.swapaxes(kp, 3, 4)  # [B, Hkv, 1, D, Skvp]: K^T tiles for dQ^T = K^T dS^T
   bias_p, mask_p = L.pad_pair(bias), L.pad_pair(mask)
   bias5, mask5 = L.pair5(bias_p), L.pair5(mask_p)
   q_seg, kv_seg = L.segs(q_seg, kv_seg)
@@ -332,6 +368,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   n_diff = cfg.num_diff_consts
   diff_consts, fixed_consts = tuple(consts[:n_diff]), tuple(consts[n_diff:])
   count, walk0, at = _pairs(L, table, "kv")
+  tile_t = (L.B, L.Hkv, L.bk, L.G * L.bq)
 
   # delta = rowsum(dO * O) - dlse; rows that are empty (lse = -inf) or padding get
   # lse = +inf so that exp(s - lse) = 0 there: zero, finite gradients.
@@ -342,56 +379,63 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   lse5 = L.q5(jnp.pad(lse_b, ((0, 0), (0, 0), (0, L.Sqp - L.Sq)), constant_values=jnp.inf))
   delta5 = L.q5(delta)
 
-  # One loop over the flat pair list (kv-block major). dQ, dK and dV are O(seq)
+  def row_t(x5, i):
+    """[B, Hkv, G, Sqp] per-row values of q block i, broadcast along the kv axis of a tile."""
+    return _rows(x5, i, L.bq)[:, :, None]
+
+  # One loop over the flat pair list (kv-block major). dQ^T, dK and dV are O(seq)
   # accumulators in the accumulation dtype; each step adds its tile in place.
   def body(t, carry):
-    dq, dk, dv, dbias, dconsts, walk = carry
+    dqT, dk, dv, dbias, dconsts, walk = carry
     i, j, walk = at(t, walk)
     k_blk, v_blk = L.kv_mm(kp, j), L.kv_mm(vp, j)
     q_blk, do_blk = L.q_mm(q5, i), L.q_mm(do5, i)
-    s = L.scores(q_blk, k_blk, bias5, i, j)
+    s = L.scores_t(q_blk, k_blk, bias5, i, j)
     if cfg.score_mod is not None:
-      idx = L.indices(i, j)
+      idx = L.indices(i, j, t=True)
       s, sm_vjp = jax.vjp(
           lambda s_, c_: _score_mod.apply(cfg.score_mod, c_ + fixed_consts, s_, *idx),
           s, diff_consts)
     if masked:
-      s = jnp.where(L.allowed(i, j, q_seg, kv_seg, mask5, mod), s, -jnp.inf)
-    p = jnp.exp(s - _rows(lse5, i, L.bq)[..., None])
-    dp = jnp.einsum("bhqd,bhkd->bhqk", do_blk, v_blk, preferred_element_type=acc)
+      s = jnp.where(L.allowed(i, j, q_seg, kv_seg, mask5, mod, t=True), s, -jnp.inf)
+    p = jnp.exp(s - row_t(lse5, i))
+    dp = jnp.einsum("bhkd,bhqd->bhkq", v_blk, do_blk, preferred_element_type=acc)
     dp = dp.reshape(p.shape)
     pd = p
     if cfg.dropout_active:
-      ks = L.keep_scale(seed, i, j)
+      ks = L.keep_scale(seed, i, j, t=True)
       pd, dp = p * ks, dp * ks
-    dv_j = jnp.einsum("bhqk,bhqd->bhkd", pd.reshape(L.B, L.Hkv, L.G * L.bq, L.bk).astype(L.mm),
-                      do_blk, preferred_element_type=acc)
-    ds = p * (dp - _rows(delta5, i, L.bq)[..., None])
+    dv_j = jnp.einsum("bhkq,bhqd->bhkd", pd.reshape(tile_t).astype(L.mm), do_blk,
+                      preferred_element_type=acc)
+    ds = p * (dp - row_t(delta5, i))
     if cfg.score_mod is not None:
       ds, dc = sm_vjp(ds)
       dconsts = tuple(a + b.astype(a.dtype) for a, b in zip(dconsts, dc))
     if dbias is not None:
-      dbias = _add_bias_tile(L, dbias, ds, i, j)
-    ds4 = (ds.reshape(L.B, L.Hkv, L.G * L.bq, L.bk) * jnp.asarray(cfg.scale, acc)).astype(L.mm)
-    dk_j = jnp.einsum("bhqk,bhqd->bhkd", ds4, q_blk, preferred_element_type=acc)
-    dq_i = jnp.einsum("bhqk,bhkd->bhqd", ds4, k_blk, preferred_element_type=acc)
-    dq = _put_rows(dq, _rows(dq, i, L.bq) + dq_i.reshape(L.B, L.Hkv, L.G, L.bq, L.D), i, L.bq)
-    dk = _put_rows(dk, _rows(dk, j, L.bk, 2) + dk_j, j, L.bk, 2)
-    dv = _put_rows(dv, _rows(dv, j, L.bk, 2) + dv_j, j, L.bk, 2)
-    return dq, dk, dv, dbias, dconsts, walk
+      dbias = _add_bias_tile(L, dbias, jnp.transpose(ds, (0, 1, 3, 4, 2)), i, j)
+    ds4 = (ds.reshape(tile_t) * jnp.asarray(cfg.scale, acc)).astype(L.mm)
+    dk_j = jnp.einsum("bhkq,bhqd->bhkd", ds4, q_blk, preferred_element_type=acc)
+    kT_blk = _rows(kTp, j, L.bk, axis=4).reshape(L.B, L.Hkv, L.D, L.bk).astype(L.mm)
+    dqT_i = jnp.einsum("bhdk,bhkq->bhdq", kT_blk, ds4, preferred_element_type=acc)
+    dqT_i = dqT_i.reshape(L.B, L.Hkv, L.D, L.G, L.bq)
+    dqT = _put_rows(dqT, _rows(dqT, i, L.bq, 4) + dqT_i, i, L.bq, 4)
+    dk = _put_rows(dk, _rows(dk, j, L.bk) + dk_j[:, :, None], j, L.bk)
+    dv = _put_rows(dv, _rows(dv, j, L.bk) + dv_j[:, :, None], j, L.bk)
+    return dqT, dk, dv, dbias, dconsts, walk
 
   z0 = _carry_zero(acc, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse,
                    mod)
-  dq0 = jnp.zeros((L.B, L.Hkv, L.G, L.Sqp, L.D), acc) + z0
-  dk0 = jnp.zeros((L.B, L.Hkv, L.Skvp, L.D), acc) + z0
-  dv0 = jnp.zeros((L.B, L.Hkv, L.Skvp, L.Dv), acc) + z0
+  dqT0 = jnp.zeros((L.B, L.Hkv, L.D, L.G, L.Sqp), acc) + z0
+  dk0 = jnp.zeros((L.B, L.Hkv, 1, L.Skvp, L.D), acc) + z0
+  dv0 = jnp.zeros((L.B, L.Hkv, 1, L.Skvp, L.Dv), acc) + z0
   dbias0 = None if bias is None else jnp.zeros(bias5.shape, acc) + z0
   dconsts0 = tuple(jnp.zeros(jnp.shape(c), jnp.promote_types(jnp.result_type(c), acc))
                    + z0.astype(jnp.promote_types(jnp.result_type(c), acc)) for c in diff_consts)
-  dq, dk, dv, dbias, dconsts, _ = lax.fori_loop(
-      0, count, body, (dq0, dk0, dv0, dbias0, dconsts0, walk0))
-  dq = dq.reshape(L.B, L.H, L.Sqp, L.D)[:, :, : L.Sq].astype(q.dtype)
-  dk, dv = dk[:, :, : L.Skv], dv[:, :, : L.Skv]
+  dqT, dk, dv, dbias, dconsts, _ = lax.fori_loop(
+      0, count, body, (dqT0, dk0, dv0, dbias0, dconsts0, walk0))
+  dq = jnp.transpose(dqT, (0, 1, 3, 4, 2)).reshape(L.B, L.H, L.Sqp, L.D)[:, :, : L.Sq]
+  dq = dq.astype(q.dtype)
+  dk, dv = dk[:, :, 0, : L.Skv], dv[:, :, 0, : L.Skv]
   if dbias is not None:
     dbias = dbias.reshape(bias_p.shape)[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
   dconsts = tuple(d.astype(jnp.result_type(c)) for d, c in zip(dconsts, diff_consts))
