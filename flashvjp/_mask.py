@@ -31,6 +31,14 @@ import numpy as np
 from jax import lax
 
 
+def _block_span(lo, hi, block: int, num_blocks: int):
+  """The blocks [lo_b, hi_b) holding positions [lo, hi) (empty when lo >= hi)."""
+  lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+  hi_b = jnp.clip((hi + block - 1) // block, 0, num_blocks)
+  hi_b = jnp.where(lo >= hi, 0, hi_b)
+  return jnp.minimum(lo // block, hi_b), hi_b
+
+
 @dataclasses.dataclass(frozen=True)
 class MaskSpec:
   """The static part of the mask model."""
@@ -92,19 +100,15 @@ class MaskSpec:
 
   def kv_block_range(self, q_block, block_q, block_kv, num_kv_blocks):
     """[lo, hi) of kv block indices that q block `q_block` must visit."""
-    lo, hi = self.kv_range(q_block * block_q, (q_block + 1) * block_q)
-    lo_b = jnp.asarray(lo, jnp.int32) // block_kv
-    hi_b = (jnp.asarray(hi, jnp.int32) + block_kv - 1) // block_kv
-    hi_b = jnp.clip(hi_b, 0, num_kv_blocks)
-    return jnp.minimum(lo_b, hi_b), hi_b
+    # Padding rows past seq_q attend nothing: the block's real rows decide its range.
+    lo, hi = self.kv_range(q_block * block_q, jnp.minimum((q_block + 1) * block_q, self.seq_q))
+    return _block_span(lo, hi, block_kv, num_kv_blocks)
 
   def q_block_range(self, kv_block, block_q, block_kv, num_q_blocks):
     """[lo, hi) of q block indices that visit kv block `kv_block`."""
-    lo, hi = self.q_range(kv_block * block_kv, (kv_block + 1) * block_kv)
-    lo_b = jnp.asarray(lo, jnp.int32) // block_q
-    hi_b = (jnp.asarray(hi, jnp.int32) + block_q - 1) // block_q
-    hi_b = jnp.clip(hi_b, 0, num_q_blocks)
-    return jnp.minimum(lo_b, hi_b), hi_b
+    lo, hi = self.q_range(kv_block * block_kv,
+                          jnp.minimum((kv_block + 1) * block_kv, self.seq_kv))
+    return _block_span(lo, hi, block_q, num_q_blocks)
 
   # ---- block classification: blocks that need no elementwise mask -----------
   # Causal, window and kv padding remove a contiguous band of block pairs; blocks
