@@ -12,8 +12,12 @@ Parts:
      [H, bk, D]) at several tile sizes: the ceiling a blockwise loop of such dots has;
   2. a blockwise causal forward skeleton with the same loop structure as flashvjp's,
      built up step by step: dots only; + online softmax (max, exp, sum); + the causal mask;
+  1b. the backward's products written as a transposed-operand dot (dS^T Q: contracting the
+     tile's first axis) against the same product as a plain [M, K] x [K, N] dot;
   3. flashvjp's blockwise forward and forward+backward, causal and full, float32 and
-     bfloat16, at seq 1k-8k (--seqs adds 16k; --quick: 4k).
+     bfloat16, at seq 1k-8k (--seqs adds 16k; --quick: 4k), with jax.nn's XLA path timed
+     in the same run up to seq 4096 (its S x S scores need 2+ GiB beyond), and the shares
+     recorded before this session's changes (BEFORE) next to today's.
 
     python benchmarks/cpu_roofline.py            # -> benchmarks/results/cpu_roofline.md
     python benchmarks/cpu_roofline.py --quick    # seq 4096 only, nothing written
@@ -78,6 +82,26 @@ def tile_rows():
   return rows
 
 
+def transposed_rows(bq=256, bk=256):
+  """The backward's dV = P^T dO as a transposed-operand dot vs a plain one, f32 and bf16."""
+  rows = []
+  for dtype in ("float32", "bfloat16"):
+    p = jnp.ones((H, bq, bk), dtype)
+    d = jnp.ones((H, bq, D), dtype)
+    pt = jnp.ones((H, bk, bq), dtype)
+    fl = 2.0 * H * bq * bk * D
+    f32 = jnp.float32
+    _, s_t = share(fl, jax.jit(lambda a, b: jnp.einsum("hqk,hqd->hkd", a, b,
+                                                       preferred_element_type=f32)),
+                   p, d, dtype=dtype)
+    _, s_n = share(fl, jax.jit(lambda a, b: jnp.einsum("hkq,hqd->hkd", a, b,
+                                                       preferred_element_type=f32)),
+                   pt, d, dtype=dtype)
+    rows.append((dtype, s_t, s_n))
+    print(f"{dtype} P^T dO: transposed operand {s_t:.2f}, plain {s_n:.2f}", flush=True)
+  return rows
+
+
 def skeleton(q, k, v, *, stage, block=256):
   """A causal blockwise forward with flashvjp's loop structure (flat pair list, in-place
   row carries), up to `stage`: "dots", "softmax" (+ running max, exp, sum), "mask"."""
@@ -128,6 +152,15 @@ def skeleton_rows(S=4096):
   return rows
 
 
+JAX_NN_MAX_SEQ = 4096
+
+
+def jax_nn_attention(q, k, v, causal):
+  t = lambda x: jnp.swapaxes(x, 1, 2)  # jax.nn's layout is [B, S, H, D]
+  return t(jax.nn.dot_product_attention(t(q), t(k), t(v), is_causal=causal,
+                                        implementation="xla"))
+
+
 def flashvjp_rows(seqs, dtypes):
   rows = []
   for dtype in dtypes:
@@ -141,10 +174,66 @@ def flashvjp_rows(seqs, dtypes):
         tf, sf = share(fl, jax.jit(attn), q, k, v, dtype=dtype)
         loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32))
         tb, sb = share(3.5 * fl, jax.jit(jax.grad(loss, (0, 1, 2))), q, k, v, dtype=dtype)
-        rows.append((dtype, S, causal, tf, sf, tb, sb))
+        jn = None
+        if S <= JAX_NN_MAX_SEQ:
+          jloss = lambda q, k, v: jnp.sum(jax_nn_attention(q, k, v, causal).astype(jnp.float32))
+          jn = cpu_time(jax.jit(jax.grad(jloss, (0, 1, 2))), q, k, v)
+        rows.append((dtype, S, causal, tf, sf, tb, sb, jn))
+        ratio = "" if jn is None else f", {tb / jn:.2f}x jax.nn"
         print(f"flashvjp {dtype} S={S} causal={causal}: fwd {1e3 * tf:.0f} ms share {sf:.2f},"
-              f" fwd+bwd {1e3 * tb:.0f} ms share {sb:.2f}", flush=True)
+              f" fwd+bwd {1e3 * tb:.0f} ms share {sb:.2f}{ratio}", flush=True)
   return rows
+
+
+# Shares recorded by this script before the kv-major backward, the per-tile mask and the
+# K/V rank change (2026-12-03, earlier the same day; float32 was also what the issue's
+# first measurement saw: 0.51 causal / 0.54 full at seq 4096 in wall time).
+# (dtype, seq, causal) -> (fwd share, fwd+bwd share)
+BEFORE = {
+    ("float32", 1024, True): (0.35, 0.37), ("float32", 1024, False): (0.47, 0.45),
+    ("float32", 2048, True): (0.39, 0.39), ("float32", 2048, False): (0.50, 0.46),
+    ("float32", 4096, True): (0.40, 0.41), ("float32", 4096, False): (0.49, 0.48),
+    ("float32", 8192, True): (0.48, 0.45), ("float32", 8192, False): (0.48, 0.47),
+    ("bfloat16", 1024, True): (0.12, 0.10), ("bfloat16", 1024, False): (0.18, 0.13),
+    ("bfloat16", 2048, True): (0.14, 0.11), ("bfloat16", 2048, False): (0.18, 0.13),
+    ("bfloat16", 4096, True): (0.15, 0.11), ("bfloat16", 4096, False): (0.15, 0.13),
+    ("bfloat16", 8192, True): (0.20, 0.13), ("bfloat16", 8192, False): (0.17, 0.14),
+}
+
+
+def _before(d, S, c, i):
+  b = BEFORE.get((d, S, c))
+  return "-" if b is None else f"{b[i]:.2f}"
+
+
+READING = """
+## Reading
+
+- **Where the time went** (perf profiles of one fwd+bwd, float32, seq 4096 causal, before
+  the changes): the backward's dK = dS^T Q and dV = P^T dO contract over the first axis of the
+  q-major score tile; XLA:CPU's fast dot path (YNNPACK) does not take that form and runs it on
+  Eigen with a packing transpose (19% of all samples in `gemm_pack_colmajor_block`), 2.3x
+  slower than a plain product in float32 and 8x in bfloat16 (section 1b). The causal mask's
+  predicate was recomputed per head inside the two fusions that read it. The rest is the tile
+  products (0.6-0.8 of the matmul rate at 256 x 256, section 1), the online softmax (~30% on
+  top of the dots in the forward skeleton, section 2) and thread-pool handoffs between the
+  ~12 small ops of each step (~10% of samples).
+- **What changed:** (1) the backward computes its tiles kv-major (s^T = k q^T), so dV = P^T dO,
+  dK = dS^T Q and dQ^T = K^T dS^T are plain products; dQ is accumulated transposed and
+  transposed once at the end; (2) the mask predicate of a tile is materialised once per step
+  ([bq, bk] for causal / window / padding, broadcast over batch and heads); (3) K and V are
+  carried in the q side's rank, so equal-shaped tile slices and accumulator updates share one
+  compiled kernel. Temp memory is unchanged (fwd+bwd 32.3 MiB at seq 4096 in this benchmark's
+  setting; `benchmarks/results/cpu.md` counts 16 MiB for its smaller loss).
+- **Still short of the targets** (0.75 fwd+bwd, 0.8 fwd): the 256 x 256 tile products alone
+  are at 0.6-0.8 (the q k^T product has depth D = 64), so a loop of them cannot reach 0.8;
+  512 x 512 tiles (0.8-1.0) are faster (fwd+bwd float32 causal 760 -> 706 ms, full 1452 ->
+  1269 ms at seq 4096) but with all heads in one step they take 35% more temp memory
+  (43.5 vs 32.3 MiB), against the "no larger" target.
+- **bfloat16:** the CPU's bf16 matmul rate (AMX) is ~4.6x its float32 rate, so shares of the
+  bf16 rate stay low while the softmax runs in float32; in absolute time bf16 is now
+  1.6-1.9x faster than float32 forward+backward.
+"""
 
 
 def main():
@@ -155,6 +244,7 @@ def main():
   args = parser.parse_args()
   seqs = args.seqs or ([4096] if args.quick else [1024, 2048, 4096, 8192])
   tiles = tile_rows()
+  trans = transposed_rows()
   skel = skeleton_rows()
   fv = flashvjp_rows(seqs, ["float32"] if args.quick else ["float32", "bfloat16"])
   lines = [
@@ -171,6 +261,16 @@ def main():
       "|---|---|---|",
       *[f"| {n} | {a:.2f} | {b:.2f} |" for n, a, b in tiles],
       "",
+      "## 1b. The backward's dV = P^T dO at 256 x 256: transposed operand vs plain",
+      "",
+      "Share of the same dtype's matmul rate. A q-major backward tile [bq, bk] makes dK and dV"
+      " contract over its first axis (left); computing the tile kv-major (s^T = k q^T) makes"
+      " all five products plain (right), dQ then accumulating transposed (K^T dS^T).",
+      "",
+      "| dtype | transposed operand | plain |",
+      "|---|---|---|",
+      *[f"| {d} | {a:.2f} | {b:.2f} |" for d, a, b in trans],
+      "",
       "## 2. A causal forward skeleton at S=4096, 256 x 256 blocks, built up (float32)",
       "",
       "| stage | CPU ms | share |",
@@ -179,13 +279,19 @@ def main():
       "",
       "## 3. flashvjp blockwise",
       "",
-      "| dtype | seq | causal | fwd CPU ms | fwd share | fwd+bwd CPU ms | fwd+bwd share |",
-      "|---|---|---|---|---|---|---|",
-      *[f"| {d} | {S} | {c} | {1e3 * tf:.0f} | {sf:.2f} | {1e3 * tb:.0f} | {sb:.2f} |"
-        for d, S, c, tf, sf, tb, sb in fv],
+      "Shares before today's changes (BEFORE in the script) in parentheses; x jax.nn:"
+      " fwd+bwd CPU time over jax.nn's XLA path in the same run (seq <= 4096).",
+      "",
+      "| dtype | seq | causal | fwd CPU ms | fwd share (before) | fwd+bwd CPU ms |"
+      " fwd+bwd share (before) | fwd+bwd x jax.nn |",
+      "|---|---|---|---|---|---|---|---|",
+      *[f"| {d} | {S} | {c} | {1e3 * tf:.0f} | {sf:.2f} ({_before(d, S, c, 0)}) |"
+        f" {1e3 * tb:.0f} | {sb:.2f} ({_before(d, S, c, 1)}) |"
+        f" {'-' if jn is None else f'{tb / jn:.2f}'} |"
+        for d, S, c, tf, sf, tb, sb, jn in fv],
       "",
   ]
-  text = "\n".join(lines)
+  text = "\n".join(lines) + READING
   print(text)
   if not args.quick:
     RESULTS.mkdir(exist_ok=True)
