@@ -1,6 +1,9 @@
 """The shared test base run against the blockwise pure-JAX path, plus its own structure checks."""
+import re
+
 import jax
 import jax.numpy as jnp
+import pytest
 
 import flashvjp
 from tests import _util
@@ -24,3 +27,31 @@ def test_backward_is_hand_written_not_autodiff():
   leaves = jax.tree_util.tree_leaves(vjp)
   assert leaves, "vjp closure holds no residuals"
   assert max(x.size for x in leaves if hasattr(x, "size")) < 64 * 64 * 2
+
+
+# `%name = f32[8,256,64]{2,1,0} ...`: an instruction's (or fusion parameter's) shape and layout.
+_DEF = re.compile(r"%(\S+) = \w+\[([\d,]*)\]\{([\d,]*)")
+_DOT = re.compile(r"dot\(%([^,\s)]+), %[^,\s)]+\), lhs_batch_dims=\{[\d,]*\}, "
+                  r"lhs_contracting_dims=\{(\d+)\}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_every_matmul_is_plain(dtype):
+  """Every dot of jit(grad) contracts its left operand's last, minor-most axis.
+
+  XLA:CPU runs a dot that contracts the left operand's other axis (dK = dS^T Q from a
+  q-major tile) as a transposed-operand product, 2.3x slower in float32 and 8x in bfloat16
+  (benchmarks/results/cpu_roofline.md, section 1b); the backward is kv-major for this.
+  """
+  x = jax.ShapeDtypeStruct((1, 4, 512, 64), dtype)
+  loss = lambda q, k, v: flashvjp.flash_attention(
+      q, k, v, causal=True, implementation="blockwise").astype(jnp.float32).sum()
+  text = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, x, x).compile().as_text()
+  shapes = {m.group(1): (m.group(2).split(","), m.group(3)) for m in _DEF.finditer(text)}
+  dots = _DOT.findall(text)
+  assert len(dots) >= 7, f"expected the forward's 2 and the backward's 5 products: {dots}"
+  for lhs, contracting in dots:
+    dims, layout = shapes[lhs]
+    rank = len(dims)
+    assert int(contracting) == rank - 1, f"dot contracts axis {contracting} of {lhs} {dims}"
+    assert layout.split(",")[0] == str(rank - 1), f"{lhs} {dims} has layout {{{layout}}}"
