@@ -5,8 +5,9 @@ never the API. Each pass is ONE loop over a flat list of the (q block, kv block)
 pairs it must visit (`_pairs`; few compiled kernels: benchmarks/compile_time.py).
 Forward: online softmax, row-major pairs, the running max / sum and the output
 accumulator of every row in O(seq) carries updated in place. Backward (hand-written,
-one pass, kv-major pairs): recompute probabilities from the saved logsumexp and add
-each pair's dQ, dK, dV tiles into O(seq) accumulators. GQA works on
+one pass, kv-major pairs and kv-major tiles, so every product is a plain matmul):
+recompute probabilities from the saved logsumexp and add each pair's dQ^T, dK, dV
+tiles into O(seq) accumulators. GQA works on
 [batch, kv_heads, group, ...] views, so K/V are never repeated per query head.
 """
 from __future__ import annotations
@@ -359,7 +360,9 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   acc = L.acc
   q5, do5 = L.q5(q), L.q5(dout)
   kp, vp = L.kv(k), L.kv(v)
-  kTp = jnp.swapaxes(kp, 3, 4)  # [B, Hkv, 1, D, Skvp]: K^T tiles for dQ^T = K^T dS^T
+  # [B, Hkv, 1, D, Skvp]: K^T tiles for dQ^T = K^T dS^T (transposed before padding: one
+  # transpose kernel; transposing the padded [B, Hkv, 1, Skvp, D] view compiles to two).
+  kTp = _mask.pad_axis(jnp.swapaxes(k, 2, 3), 3, L.Skvp, keep_broadcast=False)[:, :, None]
   bias_p, mask_p = L.pad_pair(bias), L.pad_pair(mask)
   bias5, mask5 = L.pair5(bias_p), L.pair5(mask_p)
   q_seg, kv_seg = L.segs(q_seg, kv_seg)
