@@ -174,7 +174,7 @@ depend on seq at 512-4096):
 | flashvjp with masked/unmasked split loops (before 185f834) | 8 | - |
 | flashvjp with one masked body, nested row/column loops (5f31064's parent) | 4 | 71; 72 |
 | flashvjp, one loop per pass over a flat block-pair list (702184c) | 2 | 49; 52 |
-| flashvjp now: + per-tile mask, kv-major backward with plain products | 2 | 55; see table |
+| flashvjp now: + per-tile mask, kv-major backward with plain products | 2 | 54; 58 |
 
 Run time is not worse: jit(grad) at seq 4096, causal f32, nested loops vs flat pair list
 vs jax.nn's xla path in one process, 5 alternated runs: min 0.56 / 0.53 / 2.56 s, median
@@ -210,7 +210,7 @@ fusion kernels (perf over 20 compiles of jit(grad) at seq 2048: LLVM passes and 
 code 41% of samples, MLIR fusion emission 18%, HLO passes ~2%, Python tracing and lowering
 ~10%; jax.nn's 32% / 20%). XLA:CPU compiles each distinct fused computation once (equal
 ones are shared), so the cost follows the distinct kernels and their size: jax.nn's module
-has 16 kernels (21 KB of object code); flashvjp's had 26, and has 31 (61 KB) now:
+has 16 kernels (21 KB of object code); flashvjp's had 26, and has 30 (60 KB) now:
 
 - K and V are carried in the q side's rank ([B, Hkv, 1, S, D]), so their tile slices and
   the dK / dV updates compile to the same kernels as Q's and dQ's (26 -> 23 kernels,
@@ -220,9 +220,9 @@ has 16 kernels (21 KB of object code); flashvjp's had 26, and has 31 (61 KB) now
 - the backward is kv-major (all five products plain matmuls; fwd+bwd 20% faster in
   float32 and 40% in bfloat16, `cpu_roofline.md`): the K^T operand and the transposed dQ
   accumulator add 5 kernels (a transpose XLA splits in two, a slice, a zero fill, an
-  update, the final transpose), compile +20-25%.
+  update, the final transpose; K^T transposed before padding saves one), compile +20-25%.
 
-So the ratio rose from ~1.7-1.8 to ~2.0-2.3: the run-time gain was taken over the compile
+So the ratio rose from ~1.7-1.8 to ~1.9-2.3: the run-time gain was taken over the compile
 time. Tried without gain: the pair index in closed form (a float square root for the
 causal triangle: +1 kernel, +4 KB, since XLA copies scalar producers into every fusion
 that reads them); an optimization barrier on the (row, column) index (more scalar

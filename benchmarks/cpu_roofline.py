@@ -212,8 +212,8 @@ READING = """
 - **Where the time went** (perf profiles of one fwd+bwd, float32, seq 4096 causal, before
   the changes): the backward's dK = dS^T Q and dV = P^T dO contract over the first axis of the
   q-major score tile; XLA:CPU's fast dot path (YNNPACK) does not take that form and runs it on
-  Eigen with a packing transpose (19% of all samples in `gemm_pack_colmajor_block`), 2.3x
-  slower than a plain product in float32 and 8x in bfloat16 (section 1b). The causal mask's
+  Eigen with a packing transpose (19% of all samples in `gemm_pack_colmajor_block`), 2-2.5x
+  slower than a plain product in float32 and 8-10x in bfloat16 (section 1b). The causal mask's
   predicate was recomputed per head inside the two fusions that read it. The rest is the tile
   products (0.6-0.8 of the matmul rate at 256 x 256, section 1), the online softmax (~30% on
   top of the dots in the forward skeleton, section 2) and thread-pool handoffs between the
@@ -229,10 +229,13 @@ READING = """
   are at 0.6-0.8 (the q k^T product has depth D = 64), so a loop of them cannot reach 0.8;
   512 x 512 tiles (0.8-1.0) are faster (fwd+bwd float32 causal 760 -> 706 ms, full 1452 ->
   1269 ms at seq 4096) but with all heads in one step they take 35% more temp memory
-  (43.5 vs 32.3 MiB), against the "no larger" target.
+  (43.5 vs 32.3 MiB), against the "no larger" target. Processing a chunk of kv heads per
+  step with 512 x 512 tiles (the same temp memory as 256 x 256) was built and measured: no
+  consistent gain (from 12% faster to 11% slower across dtypes and masks), the time
+  following the number of steps rather than the tile shape; it was not kept.
 - **bfloat16:** the CPU's bf16 matmul rate (AMX) is ~4.6x its float32 rate, so shares of the
   bf16 rate stay low while the softmax runs in float32; in absolute time bf16 is now
-  1.6-1.9x faster than float32 forward+backward.
+  1.6-1.7x faster than float32 forward+backward (1.2-1.3x before).
 """
 
 

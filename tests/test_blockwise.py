@@ -40,7 +40,7 @@ def test_every_matmul_is_plain(dtype):
   """Every dot of jit(grad) contracts its left operand's last, minor-most axis.
 
   XLA:CPU runs a dot that contracts the left operand's other axis (dK = dS^T Q from a
-  q-major tile) as a transposed-operand product, 2.3x slower in float32 and 8x in bfloat16
+  q-major tile) as a transposed-operand product, 2-2.5x slower in float32 and 8-10x in bfloat16
   (benchmarks/results/cpu_roofline.md, section 1b); the backward is kv-major for this.
   """
   x = jax.ShapeDtypeStruct((1, 4, 512, 64), dtype)

@@ -353,16 +353,13 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   plain [M, K] x [K, N] matmuls: dV = P^T dO, dK = dS^T Q, and dQ^T = K^T dS^T (dQ is
   accumulated transposed and transposed once at the end). With q-major tiles dK and dV
   contract over the tile's first axis, which XLA:CPU runs as a transposed-operand dot:
-  2.3x slower in float32 and 8x in bfloat16 (benchmarks/results/cpu_roofline.md).
+  2-2.5x slower in float32 and 8-10x in bfloat16 (benchmarks/results/cpu_roofline.md).
   """
   bq, bk = cfg.blocks.dkv
   L = _Layout(cfg, q, k, v, bq, bk)
   acc = L.acc
   q5, do5 = L.q5(q), L.q5(dout)
   kp, vp = L.kv(k), L.kv(v)
-  # [B, Hkv, 1, D, Skvp]: K^T tiles for dQ^T = K^T dS^T (transposed before padding: one
-  # transpose kernel; transposing the padded [B, Hkv, 1, Skvp, D] view compiles to two).
-  kTp = _mask.pad_axis(jnp.swapaxes(k, 2, 3), 3, L.Skvp, keep_broadcast=False)[:, :, None]
   bias_p, mask_p = L.pad_pair(bias), L.pad_pair(mask)
   bias5, mask5 = L.pair5(bias_p), L.pair5(mask_p)
   q_seg, kv_seg = L.segs(q_seg, kv_seg)
@@ -418,7 +415,9 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
       dbias = _add_bias_tile(L, dbias, jnp.transpose(ds, (0, 1, 3, 4, 2)), i, j)
     ds4 = (ds.reshape(tile_t) * jnp.asarray(cfg.scale, acc)).astype(L.mm)
     dk_j = jnp.einsum("bhkq,bhqd->bhkd", ds4, q_blk, preferred_element_type=acc)
-    kT_blk = _rows(kTp, j, L.bk, axis=4).reshape(L.B, L.Hkv, L.D, L.bk).astype(L.mm)
+    # K^T per tile, not a transposed copy of all of K (8 MiB more temp memory at seq
+    # 4096, B=1, H=8; a whole-K copy made bfloat16 fwd+bwd ~20% faster, float32 no faster).
+    kT_blk = jnp.swapaxes(k_blk, 2, 3)
     dqT_i = jnp.einsum("bhdk,bhkq->bhdq", kT_blk, ds4, preferred_element_type=acc)
     dqT_i = dqT_i.reshape(L.B, L.Hkv, L.D, L.G, L.bq)
     dqT = _put_rows(dqT, _rows(dqT, i, L.bq, 4) + dqT_i, i, L.bq, 4)
