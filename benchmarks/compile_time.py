@@ -174,7 +174,7 @@ depend on seq at 512-4096):
 | flashvjp with masked/unmasked split loops (before 185f834) | 8 | - |
 | flashvjp with one masked body, nested row/column loops (5f31064's parent) | 4 | 71; 72 |
 | flashvjp, one loop per pass over a flat block-pair list (702184c) | 2 | 49; 52 |
-| flashvjp now: + per-tile mask, kv-major backward with plain products | 2 | 54; 58 |
+| flashvjp now: + per-tile mask, kv-major backward with plain products | 2 | 53; 58 |
 
 Run time is not worse: jit(grad) at seq 4096, causal f32, nested loops vs flat pair list
 vs jax.nn's xla path in one process, 5 alternated runs: min 0.56 / 0.53 / 2.56 s, median
@@ -210,24 +210,25 @@ fusion kernels (perf over 20 compiles of jit(grad) at seq 2048: LLVM passes and 
 code 41% of samples, MLIR fusion emission 18%, HLO passes ~2%, Python tracing and lowering
 ~10%; jax.nn's 32% / 20%). XLA:CPU compiles each distinct fused computation once (equal
 ones are shared), so the cost follows the distinct kernels and their size: jax.nn's module
-has 16 kernels (21 KB of object code); flashvjp's had 26, and has 30 (60 KB) now:
+has 16 kernels (21 KB of object code); flashvjp's had 26, and has 29 (59 KB) now:
 
 - K and V are carried in the q side's rank ([B, Hkv, 1, S, D]), so their tile slices and
   the dK / dV updates compile to the same kernels as Q's and dQ's (26 -> 23 kernels,
   compile -10%);
 - the mask predicate of a tile is materialised once per step (+2 kernels, compile +5%;
-  causal forward 18% faster: XLA had recomputed it per head in both fusions reading it);
-- the backward is kv-major (all five products plain matmuls; fwd+bwd 20% faster in
-  float32 and 40% in bfloat16, `cpu_roofline.md`): the K^T operand and the transposed dQ
-  accumulator add 5 kernels (a transpose XLA splits in two, a slice, a zero fill, an
-  update, the final transpose; K^T transposed before padding saves one), compile +20-25%.
+  causal forward 12-15% faster, A/B in CPU time at seq 4096 and 8192: XLA had recomputed
+  it per head in both fusions reading it);
+- the backward is kv-major (all five products plain matmuls; fwd+bwd 14-16% faster in
+  float32 and 23-24% in bfloat16 at seq 4096, `cpu_roofline.md`): the per-tile K^T, the
+  transposed dQ accumulator's zero fill and update, and its final transpose add kernels,
+  compile +15-20%.
 
-So the ratio rose from ~1.7-1.8 to ~1.9-2.3: the run-time gain was taken over the compile
+So the ratio rose from ~1.7-1.8 to ~2.0-2.1: the run-time gain was taken over the compile
 time. Tried without gain: the pair index in closed form (a float square root for the
 causal triangle: +1 kernel, +4 KB, since XLA copies scalar producers into every fusion
 that reads them); an optimization barrier on the (row, column) index (more scalar
-kernels); transposing the K tile inside the loop instead of once (-2 kernels, -5-10%
-compile, but bfloat16 fwd+bwd 17% slower); walking the backward row-major like the
+kernels); a transposed copy of all of K instead of per-tile K^T (+2 kernels, 8 MiB more
+temp memory, bfloat16 fwd+bwd ~20% faster); walking the backward row-major like the
 forward (no change). Earlier: packing dK and dV (and the output with its row max and
 sum) into one carry each (XLA keeps the concatenates and slices as their own kernels: 59
 -> 67 ops); carrying the (row, column) walk in the loop state (scalar copies: +10 ops);

@@ -223,8 +223,10 @@ READING = """
   transposed once at the end; (2) the mask predicate of a tile is materialised once per step
   ([bq, bk] for causal / window / padding, broadcast over batch and heads); (3) K and V are
   carried in the q side's rank, so equal-shaped tile slices and accumulator updates share one
-  compiled kernel. Temp memory is unchanged (fwd+bwd 32.3 MiB at seq 4096 in this benchmark's
-  setting; `benchmarks/results/cpu.md` counts 16 MiB for its smaller loss).
+  compiled kernel. Temp memory is unchanged (fwd+bwd 16.3 MiB at seq 4096 as
+  `benchmarks/bench_cpu.py` measures it, vjp with dO an argument): K^T is transposed per
+  tile; a transposed copy of all of K made bfloat16 fwd+bwd ~20% faster (float32 no faster)
+  for 8 MiB more, and was not kept.
 - **Still short of the targets** (0.75 fwd+bwd, 0.8 fwd): the 256 x 256 tile products alone
   are at 0.6-0.8 (the q k^T product has depth D = 64), so a loop of them cannot reach 0.8;
   512 x 512 tiles (0.8-1.0) are faster (fwd+bwd float32 causal 760 -> 706 ms, full 1452 ->
@@ -235,7 +237,7 @@ READING = """
   following the number of steps rather than the tile shape; it was not kept.
 - **bfloat16:** the CPU's bf16 matmul rate (AMX) is ~4.6x its float32 rate, so shares of the
   bf16 rate stay low while the softmax runs in float32; in absolute time bf16 is now
-  1.6-1.7x faster than float32 forward+backward (1.2-1.3x before).
+  1.4-1.5x faster than float32 forward+backward (1.2-1.3x before).
 """
 
 
