@@ -216,7 +216,7 @@ has 16 kernels (21 KB of object code); flashvjp's had 26, and has 29 (59 KB) now
   the dK / dV updates compile to the same kernels as Q's and dQ's (26 -> 23 kernels,
   compile -10%);
 - the mask predicate of a tile is materialised once per step (+2 kernels, compile +5%;
-  causal forward 12-15% faster, A/B in CPU time at seq 4096 and 8192: XLA had recomputed
+  causal forward 10-15% faster, A/B in CPU time at seq 4096 and 8192: XLA had recomputed
   it per head in both fusions reading it);
 - the backward is kv-major (all five products plain matmuls; fwd+bwd 14-16% faster in
   float32 and 23-24% in bfloat16 at seq 4096, `cpu_roofline.md`): the per-tile K^T, the
