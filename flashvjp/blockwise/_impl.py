@@ -139,7 +139,7 @@ class _Layout:
     ok = self.spec.allowed(qi, ki, q_seg=qs, kv_seg=ks, dense=dense)
     # Materialised once per tile (it broadcasts over batch and heads unless segment ids,
     # a dense mask or a mask_mod vary there): otherwise XLA recomputes the predicate in
-    # every fusion that reads it, per head (causal forward 18% slower at seq 4096).
+    # every fusion that reads it, per head (causal forward 10-15% slower at seq 4096-8192).
     return lax.optimization_barrier(ok)
 
   def scores(self, q_blk, k_blk, bias5, i, j):
@@ -165,24 +165,23 @@ class _Layout:
                          self.cfg.dropout_broadcast)
     return jnp.where(keep, jnp.asarray(1.0 / (1.0 - self.cfg.dropout_rate), self.acc), 0.0)
 
-  def q_tile(self, x5, i):
-    """[B, Hkv, G, Sqp, X] -> [B, Hkv, G*bq, X] tile of q block i in the accumulation dtype."""
+  def q_tile(self, x5, i, dtype=None):
+    """[B, Hkv, G, Sqp, X] -> [B, Hkv, G*bq, X] tile of q block i, in `dtype` (default acc)."""
     t = lax.dynamic_slice_in_dim(x5, i * self.bq, self.bq, axis=3)
-    return t.reshape(self.B, self.Hkv, self.G * self.bq, x5.shape[-1]).astype(self.acc)
+    return t.reshape(self.B, self.Hkv, self.G * self.bq, x5.shape[-1]).astype(dtype or self.acc)
 
-  def kv_tile(self, x5, j):
-    """[B, Hkv, 1, Skvp, X] -> [B, Hkv, bk, X] tile of kv block j in the accumulation dtype."""
-    return self.kv_mm(x5, j).astype(self.acc)
+  def kv_tile(self, x5, j, dtype=None):
+    """[B, Hkv, 1, Skvp, X] -> [B, Hkv, bk, X] tile of kv block j, in `dtype` (default acc)."""
+    t = lax.dynamic_slice_in_dim(x5, j * self.bk, self.bk, axis=3)
+    return t.reshape(self.B, self.Hkv, self.bk, x5.shape[-1]).astype(dtype or self.acc)
 
   def q_mm(self, x5, i):
     """`q_tile` in the matmul operand dtype (`mm`)."""
-    t = lax.dynamic_slice_in_dim(x5, i * self.bq, self.bq, axis=3)
-    return t.reshape(self.B, self.Hkv, self.G * self.bq, x5.shape[-1]).astype(self.mm)
+    return self.q_tile(x5, i, self.mm)
 
-  def kv_mm(self, x, j):
+  def kv_mm(self, x5, j):
     """`kv_tile` in the matmul operand dtype (`mm`)."""
-    t = lax.dynamic_slice_in_dim(x, j * self.bk, self.bk, axis=3)
-    return t.reshape(self.B, self.Hkv, self.bk, x.shape[-1]).astype(self.mm)
+    return self.kv_tile(x5, j, self.mm)
 
 
 def _t(x):
