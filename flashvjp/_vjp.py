@@ -62,7 +62,7 @@ def _backend(name: str):
   # (about a third of jit(grad)'s trace+lower time; benchmarks/results/compile_time.md).
   if jax.device_count() == 1:
     return backend
-  from flashvjp.distributed import _partition
+  from flashvjp import _partition
   return _partition.wrap(backend)
 
 

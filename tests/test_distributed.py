@@ -234,7 +234,7 @@ def test_ring_memory_per_device_shrinks_with_devices():
 def test_jit_batch_head_sharding_has_no_collectives(spec, segments, implementation):
   """flash_attention under plain jit, inputs sharded over batch/heads: no collective at all.
 
-  The backends' custom_partitioning rule (flashvjp/distributed/_partition.py) keeps each
+  The backends' custom_partitioning rule (flashvjp/_partition.py) keeps each
   kernel on its own slice: XLA cannot partition a pallas_call by itself (it would
   all-gather), and would all-reduce the blockwise block-skip table over the batch.
   """

@@ -18,7 +18,7 @@ import pytest
 
 import flashvjp
 from flashvjp import _config, _dispatch, _mask
-from flashvjp.distributed import _partition
+from flashvjp import _partition
 from flashvjp.pallas import _compat
 from flashvjp.pallas import tpu as pallas_tpu
 from flashvjp.pallas.tpu import _layout, _limits

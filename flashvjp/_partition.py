@@ -1,6 +1,6 @@
 """Batch/head partitioning of a backend's forward and backward under jit (custom_partitioning).
 
-Room: distributed / partitioning. XLA cannot partition a `pallas_call`: given inputs
+Room: partitioning (below _vjp; distributed/ holds the user-facing ring and mesh helpers). XLA cannot partition a `pallas_call`: given inputs
 sharded over batch or heads it would all-gather them and run the whole kernel on every
 device. Wrapping the backend's `forward` / `backward` in `jax.custom_partitioning` with a
 Shardy sharding rule tells the partitioner that batch and heads are independent (each
