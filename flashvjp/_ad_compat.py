@@ -16,7 +16,9 @@ import functools
 import jax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
 
 try:  # jax 0.10.2-0.12: the same function
   from jax._src.dispatch import apply_primitive as _apply_primitive

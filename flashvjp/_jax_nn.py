@@ -25,7 +25,6 @@ returns the average of V over all keys for such a row.
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Tuple, Union
 
 import jax.numpy as jnp
 
@@ -78,10 +77,10 @@ def _segment_ids(q_lengths, kv_lengths, batch, seq_q, seq_kv):
 
 
 def dot_product_attention(
-    query, key, value, bias=None, mask=None, *, scale: Optional[float] = None,
+    query, key, value, bias=None, mask=None, *, scale: float | None = None,
     is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
-    local_window_size: Union[int, Tuple[int, int], None] = None,
-    implementation: Optional[str] = None, return_residual: bool = False, mask_mod=None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | None = None, return_residual: bool = False, mask_mod=None,
     sinks=None):
   """`jax.nn.dot_product_attention`'s signature and meaning, computed by flashvjp.
 

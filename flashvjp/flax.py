@@ -50,7 +50,7 @@ False outputs 0 (Flax averages the values over all keys there).
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Tuple
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -85,10 +85,10 @@ def _broadcast_pair(name, x, batch_dims, target_tail):
 
 
 def make_attention_fn(*, causal: bool = False,
-                      window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-                      score_mod: Optional[Callable] = None, scale: Optional[float] = None,
-                      implementation: Optional[str] = None, block_q: Optional[int] = None,
-                      block_kv: Optional[int] = None, mask_mod: Optional[Callable] = None,
+                      window: tuple[int | None, int | None] | None = None,
+                      score_mod: Callable | None = None, scale: float | None = None,
+                      implementation: str | None = None, block_q: int | None = None,
+                      block_kv: int | None = None, mask_mod: Callable | None = None,
                       sinks=None) -> Callable:
   """An ``attention_fn`` for Flax with flashvjp options baked in.
 
