@@ -24,7 +24,7 @@ from flashvjp.distributed import ring_attention
 from flashvjp.distributed import sharded_attention
 from flashvjp.distributed import to_zigzag
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place; pyproject reads it (CHANGELOG.md says what changed)
 
 __all__ = [
     "BlockMask", "BlockSizes", "Decision", "MaskMod", "ScoreMod", "alibi", "alibi_slopes",
