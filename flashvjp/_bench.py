@@ -65,6 +65,7 @@ import time  # noqa: E402
 import warnings  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -161,7 +162,8 @@ def attention_fn(impl: str, causal: bool, block_q: int | None = None,
   if impl == BASELINE:
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                         implementation="xla")
-  blocks = {} if impl == "naive" else dict(block_q=bq or block_q, block_kv=bk or block_kv)
+  blocks: dict[str, Any] = ({} if impl == "naive"
+                            else dict(block_q=bq or block_q, block_kv=bk or block_kv))
   return lambda q, k, v: flashvjp.flash_attention(q, k, v, causal=causal,
                                                   implementation=impl, **blocks)
 
@@ -457,10 +459,12 @@ def busy_warning(meta: dict) -> str | None:
       cores < BUSY_CORE_FRACTION * nproc)
   if not (slow or starved):
     return None
-  got = f"{cores:.1f} of {nproc} cores, " if cores is not None and meta.get("platform") == "cpu" else ""
-  return (f"warning: this machine looks busy (the reference matmul got {got}{median / 1e9:.0f}"
-          f" GFLOP/s median vs {best / 1e9:.0f} at best during the run): absolute times are"
-          " inflated and noisy; the ratios to jax.nn, timed round-robin, much less so")
+  got = [f"{cores:.1f} of {nproc} cores"] if cores is not None and meta.get("platform") == "cpu" else []
+  if best and median:  # absent when only the core count was measured
+    got.append(f"{median / 1e9:.0f} GFLOP/s median vs {best / 1e9:.0f} at best during the run")
+  return (f"warning: this machine looks busy (the reference matmul got {', '.join(got)}):"
+          " absolute times are inflated and noisy; the ratios to jax.nn, timed round-robin,"
+          " much less so")
 
 
 def run_suite(cfg: SuiteConfig, progress: Callable[[str], None] | None = None) -> dict:
@@ -514,12 +518,13 @@ def run_suite(cfg: SuiteConfig, progress: Callable[[str], None] | None = None) -
       mem = memory_of(compiled)
       r.temp_bytes, r.argument_bytes, r.output_bytes = mem.temp, mem.argument, mem.output
       prev = last_time.get((impl, causal, mode))
-      predicted = None if prev is None else prev[1] * (seq / prev[0]) ** 2
+      prev_seq, predicted = (None, None) if prev is None else (
+          prev[0], prev[1] * (seq / prev[0]) ** 2)
       if mem.total > cfg.max_time_memory_bytes:
         r.skip_reason = (f"compiled memory {mem.total / GiB:.1f} GiB >"
                          f" {cfg.max_time_memory_bytes / GiB:.1f} GiB timing limit")
       elif predicted is not None and predicted > cfg.max_call_seconds:
-        r.skip_reason = (f"predicted {predicted:.0f} s per call (from seq {prev[0]}) >"
+        r.skip_reason = (f"predicted {predicted:.0f} s per call (from seq {prev_seq}) >"
                          f" {cfg.max_call_seconds:.0f} s limit")
       else:
         to_time.append((r, compiled))
@@ -809,7 +814,7 @@ def _impl_arg(name: str) -> str:
 
 def config_from_args(args) -> SuiteConfig:
   cfg = default_config(jax.default_backend())
-  over = {}
+  over: dict[str, Any] = {}
   for name, field in (("seq", "seqs"), ("impl", "impls"), ("batch", "batch"), ("heads", "heads"),
                       ("head_dim", "head_dim"), ("dtype", "dtype"), ("repeats", "repeats"),
                       ("block_q", "block_q"), ("block_kv", "block_kv"),

@@ -68,10 +68,10 @@ def family_for_platform(plat: str) -> str:
 
 def _limits(family: str):
   if family == "pallas_tpu":
-    from flashvjp.pallas.tpu import _limits as lim  # the Mosaic-TPU limits, encoded once
-  else:
-    from flashvjp.pallas.triton import _limits as lim  # the Triton limits, encoded once
-  return lim
+    from flashvjp.pallas.tpu import _limits as tpu_limits  # the Mosaic-TPU limits, encoded once
+    return tpu_limits
+  from flashvjp.pallas.triton import _limits as triton_limits  # the Triton limits, encoded once
+  return triton_limits
 
 
 def decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype,

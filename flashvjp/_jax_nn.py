@@ -155,13 +155,11 @@ def dot_product_attention(
       to_bnth(query), to_bnth(key), to_bnth(value), bias=bias, mask=mask, causal=is_causal,
       window=window, segment_ids=segment_ids, scale=scale, return_lse=return_residual,
       implementation=implementation, mask_mod=mask_mod, sinks=sinks)
-  out, lse = result if return_residual else (result, None)
-  out = to_bnth(out)  # [B, T, N, H_v]
-  if return_residual:
-    lse = jnp.swapaxes(lse, 1, 2)  # [B, T, N]
-  if rank3:
-    out = out[0]
-    lse = None if lse is None else lse[0]
-  return (out, lse) if return_residual else out
+  if not return_residual:
+    out = to_bnth(result)  # [B, T, N, H_v]
+    return out[0] if rank3 else out
+  out, lse = result
+  out, lse = to_bnth(out), jnp.swapaxes(lse, 1, 2)  # [B, T, N, H_v], [B, T, N]
+  return (out[0], lse[0]) if rank3 else (out, lse)
 
 __all__ = ["dot_product_attention"]
