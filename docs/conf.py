@@ -14,7 +14,7 @@ import sys
 # Document the tree being built, not whichever flashvjp is installed.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import flashvjp  # noqa: E402
+import flashvjp
 
 project = "flashvjp"
 author = "the flashvjp authors"
