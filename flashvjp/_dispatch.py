@@ -44,11 +44,11 @@ class Decision:
     return _vjp.forward_mode_paths(self.implementation)
 
   @property
-  def family(self):
+  def family(self) -> str | None:
     """"triton", "tpu" or None (not a Pallas path)."""
     return self.implementation.split("_", 1)[1] if self.is_pallas else None
 
-  def __str__(self):
+  def __str__(self) -> str:
     mode = " (interpret mode)" if self.is_pallas and self.interpret else ""
     return f"{self.implementation}{mode}: {self.reason}"
 

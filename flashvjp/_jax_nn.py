@@ -25,7 +25,9 @@ returns the average of V over all keys for such a row.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 
 from flashvjp import _api
@@ -77,11 +79,14 @@ def _segment_ids(q_lengths, kv_lengths, batch, seq_q, seq_kv):
 
 
 def dot_product_attention(
-    query, key, value, bias=None, mask=None, *, scale: float | None = None,
-    is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
+    query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
+    mask: jax.Array | None = None, *, scale: float | jax.Array | None = None,
+    is_causal: bool = False, query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
     local_window_size: int | tuple[int, int] | None = None,
-    implementation: str | None = None, return_residual: bool = False, mask_mod=None,
-    sinks=None):
+    implementation: str | None = None, return_residual: bool = False,
+    mask_mod: Callable | None = None,
+    sinks: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """`jax.nn.dot_product_attention`'s signature and meaning, computed by flashvjp.
 
   Switch by changing one import: ``from flashvjp import dot_product_attention``.
@@ -151,10 +156,12 @@ def dot_product_attention(
   segment_ids = _segment_ids(q_len, kv_len, B, T, S)
 
   to_bnth = lambda x: jnp.swapaxes(x, 1, 2)
+  # flash_attention takes a scalar-array scale too; its annotation (float | None) is the narrow
+  # one. (Drop the ignore when _api widens it: warn_unused_ignores will say so.)
   result = _api.flash_attention(
       to_bnth(query), to_bnth(key), to_bnth(value), bias=bias, mask=mask, causal=is_causal,
-      window=window, segment_ids=segment_ids, scale=scale, return_lse=return_residual,
-      implementation=implementation, mask_mod=mask_mod, sinks=sinks)
+      window=window, segment_ids=segment_ids, scale=scale,  # type: ignore[arg-type]
+      return_lse=return_residual, implementation=implementation, mask_mod=mask_mod, sinks=sinks)
   if not return_residual:
     out = to_bnth(result)  # [B, T, N, H_v]
     return out[0] if rank3 else out

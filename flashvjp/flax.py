@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -89,7 +90,7 @@ def make_attention_fn(*, causal: bool = False,
                       score_mod: Callable | None = None, scale: float | None = None,
                       implementation: str | None = None, block_q: int | None = None,
                       block_kv: int | None = None, mask_mod: Callable | None = None,
-                      sinks=None) -> Callable:
+                      sinks: jax.Array | None = None) -> Callable:
   """An ``attention_fn`` for Flax with flashvjp options baked in.
 
   Args:
