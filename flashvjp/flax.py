@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -113,11 +114,16 @@ def make_attention_fn(*, causal: bool = False,
     A function with Flax's attention_fn signature (see `attention_fn`).
   """
 
-  def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
-                   dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
-                   dtype=None, precision=None, module=None, force_fp32_for_softmax: bool = False,
-                   qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
-                   einsum_dot_general=None, is_causal: bool = False):
+  def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
+                   bias: jax.Array | None = None, mask: jax.Array | None = None,
+                   broadcast_dropout: bool = True, dropout_rng: jax.Array | None = None,
+                   dropout_rate: float = 0.0, deterministic: bool = False,
+                   dtype: Any = None, precision: Any = None, module: Any = None,
+                   force_fp32_for_softmax: bool = False,
+                   qk_attn_weights_einsum: Callable | None = None,
+                   attn_weights_value_einsum: Callable | None = None,
+                   einsum_dot_general: Callable | None = None,
+                   is_causal: bool = False) -> jax.Array:
     """Flax-compatible dot-product attention computed by flashvjp.
 
     Args:
