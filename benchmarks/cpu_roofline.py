@@ -90,12 +90,11 @@ def transposed_rows(bq=256, bk=256):
     d = jnp.ones((H, bq, D), dtype)
     pt = jnp.ones((H, bk, bq), dtype)
     fl = 2.0 * H * bq * bk * D
-    f32 = jnp.float32
     _, s_t = share(fl, jax.jit(lambda a, b: jnp.einsum("hqk,hqd->hkd", a, b,
-                                                       preferred_element_type=f32)),
+                                                       preferred_element_type=jnp.float32)),
                    p, d, dtype=dtype)
     _, s_n = share(fl, jax.jit(lambda a, b: jnp.einsum("hkq,hqd->hkd", a, b,
-                                                       preferred_element_type=f32)),
+                                                       preferred_element_type=jnp.float32)),
                    pt, d, dtype=dtype)
     rows.append((dtype, s_t, s_n))
     print(f"{dtype} P^T dO: transposed operand {s_t:.2f}, plain {s_n:.2f}", flush=True)
@@ -168,15 +167,16 @@ def flashvjp_rows(seqs, dtypes):
       q, k, v = (jax.random.normal(jax.random.key(i), (B, H, S, D)).astype(dtype)
                  for i in range(3))
       for causal in (True, False):
-        attn = lambda q, k, v: flashvjp.flash_attention(q, k, v, causal=causal,
-                                                        implementation="blockwise")
+        attn = functools.partial(flashvjp.flash_attention, causal=causal,
+                                 implementation="blockwise")
         fl = 4.0 * S * S * D * H * (0.5 if causal else 1.0)
         tf, sf = share(fl, jax.jit(attn), q, k, v, dtype=dtype)
-        loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32))
+        loss = lambda q, k, v, attn=attn: jnp.sum(attn(q, k, v).astype(jnp.float32))
         tb, sb = share(3.5 * fl, jax.jit(jax.grad(loss, (0, 1, 2))), q, k, v, dtype=dtype)
         jn = None
         if S <= JAX_NN_MAX_SEQ:
-          jloss = lambda q, k, v: jnp.sum(jax_nn_attention(q, k, v, causal).astype(jnp.float32))
+          jloss = lambda q, k, v, causal=causal: jnp.sum(
+              jax_nn_attention(q, k, v, causal).astype(jnp.float32))
           jn = cpu_time(jax.jit(jax.grad(jloss, (0, 1, 2))), q, k, v)
         rows.append((dtype, S, causal, tf, sf, tb, sb, jn))
         ratio = "" if jn is None else f", {tb / jn:.2f}x jax.nn"

@@ -42,8 +42,9 @@ def export_jvp(dtype, D, S, kw) -> str:
   import jax
   import jax.numpy as jnp
   import numpy as np
-  import flashvjp
   from jax import export
+
+  import flashvjp
   B, H, Hkv = 1, 8, 8
   dt = jnp.dtype(dtype)
   sd = lambda *s: jax.ShapeDtypeStruct(s, dt)

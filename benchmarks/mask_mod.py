@@ -16,6 +16,7 @@ tiles that are not empty at the blockwise default blocks (256 x 256).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import pathlib
 import platform
@@ -24,11 +25,11 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=individual_dot")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import flashvjp  # noqa: E402
+import flashvjp
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 B, H, D = 1, 4, 64
@@ -88,10 +89,11 @@ def run(seqs, repeats):
       tiles = float(bm.fraction_computed())
       dense = dense_of(mod, seq)
       cells = {
-          "mask_mod": measure(vg(lambda q, k, v: loss(q, k, v, mask_mod=mod)), (q, k, v), repeats),
+          "mask_mod": measure(vg(functools.partial(loss, mask_mod=mod)), (q, k, v), repeats),
           "mask_mod + block_mask": measure(
-              vg(lambda q, k, v, c: loss(q, k, v, mask_mod=mod, block_mask=flashvjp.BlockMask(
-                  c, 256, 256, seq, seq, B, H))), (q, k, v, bm.classes), repeats),
+              vg(lambda q, k, v, c, mod=mod, seq=seq: loss(
+                  q, k, v, mask_mod=mod, block_mask=flashvjp.BlockMask(c, 256, 256, seq, seq, B, H))),
+              (q, k, v, bm.classes), repeats),
           "dense mask": measure(vg(lambda q, k, v, m: loss(q, k, v, mask=m)), (q, k, v, dense),
                                 repeats),
       }

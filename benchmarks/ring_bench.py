@@ -27,12 +27,14 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8"
                            + " --xla_cpu_experimental_ynn_fusion_type=individual_dot")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import flashvjp  # noqa: E402
+import flashvjp
 
 B, H, HKV, D = 1, 4, 4, 64
 BLOCK = 512

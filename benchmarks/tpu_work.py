@@ -31,14 +31,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as smask  # noqa: E402
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as sinfo  # noqa: E402
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as smask
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as sinfo
 
-import flashvjp  # noqa: E402
-from flashvjp._config import AttentionConfig, BlockSizes  # noqa: E402
-from flashvjp.pallas.tpu import _layout  # noqa: E402
+import flashvjp
+from flashvjp._config import AttentionConfig
+from flashvjp._config import BlockSizes
+from flashvjp.pallas.tpu import _layout
 
 WINDOW = 1024  # sliding window: each query sees itself and the 1024 keys before it
 

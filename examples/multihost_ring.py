@@ -51,7 +51,9 @@ def main():
   import jax
   import jax.numpy as jnp
   from jax.experimental import multihost_utils
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax.sharding import Mesh
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   import flashvjp
 

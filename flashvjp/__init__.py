@@ -3,8 +3,10 @@ from flashvjp._api import explain
 from flashvjp._api import flash_attention
 from flashvjp._api import memory_efficient_attention
 from flashvjp._api import pallas_flash_attention
+from flashvjp._config import BlockSizes
 from flashvjp._dispatch import Decision
 from flashvjp._dropout import dropout_mask
+from flashvjp._jax_nn import dot_product_attention
 from flashvjp._mask_mod import BlockMask
 from flashvjp._mask_mod import MaskMod
 from flashvjp._mask_mod import chunked
@@ -12,19 +14,17 @@ from flashvjp._mask_mod import document_causal
 from flashvjp._mask_mod import make_block_mask
 from flashvjp._mask_mod import prefix_lm
 from flashvjp._mask_mod import sliding_window_with_global
-from flashvjp._jax_nn import dot_product_attention
 from flashvjp._score_mod import ScoreMod
 from flashvjp._score_mod import alibi
 from flashvjp._score_mod import alibi_slopes
 from flashvjp._score_mod import relative_position_bias
 from flashvjp._score_mod import softcap
-from flashvjp._config import BlockSizes
 from flashvjp.distributed import from_zigzag
 from flashvjp.distributed import ring_attention
 from flashvjp.distributed import sharded_attention
 from flashvjp.distributed import to_zigzag
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place; pyproject reads it (CHANGELOG.md says what changed)
 
 __all__ = [
     "BlockMask", "BlockSizes", "Decision", "MaskMod", "ScoreMod", "alibi", "alibi_slopes",

@@ -12,12 +12,17 @@ it is imported here, with a plain jit fallback should it move.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
 
+_apply_primitive: Callable[..., Any] | None
 try:  # jax 0.10.2-0.12: the same function
   from jax._src.dispatch import apply_primitive as _apply_primitive
 except ImportError:  # pragma: no cover

@@ -63,7 +63,9 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
-from typing import Callable, Dict, List, Optional, Sequence  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -96,7 +98,7 @@ GiB = 2 ** 30
 # ---- FLOPs -------------------------------------------------------------------------------
 
 def attention_flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, *,
-                    causal: bool, mode: str = "fwd", head_dim_v: Optional[int] = None) -> float:
+                    causal: bool, mode: str = "fwd", head_dim_v: int | None = None) -> float:
   """Attention FLOPs by the FlashAttention convention (see the module docstring).
 
   Forward: 2 * B * H * Sq * Skv * (D + Dv) (= 4 * B * H * Sq * Skv * D when Dv = D),
@@ -150,8 +152,8 @@ def parse_impl(name: str) -> tuple:
   return impl, int(bq), int(bk)
 
 
-def attention_fn(impl: str, causal: bool, block_q: Optional[int] = None,
-                 block_kv: Optional[int] = None) -> Callable:
+def attention_fn(impl: str, causal: bool, block_q: int | None = None,
+                 block_kv: int | None = None) -> Callable:
   """(q, k, v) -> out for `impl` (see parse_impl); "jax.nn" takes [batch, seq, heads, dim].
 
   Block sizes written in `impl` ("blockwise:256x512") win over block_q / block_kv.
@@ -160,7 +162,8 @@ def attention_fn(impl: str, causal: bool, block_q: Optional[int] = None,
   if impl == BASELINE:
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                         implementation="xla")
-  blocks = {} if impl == "naive" else dict(block_q=bq or block_q, block_kv=bk or block_kv)
+  blocks: dict[str, Any] = ({} if impl == "naive"
+                            else dict(block_q=bq or block_q, block_kv=bk or block_kv))
   return lambda q, k, v: flashvjp.flash_attention(q, k, v, causal=causal,
                                                   implementation=impl, **blocks)
 
@@ -194,7 +197,7 @@ def _normal(rng, dims, dtype):
   return jnp.asarray(rng.standard_normal(dims, dtype=np.float32)).astype(dtype)
 
 
-def make_inputs(shape: Shape, seed: int = 0) -> Dict[str, tuple]:
+def make_inputs(shape: Shape, seed: int = 0) -> dict[str, tuple]:
   """Random q, k, v, do in both layouts: {"bhsd": (...), "bshd": (...)}."""
   rng = np.random.default_rng(seed)  # numpy: eager jax.random would compile per shape
   dims = (shape.batch, shape.heads, shape.seq, shape.head_dim)
@@ -204,7 +207,7 @@ def make_inputs(shape: Shape, seed: int = 0) -> Dict[str, tuple]:
   return {"bhsd": bhsd, "bshd": bshd}
 
 
-def args_for(impl: str, mode: str, inputs: Dict[str, tuple]) -> tuple:
+def args_for(impl: str, mode: str, inputs: dict[str, tuple]) -> tuple:
   xs = inputs["bshd" if impl == BASELINE else "bhsd"]
   return xs[:3] if mode == "fwd" else xs
 
@@ -253,9 +256,9 @@ def time_call(fn: Callable, *args) -> float:
 
 def time_round_robin(calls: Sequence[tuple], *, repeats: int = 5, max_seconds: float = 20.0,
                      min_seconds: float = 0.5, max_repeats: int = 50,
-                     total_seconds: Optional[float] = None,
-                     warm: Optional[Sequence[float]] = None,
-                     cheap_seconds: float = 0.05, keep_one_below: float = 0.25) -> List[dict]:
+                     total_seconds: float | None = None,
+                     warm: Sequence[float] | None = None,
+                     cheap_seconds: float = 0.05, keep_one_below: float = 0.25) -> list[dict]:
   """Times each (fn, args) round-robin; returns one dict per call.
 
   Each dict: "median", "min" (seconds), "runs" (timed calls), "times", "warmup" (the
@@ -289,7 +292,7 @@ def time_round_robin(calls: Sequence[tuple], *, repeats: int = 5, max_seconds: f
       if runs[i] * warm[i] <= cheap_seconds:
         break
       runs[i] -= 1
-  times: List[List[float]] = [[] for _ in calls]
+  times: list[list[float]] = [[] for _ in calls]
   for r in range(max(runs, default=0)):
     for i, (fn, args) in enumerate(calls):
       if r < runs[i]:
@@ -321,7 +324,7 @@ class CpuMeter:
     return out
 
   @property
-  def cores_used(self) -> Optional[float]:
+  def cores_used(self) -> float | None:
     return self.cpu / self.wall if self.wall > 0 else None
 
 
@@ -365,19 +368,19 @@ class Result:
   causal: bool
   mode: str
   flops: float
-  temp_bytes: Optional[int] = None
-  argument_bytes: Optional[int] = None
-  output_bytes: Optional[int] = None
-  time_s: Optional[float] = None  # median
-  time_min_s: Optional[float] = None
+  temp_bytes: int | None = None
+  argument_bytes: int | None = None
+  output_bytes: int | None = None
+  time_s: float | None = None  # median
+  time_min_s: float | None = None
   runs: int = 0  # timed calls after the warm-up; 0 with time_s set: the warm-up is the time
-  warmup_s: Optional[float] = None  # the first call of the compiled function
-  compile_s: Optional[float] = None  # lower + compile (also gives the memory numbers)
-  skip_reason: Optional[str] = None  # why time_s is None
-  ratio_to_baseline: Optional[float] = None  # time_s / jax.nn's time_s, same round-robin
-  flops_per_s: Optional[float] = None
-  matmul_flops_per_s: Optional[float] = None  # timed in the same round-robin (for reference)
-  matmul_fraction: Optional[float] = None  # flops_per_s / the run's median matmul rate
+  warmup_s: float | None = None  # the first call of the compiled function
+  compile_s: float | None = None  # lower + compile (also gives the memory numbers)
+  skip_reason: str | None = None  # why time_s is None
+  ratio_to_baseline: float | None = None  # time_s / jax.nn's time_s, same round-robin
+  flops_per_s: float | None = None
+  matmul_flops_per_s: float | None = None  # timed in the same round-robin (for reference)
+  matmul_fraction: float | None = None  # flops_per_s / the run's median matmul rate
 
 
 @dataclasses.dataclass
@@ -391,8 +394,8 @@ class SuiteConfig:
   head_dim: int = 64
   dtype: str = "float32"
   repeats: int = 5
-  block_q: Optional[int] = None
-  block_kv: Optional[int] = None
+  block_q: int | None = None
+  block_kv: int | None = None
   # Timing is skipped (memory still read) where the compiled call needs more than this...
   max_time_memory_bytes: int = 3 * GiB
   # ...or where one call is predicted to take longer (from the same config at seq / 2).
@@ -404,7 +407,7 @@ class SuiteConfig:
   # Target wall time of the whole suite (compiles, warm-ups and timed rounds). It lowers
   # the number of timed rounds (down to none: then the warm-up call is the time), never
   # the cells: every (impl, seq, causal, mode) that fits in memory gets a time.
-  budget_seconds: Optional[float] = None
+  budget_seconds: float | None = None
   # ...except that a call whose repeats cost less than this in all keeps them.
   cheap_seconds: float = 0.1
   # ...and a call whose warm-up took less than this keeps one timed call.
@@ -442,7 +445,7 @@ BUSY_RATE_FRACTION = 0.7  # the run's median matmul rate below this x its best: 
 BUSY_CORE_FRACTION = 0.5  # the matmul got less than this fraction of the cores: "busy"
 
 
-def busy_warning(meta: dict) -> Optional[str]:
+def busy_warning(meta: dict) -> str | None:
   """One line when the reference matmul measured during the run says the machine was busy.
 
   The matmul is timed beside every group. On an idle machine its median rate stays near
@@ -456,13 +459,15 @@ def busy_warning(meta: dict) -> Optional[str]:
       cores < BUSY_CORE_FRACTION * nproc)
   if not (slow or starved):
     return None
-  got = f"{cores:.1f} of {nproc} cores, " if cores is not None and meta.get("platform") == "cpu" else ""
-  return (f"warning: this machine looks busy (the reference matmul got {got}{median / 1e9:.0f}"
-          f" GFLOP/s median vs {best / 1e9:.0f} at best during the run): absolute times are"
-          " inflated and noisy; the ratios to jax.nn, timed round-robin, much less so")
+  got = [f"{cores:.1f} of {nproc} cores"] if cores is not None and meta.get("platform") == "cpu" else []
+  if best and median:  # absent when only the core count was measured
+    got.append(f"{median / 1e9:.0f} GFLOP/s median vs {best / 1e9:.0f} at best during the run")
+  return (f"warning: this machine looks busy (the reference matmul got {', '.join(got)}):"
+          " absolute times are inflated and noisy; the ratios to jax.nn, timed round-robin,"
+          " much less so")
 
 
-def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None) -> dict:
+def run_suite(cfg: SuiteConfig, progress: Callable[[str], None] | None = None) -> dict:
   """Measures every implementation at every (seq, causal, mode); returns a JSON-able dict.
 
   `progress(description)` is called once per finished group (tqdm's update, say).
@@ -493,15 +498,15 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
                     for k, v in dataclasses.asdict(cfg).items()}
   meta["flops_convention"] = ("fwd = 4*B*H*Sq*Skv*D (x0.5 causal); fwd+bwd = 3.5x fwd"
                               " (bwd = 2.5x fwd, recomputation included)")
-  results: List[Result] = []
-  last_time: Dict[tuple, tuple] = {}  # (impl, causal, mode) -> (seq, seconds)
-  inputs_cache: Dict[int, dict] = {}
+  results: list[Result] = []
+  last_time: dict[tuple, tuple] = {}  # (impl, causal, mode) -> (seq, seconds)
+  inputs_cache: dict[int, dict] = {}
   groups = cases(cfg)
-  compile_seconds: List[float] = []  # per group
+  compile_seconds: list[float] = []  # per group
   for gi, (seq, causal, mode) in enumerate(groups):
     shape = Shape(cfg.batch, cfg.heads, seq, cfg.head_dim, cfg.dtype, causal)
     flops = attention_flops(cfg.batch, cfg.heads, seq, seq, cfg.head_dim, causal=causal, mode=mode)
-    group: List[Result] = []
+    group: list[Result] = []
     to_time = []
     t_compile = time.perf_counter()
     for impl in impls:
@@ -513,12 +518,13 @@ def run_suite(cfg: SuiteConfig, progress: Optional[Callable[[str], None]] = None
       mem = memory_of(compiled)
       r.temp_bytes, r.argument_bytes, r.output_bytes = mem.temp, mem.argument, mem.output
       prev = last_time.get((impl, causal, mode))
-      predicted = None if prev is None else prev[1] * (seq / prev[0]) ** 2
+      prev_seq, predicted = (None, None) if prev is None else (
+          prev[0], prev[1] * (seq / prev[0]) ** 2)
       if mem.total > cfg.max_time_memory_bytes:
         r.skip_reason = (f"compiled memory {mem.total / GiB:.1f} GiB >"
                          f" {cfg.max_time_memory_bytes / GiB:.1f} GiB timing limit")
       elif predicted is not None and predicted > cfg.max_call_seconds:
-        r.skip_reason = (f"predicted {predicted:.0f} s per call (from seq {prev[0]}) >"
+        r.skip_reason = (f"predicted {predicted:.0f} s per call (from seq {prev_seq}) >"
                          f" {cfg.max_call_seconds:.0f} s limit")
       else:
         to_time.append((r, compiled))
@@ -595,7 +601,7 @@ def _fmt_rate(x):
 
 def results_table(report: dict) -> str:
   """A markdown table: one row per (impl, seq, causal), fwd and fwd+bwd side by side."""
-  rows: Dict[tuple, Dict[str, dict]] = {}
+  rows: dict[tuple, dict[str, dict]] = {}
   for r in report["results"]:
     rows.setdefault((r["seq"], r["causal"], r["impl"]), {})[r["mode"]] = r
   head = ["impl", "seq", "causal", "time fwd", "x jax.nn fwd", "time fwd+bwd",
@@ -617,12 +623,12 @@ def results_table(report: dict) -> str:
   return "\n".join(lines)
 
 
-def skipped_lines(report: dict) -> List[str]:
+def skipped_lines(report: dict) -> list[str]:
   return [f"- {r['impl']} seq {r['seq']} {'causal' if r['causal'] else 'full'} {r['mode']}:"
           f" {r['skip_reason']}" for r in report["results"] if r["skip_reason"]]
 
 
-def meta_lines(report: dict, warning: bool = True) -> List[str]:
+def meta_lines(report: dict, warning: bool = True) -> list[str]:
   m = report["meta"]
   return [
       f"- date: {m['date']}",
@@ -651,7 +657,7 @@ def meta_lines(report: dict, warning: bool = True) -> List[str]:
   ] + ([f"- {m['busy_warning']}"] if warning and m.get("busy_warning") else [])
 
 
-def plot(report: dict, path: str) -> Dict[str, Dict[str, List[int]]]:
+def plot(report: dict, path: str) -> dict[str, dict[str, list[int]]]:
   """Time and temp memory against seq (log-log): fwd and fwd+bwd columns, one line per impl.
 
   Returns what each panel shows: {panel title: {line label: [seq, ...]}}.
@@ -671,7 +677,7 @@ def plot(report: dict, path: str) -> Dict[str, Dict[str, List[int]]]:
   fig, axes = plt.subplots(2, len(modes), figsize=(6.5 * len(modes), 9), squeeze=False)
   colors = dict(zip(impls, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
   m = report["meta"]
-  drawn: Dict[str, Dict[str, List[int]]] = {}
+  drawn: dict[str, dict[str, list[int]]] = {}
   for col, mode in enumerate(modes):
     for row, (key, scale, label) in enumerate([("time_s", 1e3, "time per call (ms)"),
                                                ("temp_bytes", 1 / MiB, "compiled temp memory (MiB)")]):
@@ -808,7 +814,7 @@ def _impl_arg(name: str) -> str:
 
 def config_from_args(args) -> SuiteConfig:
   cfg = default_config(jax.default_backend())
-  over = {}
+  over: dict[str, Any] = {}
   for name, field in (("seq", "seqs"), ("impl", "impls"), ("batch", "batch"), ("heads", "heads"),
                       ("head_dim", "head_dim"), ("dtype", "dtype"), ("repeats", "repeats"),
                       ("block_q", "block_q"), ("block_kv", "block_kv"),

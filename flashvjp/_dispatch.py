@@ -44,11 +44,11 @@ class Decision:
     return _vjp.forward_mode_paths(self.implementation)
 
   @property
-  def family(self):
+  def family(self) -> str | None:
     """"triton", "tpu" or None (not a Pallas path)."""
     return self.implementation.split("_", 1)[1] if self.is_pallas else None
 
-  def __str__(self):
+  def __str__(self) -> str:
     mode = " (interpret mode)" if self.is_pallas and self.interpret else ""
     return f"{self.implementation}{mode}: {self.reason}"
 
@@ -68,10 +68,10 @@ def family_for_platform(plat: str) -> str:
 
 def _limits(family: str):
   if family == "pallas_tpu":
-    from flashvjp.pallas.tpu import _limits as lim  # the Mosaic-TPU limits, encoded once
-  else:
-    from flashvjp.pallas.triton import _limits as lim  # the Triton limits, encoded once
-  return lim
+    from flashvjp.pallas.tpu import _limits as tpu_limits  # the Mosaic-TPU limits, encoded once
+    return tpu_limits
+  from flashvjp.pallas.triton import _limits as triton_limits  # the Triton limits, encoded once
+  return triton_limits
 
 
 def decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype,

@@ -7,6 +7,8 @@ same bits, forward and backward, with no O(seq^2) array.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 
@@ -95,7 +97,8 @@ def keep(seed0, seed1, b, h, q_pos, kv_pos, rate: float, broadcast=(False, False
   return random_bits(seed0, seed1, b, h, q_pos, kv_pos) >= _U32(threshold(rate))
 
 
-def dropout_mask(dropout_rng, shape, rate: float, broadcast=(False, False)) -> jax.Array:
+def dropout_mask(dropout_rng: jax.Array, shape: Sequence[int], rate: float,
+                 broadcast: tuple[bool, bool] = (False, False)) -> jax.Array:
   """The exact bool keep-mask [batch, num_heads, seq_q, seq_kv] every implementation uses.
 
   Args:

@@ -25,8 +25,9 @@ returns the average of V over all keys for such a row.
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Tuple, Union
+from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 
 from flashvjp import _api
@@ -78,11 +79,14 @@ def _segment_ids(q_lengths, kv_lengths, batch, seq_q, seq_kv):
 
 
 def dot_product_attention(
-    query, key, value, bias=None, mask=None, *, scale: Optional[float] = None,
-    is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
-    local_window_size: Union[int, Tuple[int, int], None] = None,
-    implementation: Optional[str] = None, return_residual: bool = False, mask_mod=None,
-    sinks=None):
+    query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
+    mask: jax.Array | None = None, *, scale: float | jax.Array | None = None,
+    is_causal: bool = False, query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | None = None, return_residual: bool = False,
+    mask_mod: Callable | None = None,
+    sinks: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """`jax.nn.dot_product_attention`'s signature and meaning, computed by flashvjp.
 
   Switch by changing one import: ``from flashvjp import dot_product_attention``.
@@ -152,17 +156,17 @@ def dot_product_attention(
   segment_ids = _segment_ids(q_len, kv_len, B, T, S)
 
   to_bnth = lambda x: jnp.swapaxes(x, 1, 2)
+  # flash_attention takes a scalar-array scale too; its annotation (float | None) is the narrow
+  # one. (Drop the ignore when _api widens it: warn_unused_ignores will say so.)
   result = _api.flash_attention(
       to_bnth(query), to_bnth(key), to_bnth(value), bias=bias, mask=mask, causal=is_causal,
-      window=window, segment_ids=segment_ids, scale=scale, return_lse=return_residual,
-      implementation=implementation, mask_mod=mask_mod, sinks=sinks)
-  out, lse = result if return_residual else (result, None)
-  out = to_bnth(out)  # [B, T, N, H_v]
-  if return_residual:
-    lse = jnp.swapaxes(lse, 1, 2)  # [B, T, N]
-  if rank3:
-    out = out[0]
-    lse = None if lse is None else lse[0]
-  return (out, lse) if return_residual else out
+      window=window, segment_ids=segment_ids, scale=scale,  # type: ignore[arg-type]
+      return_lse=return_residual, implementation=implementation, mask_mod=mask_mod, sinks=sinks)
+  if not return_residual:
+    out = to_bnth(result)  # [B, T, N, H_v]
+    return out[0] if rank3 else out
+  out, lse = result
+  out, lse = to_bnth(out), jnp.swapaxes(lse, 1, 2)  # [B, T, N, H_v], [B, T, N]
+  return (out[0], lse[0]) if rank3 else (out, lse)
 
 __all__ = ["dot_product_attention"]

@@ -11,10 +11,11 @@ its own tile shape through `jnp.vectorize`.
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol, Tuple
+from collections.abc import Callable
+from typing import Protocol
 
 import jax
-import jax.extend  # noqa: F401  (jax.extend.core.Literal)
+import jax.extend  # jax.extend.core.Literal
 import jax.numpy as jnp
 import numpy as np
 
@@ -124,7 +125,7 @@ def _traced(what, fn, *args, name="score_mod", argnames="(scores, b, h, q_idx, k
   """Run a trace of the user's `name` function; wrap what it raises in an error naming it."""
   try:
     return fn(*args)
-  except Exception as e:  # noqa: BLE001  (re-raised, chained)
+  except Exception as e:  # re-raised, chained
     cls = TypeError if isinstance(e, TypeError) else ValueError
     raise cls(
         f"{name} raised {type(e).__name__} while flashvjp traced it ({what}): {e}\n"
@@ -146,7 +147,7 @@ def concrete_const(c):
   return np.asarray(c)
 
 
-def convert(score_mod: Callable, acc_dtype) -> Tuple[Callable, tuple, int]:
+def convert(score_mod: Callable, acc_dtype) -> tuple[Callable, tuple, int]:
   """Trace `score_mod` on scalars; every array it reads becomes an explicit input.
 
   Returns (fn, consts, num_diff) where fn(s, b, h, q, kv, *consts) is the scalar
@@ -230,7 +231,7 @@ def check(score_mod: Callable, target, acc_dtype):
               sds((1, 1, tile[2], 1), i32), sds((1, 1, 1, tile[3]), i32))
   try:
     closed = jax.make_jaxpr(score_mod)(sds(tile, acc_dtype), *tile_idx)
-  except Exception as e:  # noqa: BLE001  (re-raised, chained)
+  except Exception as e:  # re-raised, chained
     raise ValueError(
         f"score_mod must be elementwise: it runs on the full scores {tuple(target)} but fails on"
         f" a block of scores of shape {tile} (flashvjp calls it block by block): {e}") from e

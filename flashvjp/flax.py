@@ -50,8 +50,10 @@ False outputs 0 (Flax averages the values over all keys there).
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -85,11 +87,11 @@ def _broadcast_pair(name, x, batch_dims, target_tail):
 
 
 def make_attention_fn(*, causal: bool = False,
-                      window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-                      score_mod: Optional[Callable] = None, scale: Optional[float] = None,
-                      implementation: Optional[str] = None, block_q: Optional[int] = None,
-                      block_kv: Optional[int] = None, mask_mod: Optional[Callable] = None,
-                      sinks=None) -> Callable:
+                      window: tuple[int | None, int | None] | None = None,
+                      score_mod: Callable | None = None, scale: float | None = None,
+                      implementation: str | None = None, block_q: int | None = None,
+                      block_kv: int | None = None, mask_mod: Callable | None = None,
+                      sinks: jax.Array | None = None) -> Callable:
   """An ``attention_fn`` for Flax with flashvjp options baked in.
 
   Args:
@@ -112,11 +114,16 @@ def make_attention_fn(*, causal: bool = False,
     A function with Flax's attention_fn signature (see `attention_fn`).
   """
 
-  def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
-                   dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
-                   dtype=None, precision=None, module=None, force_fp32_for_softmax: bool = False,
-                   qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
-                   einsum_dot_general=None, is_causal: bool = False):
+  def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
+                   bias: jax.Array | None = None, mask: jax.Array | None = None,
+                   broadcast_dropout: bool = True, dropout_rng: jax.Array | None = None,
+                   dropout_rate: float = 0.0, deterministic: bool = False,
+                   dtype: Any = None, precision: Any = None, module: Any = None,
+                   force_fp32_for_softmax: bool = False,
+                   qk_attn_weights_einsum: Callable | None = None,
+                   attn_weights_value_einsum: Callable | None = None,
+                   einsum_dot_general: Callable | None = None,
+                   is_causal: bool = False) -> jax.Array:
     """Flax-compatible dot-product attention computed by flashvjp.
 
     Args:

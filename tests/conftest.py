@@ -12,7 +12,7 @@ if "xla_cpu_experimental_ynn_fusion_type" not in os.environ["XLA_FLAGS"]:
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -117,6 +117,9 @@ def test_busy_warning():
   assert _bench.busy_warning({"matmul_flops_per_s": 90e9, "matmul_flops_per_s_best": 100e9}) is None
   line = _bench.busy_warning({"matmul_flops_per_s": 40e9, "matmul_flops_per_s_best": 100e9})
   assert "busy" in line and "40 GFLOP/s" in line and "100" in line and "\n" not in line
+  # Starved of cores with no matmul rate recorded: the line names the cores (it divided None).
+  line = _bench.busy_warning({"platform": "cpu", "matmul_cores_used": 0.6, "nproc": 2})
+  assert "0.6 of 2 cores" in line and "GFLOP/s" not in line
 
 
 def test_run_suite_skips_timing_over_memory_limit_but_reads_memory():

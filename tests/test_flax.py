@@ -18,7 +18,8 @@ from flax import nnx  # noqa: E402
 
 import flashvjp  # noqa: E402
 import flashvjp.flax  # noqa: E402
-from tests._util import TOL, assert_close  # noqa: E402
+from tests._util import TOL  # noqa: E402
+from tests._util import assert_close  # noqa: E402
 
 F32, F64 = jnp.float32, jnp.float64
 BATCH, L, FEAT, HEADS = 2, 10, 16, 4

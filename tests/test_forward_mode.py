@@ -17,7 +17,15 @@ import flashvjp
 from flashvjp import _vjp
 from tests import _util
 from tests import attention_base
-from tests.attention_base import B, BLOCK_KV, BLOCK_Q, CASES, D, DV, H, HKV, SQ
+from tests.attention_base import BLOCK_KV
+from tests.attention_base import BLOCK_Q
+from tests.attention_base import CASES
+from tests.attention_base import DV
+from tests.attention_base import HKV
+from tests.attention_base import SQ
+from tests.attention_base import B
+from tests.attention_base import D
+from tests.attention_base import H
 
 # Every feature of the shared base (ragged lengths 37/45 with blocks of 16: padding).
 BLOCKWISE_CASES = sorted(CASES)

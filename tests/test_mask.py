@@ -5,11 +5,12 @@ per block any / all. The classification must never call a block EMPTY that has a
 allowed position, nor FULL one that has a forbidden real position; with sorted segment
 ids (packed documents) its emptiness is exact, so no kernel visits an empty block.
 """
-import numpy as np
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 
 from flashvjp import _mask
 

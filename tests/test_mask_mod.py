@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 
 import flashvjp
 from flashvjp import _mask

@@ -24,8 +24,8 @@ if __name__ != "__main__":
   for _mod in ("nbclient", "nbformat", "ipykernel", "flax", "optax", "matplotlib"):
     pytest.importorskip(_mod)
 
-import nbclient  # noqa: E402
-import nbformat  # noqa: E402
+import nbclient
+import nbformat
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 300  # per cell; each notebook takes well under 60 s on an idle CPU

@@ -189,7 +189,7 @@ def test_matrix_covers_the_issue():
     for D in (64, 80, 96, 128, 192, 256):
       assert {c.causal for c in cases if c.dtype == dt and c.D == D and not c.baseline
               and c.name.endswith(("_causal", "_full"))} == {True, False}
-  has = lambda f: any(f(c) for c in cases)  # noqa: E731
+  has = lambda f: any(f(c) for c in cases)
   assert has(lambda c: c.Dv and c.Dv != c.D) and has(lambda c: c.window)
   assert has(lambda c: c.segments) and has(lambda c: c.mask == "dense")
   assert has(lambda c: c.mask == "key_padding") and has(lambda c: c.bias == "full")
