@@ -12,6 +12,7 @@ tiles into O(seq) accumulators. GQA works on
 """
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -204,27 +205,48 @@ def _carry_zero(acc, *refs):
 _MAX_UNROLLED_ROWS = 128
 
 
+@functools.lru_cache(maxsize=256)
+def _static_walk(spec: _mask.MaskSpec, bq: int, bk: int, nq: int, nk: int, by: str):
+  """(total pairs, first (row, col offset), row-end thresholds, (d row, d col) steps) of
+  the static pair list: Python ints from numpy (`MaskSpec.static_block_ranges`), once per
+  static configuration. Pair t's row is base row + the d rows of every threshold <= t,
+  its column t + base offset + the d cols of those thresholds."""
+  ranges = spec.static_block_ranges(by, bq, bk, nq, nk)
+  ends, shift, base, prev = [], [], (0, 0), None
+  acc_n = 0
+  for r_, (lo_, hi_) in enumerate(ranges):
+    size = max(hi_ - lo_, 0)
+    if size:
+      off = lo_ - acc_n
+      if prev is None:
+        base = (r_, off)
+      else:
+        ends.append(acc_n)
+        shift.append((r_ - prev[0], off - prev[1]))
+      prev = (r_, off)
+    acc_n += size
+  return acc_n, base, tuple(ends), tuple(shift)
+
+
 def _pairs(L: _Layout, table, by):
   """The block pairs one pass visits: (trip count, walk state, at(t, state) -> (i, j, state)).
 
   A single loop per pass runs over a flat list of (q block, kv block) pairs (row loop
   and column loop fused), so each pass compiles one loop body and no per-row
   init / finalise code inside a loop. The static bounds (causal, window, padding) give
-  the list at trace time; a dynamic block table (segment ids, dense mask) compacts it
+  the list at trace time (in numpy, cached: `_static_walk`; no jax op runs while
+  tracing); a dynamic block table (segment ids, dense mask) compacts it
   (`_mask._compact`), so empty blocks cost no branch (no lax.cond in the body) and the
   trip count is the number of non-empty pairs. `by` orders the list ("q": row-major,
   "kv": column-major).
   """
   n_rows, n_cols = (L.nq, L.nk) if by == "q" else (L.nk, L.nq)
+  total, base, ends, shift = _static_walk(L.spec, L.bq, L.bk, L.nq, L.nk, by)
 
   def bounds(r):
     if by == "q":
       return L.spec.kv_block_range(r, L.bq, L.bk, L.nk)
     return L.spec.q_block_range(r, L.bq, L.bk, L.nq)
-
-  with jax.ensure_compile_time_eval():  # the static trip count
-    sizes = [max(int(hi) - int(lo), 0) for lo, hi in map(bounds, range(n_rows))]
-  total = sum(sizes)
 
   def swap(row, col):
     return (row, col) if by == "q" else (col, row)
@@ -233,21 +255,6 @@ def _pairs(L: _Layout, table, by):
     # Static bounds: pair t's row is the number of row ends <= t and its column
     # t + (row start col - row offset), as sums of scalar steps with Python-int
     # thresholds (one small scalar kernel; no index arrays, no gathers).
-    with jax.ensure_compile_time_eval():
-      los = [int(bounds(r_)[0]) for r_ in range(n_rows)]
-    ends, shift, prev = [], [], None
-    acc_n = 0
-    for r_, (size, lo_) in enumerate(zip(sizes, los)):
-      if size:
-        off = lo_ - acc_n
-        if prev is None:
-          base = (r_, off)
-        else:
-          ends.append(acc_n)
-          shift.append((r_ - prev[0], off - prev[1]))
-        prev = (r_, off)
-      acc_n += size
-
     def at(t, state):
       row, col = jnp.int32(base[0]), t + base[1]
       for e, (dr, dc) in zip(ends, shift):
