@@ -19,6 +19,11 @@ A position is allowed when every given condition allows it:
   mask:        mask[b, h, q_pos, kv_pos] (broadcast)
   mask_mod:    mask_mod(b, h, q_pos, kv_pos) (flashvjp._mask_mod: scalar form, block classes)
   padding:     q_pos < seq_q and kv_pos < seq_kv (internal padding never attends)
+
+Static work stays static: the block-bound methods of `MaskSpec` compute in numpy (Python
+ints out) when their inputs are static, and emit jnp ops only for traced ones (a kernel's
+program id, an iota in the graph); `static_block_ranges` caches the per-row ranges per
+static configuration. Tracing flash_attention runs no jax op (tests/test_compile.py).
 """
 from __future__ import annotations
 

@@ -97,7 +97,8 @@ def check(mask_mod: Callable, target) -> Tuple[ScalarMaskMod, tuple, Tuple[bool,
   Returns (fn, consts, (uses_b, uses_h)). Raises TypeError / ValueError naming mask_mod
   when it is not callable, fails while traced, returns a non-bool or an array that does
   not broadcast to `target`, or is not elementwise (applied to a small tile of indices it
-  differs from its scalar form applied to each index).
+  differs from its scalar form applied to each index; evaluated only when
+  `_score_mod.provably_elementwise` cannot prove it from the jaxpr).
   """
   if not callable(mask_mod):
     raise TypeError("mask_mod must be callable (b, h, q_idx, kv_idx) -> bool, got"

@@ -355,7 +355,9 @@ def check(score_mod: Callable, target, acc_dtype):
   raises while traced, or is not elementwise; returns `convert`'s (fn, consts, num_diff).
   Elementwise means each output score depends only on its own score and indices:
   applied to a small tile of random scores it must equal its scalar form applied to
-  each entry (what the kernels run). Checked once per distinct traced computation.
+  each entry (what the kernels run). Checked once per distinct traced computation, and
+  not evaluated at all when `provably_elementwise` proves it from the jaxpr (built-ins,
+  index arithmetic, table lookups), so no jax op runs while a caller's jit traces.
   """
   B, H, Sq, Skv = target
   i32 = jnp.int32
