@@ -164,9 +164,11 @@ _NO_DISPATCH = textwrap.dedent("""
           extra["mask_mod"] = flashvjp.document_causal(dyn[0])
         if "block_mask" in kw:
           extra["mask_mod"], extra["block_mask"] = chunk, dyn[0]
-        opts = {n: o for n, o in kw.items() if n not in ("seg", "doc", "block_mask", "jvp")}
-        f = lambda q_: flashvjp.flash_attention(q_, k, v, implementation=impl, **blk, **interp,
-                                               **opts, **extra)
+        opts = {n: o for n, o in kw.items()
+                if n not in ("seg", "doc", "block_mask", "jvp", "rows16")}
+        blocks = dict(block_q=16, block_kv=16) if kw.get("rows16") else blk
+        f = lambda q_: flashvjp.flash_attention(q_, k, v, implementation=impl, **blocks,
+                                               **interp, **opts, **extra)
         if kw.get("jvp"):
           return jnp.sum(jax.jvp(f, (q,), (q,))[1])
         return jnp.sum(f(q))
@@ -183,7 +185,8 @@ _NO_DISPATCH = textwrap.dedent("""
         ("blockwise", dict(mask_mod=chunk)), ("blockwise", dict(doc=True)),
         ("blockwise", dict(block_mask=True)),
         ("blockwise", dict(causal=True, score_mod=flashvjp.softcap(20.0))),
-        ("blockwise", dict(causal=True, jvp=True)),
+        ("blockwise", dict(causal=True, jvp=True)), ("blockwise", dict(causal=True, rows16=True)),
+        ("blockwise", dict(window=(40, 0), rows16=True, jvp=True)),
         ("pallas_triton", dict(causal=True)), ("pallas_triton", dict(causal=True, seg=True)),
         ("pallas_triton", dict(mask_mod=chunk)), ("pallas_triton", dict(causal=True, jvp=True)),
         ("pallas_tpu", dict(causal=True)), ("pallas_tpu", dict(window=(70, 0), seg=True)),
@@ -211,7 +214,7 @@ def test_tracing_runs_no_jax_op():
                        timeout=900, check=False, cwd=pathlib.Path(__file__).resolve().parents[1])
   assert out.returncode == 0, out.stderr[-3000:]
   cases = [l.split("|") for l in out.stdout.splitlines() if l.startswith("CASE")]
-  assert len(cases) == 17, out.stdout + out.stderr[-2000:]
+  assert len(cases) == 19, out.stdout + out.stderr[-2000:]
   bad = [f"{name.strip()}: {n.strip()} XLA compiles {err.strip()}" for name, n, err in cases
          if n.strip() != "0" or err.strip()]
   assert not bad, "\n".join(bad)
