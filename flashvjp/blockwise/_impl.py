@@ -294,7 +294,8 @@ def _pairs(L: _Layout, table, by):
       col1 = jnp.where(wrap, bounds(row1)[0], nxt).astype(jnp.int32)
       return swap(row, col) + ((row1, col1),)
     r0 = base[0]
-    return total, (jnp.int32(r0), jnp.int32(bounds(r0)[0])), at_carry
+    walk0 = (lax.full((), r0, np.int32), lax.full((), bounds(r0)[0], np.int32))  # no consts
+    return total, walk0, at_carry
 
   # The list is built from iotas (no array constants: custom_partitioning refuses them).
   r = lax.iota(jnp.int32, n_rows)
