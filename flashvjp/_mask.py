@@ -19,10 +19,16 @@ A position is allowed when every given condition allows it:
   mask:        mask[b, h, q_pos, kv_pos] (broadcast)
   mask_mod:    mask_mod(b, h, q_pos, kv_pos) (flashvjp._mask_mod: scalar form, block classes)
   padding:     q_pos < seq_q and kv_pos < seq_kv (internal padding never attends)
+
+Static work stays static: the block-bound methods of `MaskSpec` compute in numpy (Python
+ints out) when their inputs are static, and emit jnp ops only for traced ones (a kernel's
+program id, an iota in the graph); `static_block_ranges` caches the per-row ranges per
+static configuration. Tracing flash_attention runs no jax op (tests/test_compile.py).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple, Optional, Tuple
 
 import jax
@@ -31,8 +37,34 @@ import numpy as np
 from jax import lax
 
 
+def is_static(*xs) -> bool:
+  """True when no x is a jax value (Python / numpy numbers and numpy arrays only).
+
+  The block-bound methods below take either: on static inputs they compute in numpy and
+  return Python ints (numpy int32 arrays for array inputs), so work known before tracing
+  never dispatches a jax op (no device op, no XLA compile while tracing); on traced
+  inputs (a kernel's program id, an iota inside the traced graph) they emit jnp ops.
+  """
+  return not any(isinstance(x, (jax.Array, jax.core.Tracer)) for x in xs)
+
+
+def _xp(*xs):
+  return np if is_static(*xs) else jnp
+
+
+def _static_out(*xs):
+  """numpy results -> Python ints (scalars) or int32 arrays."""
+  out = tuple(int(x) if np.ndim(x) == 0 else np.asarray(x, np.int32) for x in xs)
+  return out if len(out) != 1 else out[0]
+
+
 def _block_span(lo, hi, block: int, num_blocks: int):
   """The blocks [lo_b, hi_b) holding positions [lo, hi) (empty when lo >= hi)."""
+  if is_static(lo, hi):
+    lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+    hi_b = np.clip((hi + block - 1) // block, 0, num_blocks)
+    hi_b = np.where(lo >= hi, 0, hi_b)
+    return _static_out(np.minimum(lo // block, hi_b), hi_b)
   lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
   hi_b = jnp.clip((hi + block - 1) // block, 0, num_blocks)
   hi_b = jnp.where(lo >= hi, 0, hi_b)
@@ -80,34 +112,38 @@ class MaskSpec:
   # ---- static block bounds ---------------------------------------------
   def kv_range(self, q_start, q_end):
     """[lo, hi) of kv positions any query in [q_start, q_end) may attend (ints or traced)."""
+    xp = _xp(q_start, q_end)
     lo = 0
     hi = self.seq_kv
     if self.right is not None:
-      hi = jnp.minimum(hi, jnp.maximum(q_end - 1 + self.right + 1, 0))
+      hi = xp.minimum(hi, xp.maximum(q_end - 1 + self.right + 1, 0))
     if self.left is not None:
-      lo = jnp.maximum(0, q_start - self.left)
-    return lo, hi
+      lo = xp.maximum(0, q_start - self.left)
+    return _static_out(lo, hi) if xp is np else (lo, hi)
 
   def q_range(self, kv_start, kv_end):
     """[lo, hi) of q positions that may attend some kv in [kv_start, kv_end)."""
+    xp = _xp(kv_start, kv_end)
     lo = 0
     hi = self.seq_q
     if self.right is not None:  # kv <= q + right  ->  q >= kv - right
-      lo = jnp.maximum(0, kv_start - self.right)
+      lo = xp.maximum(0, kv_start - self.right)
     if self.left is not None:  # kv >= q - left  ->  q <= kv + left
-      hi = jnp.minimum(hi, jnp.maximum(kv_end - 1 + self.left + 1, 0))
-    return lo, hi
+      hi = xp.minimum(hi, xp.maximum(kv_end - 1 + self.left + 1, 0))
+    return _static_out(lo, hi) if xp is np else (lo, hi)
 
   def kv_block_range(self, q_block, block_q, block_kv, num_kv_blocks):
     """[lo, hi) of kv block indices that q block `q_block` must visit."""
     # Padding rows past seq_q attend nothing: the block's real rows decide its range.
-    lo, hi = self.kv_range(q_block * block_q, jnp.minimum((q_block + 1) * block_q, self.seq_q))
+    xp = _xp(q_block)
+    lo, hi = self.kv_range(q_block * block_q, xp.minimum((q_block + 1) * block_q, self.seq_q))
     return _block_span(lo, hi, block_kv, num_kv_blocks)
 
   def q_block_range(self, kv_block, block_q, block_kv, num_q_blocks):
     """[lo, hi) of q block indices that visit kv block `kv_block`."""
+    xp = _xp(kv_block)
     lo, hi = self.q_range(kv_block * block_kv,
-                          jnp.minimum((kv_block + 1) * block_kv, self.seq_kv))
+                          xp.minimum((kv_block + 1) * block_kv, self.seq_kv))
     return _block_span(lo, hi, block_q, num_q_blocks)
 
   # ---- block classification: blocks that need no elementwise mask -----------
@@ -119,34 +155,43 @@ class MaskSpec:
 
   def full_kv_block_range(self, q_block, block_q, block_kv):
     """[lo, hi) of kv blocks whose every pair with q block `q_block` is allowed."""
-    lim = jnp.asarray(self.seq_kv, jnp.int32)  # kv positions < lim are real (not padding)
+    xp = _xp(q_block)
+    lim = xp.asarray(self.seq_kv, xp.int32)  # kv positions < lim are real (not padding)
     if self.right is not None:  # kv <= q + right for the block's first q
-      lim = jnp.minimum(lim, q_block * block_q + self.right + 1)
-    hi = jnp.maximum(lim, 0) // block_kv
-    lo = jnp.asarray(0, jnp.int32)
+      lim = xp.minimum(lim, q_block * block_q + self.right + 1)
+    hi = xp.maximum(lim, 0) // block_kv
+    lo = xp.asarray(0, xp.int32)
     if self.left is not None:  # kv >= q - left for the block's last q
       lo = _cdiv_nonneg((q_block + 1) * block_q - 1 - self.left, block_kv)
-    return lo, hi
+    return _static_out(lo, hi) if xp is np else (lo, hi)
 
   def full_q_block_range(self, kv_block, block_q, block_kv, num_q_blocks):
     """[lo, hi) of q blocks all of whose pairs with kv block `kv_block` are allowed."""
-    hi = jnp.asarray(num_q_blocks, jnp.int32)
-    lo = jnp.asarray(0, jnp.int32)
+    xp = _xp(kv_block)
+    hi = xp.asarray(num_q_blocks, xp.int32)
+    lo = xp.asarray(0, xp.int32)
     if self.right is not None:  # last kv <= first q + right
       lo = _cdiv_nonneg((kv_block + 1) * block_kv - 1 - self.right, block_q)
     if self.left is not None:  # first kv >= last q - left
-      hi = jnp.maximum(kv_block * block_kv + self.left + 1, 0) // block_q
+      hi = xp.maximum(kv_block * block_kv + self.left + 1, 0) // block_q
     # A kv block reaching into the padding needs the mask for every q block.
-    return lo, jnp.where((kv_block + 1) * block_kv > self.seq_kv, lo, hi)
+    hi = xp.where((kv_block + 1) * block_kv > self.seq_kv, lo, hi)
+    return _static_out(lo, hi) if xp is np else (lo, hi)
+
+  def static_block_ranges(self, by: str, block_q: int, block_kv: int, num_q_blocks: int,
+                          num_kv_blocks: int):
+    """Per row, the (lo, hi) column block range as Python ints (cached; no jax op).
+
+    by="q": per q block, `kv_block_range`; by="kv": per kv block, `q_block_range`.
+    """
+    return static_block_ranges(self, by, block_q, block_kv, num_q_blocks, num_kv_blocks)
 
   def visited_fraction(self, block_q, block_kv) -> float:
     """Fraction of (q block, kv block) pairs inside the static bounds (for FLOP counts)."""
     nq = -(-self.seq_q // block_q)
     nk = -(-self.seq_kv // block_kv)
-    total = 0
-    for i in range(nq):
-      lo, hi = self.kv_block_range(i, block_q, block_kv, nk)
-      total += max(int(hi) - int(lo), 0)
+    ranges = static_block_ranges(self, "q", block_q, block_kv, nq, nk)
+    total = sum(max(hi - lo, 0) for lo, hi in ranges)
     return total / max(nq * nk, 1)
 
   def dense(self, q_seg=None, kv_seg=None, mask=None):
@@ -323,7 +368,24 @@ def block_lists(spec: MaskSpec, q_seg, kv_seg, mask, block_q, block_kv, num_q_bl
 
 
 def _cdiv_nonneg(x, b):
-  return (jnp.maximum(x, 0) + b - 1) // b
+  xp = _xp(x)
+  return (xp.maximum(x, 0) + b - 1) // b
+
+
+@functools.lru_cache(maxsize=512)
+def static_block_ranges(spec: MaskSpec, by: str, block_q: int, block_kv: int,
+                        num_q_blocks: int, num_kv_blocks: int):
+  """`MaskSpec.static_block_ranges`: tuple of (lo, hi) Python ints per row, in numpy."""
+  if by == "q":
+    lo, hi = spec.kv_block_range(np.arange(num_q_blocks), block_q, block_kv, num_kv_blocks)
+    n = num_q_blocks
+  elif by == "kv":
+    lo, hi = spec.q_block_range(np.arange(num_kv_blocks), block_q, block_kv, num_q_blocks)
+    n = num_kv_blocks
+  else:
+    raise ValueError(f"by must be 'q' or 'kv', got {by!r}")
+  lo, hi = np.broadcast_to(lo, (n,)), np.broadcast_to(hi, (n,))
+  return tuple((int(a), int(b)) for a, b in zip(lo, hi))
 
 
 def split_loop(run, lo, hi, full, carry):

@@ -97,7 +97,8 @@ def check(mask_mod: Callable, target) -> Tuple[ScalarMaskMod, tuple, Tuple[bool,
   Returns (fn, consts, (uses_b, uses_h)). Raises TypeError / ValueError naming mask_mod
   when it is not callable, fails while traced, returns a non-bool or an array that does
   not broadcast to `target`, or is not elementwise (applied to a small tile of indices it
-  differs from its scalar form applied to each index).
+  differs from its scalar form applied to each index; evaluated only when
+  `_score_mod.provably_elementwise` cannot prove it from the jaxpr).
   """
   if not callable(mask_mod):
     raise TypeError("mask_mod must be callable (b, h, q_idx, kv_idx) -> bool, got"
@@ -138,6 +139,7 @@ def check(mask_mod: Callable, target) -> Tuple[ScalarMaskMod, tuple, Tuple[bool,
   bi, hi, qi, ki = pos(B, tb), pos(H, th), pos(Sq, tq), pos(Skv, tk)
   tile = (len(bi), len(hi), len(qi), len(ki))
   key = (fn, tile)
+  proven = False
   if key not in _ELEMENTWISE_OK:
     zeros = lambda c: jnp.zeros(jnp.shape(c), jnp.result_type(c)) if isinstance(
         c, jax.core.Tracer) else c
@@ -145,6 +147,10 @@ def check(mask_mod: Callable, target) -> Tuple[ScalarMaskMod, tuple, Tuple[bool,
               ki.reshape(1, 1, 1, -1))
     tile_idx = tuple(sds(a.shape, i32) for a in args_t)
     closed = _traced(f"on a tile of indices of shape {tile}", jax.make_jaxpr(mask_mod), *tile_idx)
+    # Elementwise by construction: nothing to evaluate (no jax op runs while tracing).
+    proven = _score_mod.provably_elementwise(
+        closed.jaxpr, fn._jaxpr, 4)  # pylint: disable=protected-access
+  if key not in _ELEMENTWISE_OK and not proven:
     with jax.ensure_compile_time_eval():
       args = tuple(jnp.asarray(a) for a in args_t)
       (whole,) = _traced("on a tile", jax.core.eval_jaxpr, closed.jaxpr,
@@ -161,6 +167,7 @@ def check(mask_mod: Callable, target) -> Tuple[ScalarMaskMod, tuple, Tuple[bool,
           f" kv_idx), but on a tile of indices of shape {tile} it differs from applying it to"
           f" each index alone{why}. flashvjp evaluates mask_mod block by block, so reductions"
           " or cumulative ops over the index arrays cannot be computed exactly")
+  if key not in _ELEMENTWISE_OK:
     if len(_ELEMENTWISE_OK) > 1024:
       _ELEMENTWISE_OK.clear()
     _ELEMENTWISE_OK[key] = True

@@ -200,6 +200,152 @@ def _mixing_prims(jaxpr, dep):
   return found
 
 
+# ---- a structural elementwise proof (no evaluation, so no jax op while tracing) --------
+# A tile jaxpr is elementwise by construction when every value that depends on the
+# scores / indices keeps the tile's first four dims as its own (numpy broadcasting of
+# size-1 dims) and only pointwise primitives act on it: then entry p is computed from the
+# inputs at p alone. Array lookups (``table[h, rel]``) qualify: a gather from an array
+# that does not depend on the inputs, one element per index vector. Anything else falls
+# back to the numeric check (`check`), which evaluates the function eagerly.
+
+_POINTWISE = frozenset("""
+abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp clz convert_element_type
+copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag
+integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or
+population_count pow real reduce_precision rem round rsqrt select_n shift_left
+shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh xor
+""".split())
+_SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+                         "concatenate"})
+
+
+class _NotProvable(Exception):
+  pass
+
+
+def _sub_jaxpr(eqn):
+  """The one sub-jaxpr of a call-like eqn (jit, custom_jvp_call, ...) with matching
+  inputs and outputs, as (jaxpr, consts), or None."""
+  subs = []
+  for p in eqn.params.values():
+    j = getattr(p, "jaxpr", None)
+    if j is not None and hasattr(j, "eqns"):
+      subs.append((j, tuple(getattr(p, "consts", ()))))
+    elif hasattr(p, "eqns"):
+      subs.append((p, ()))
+  if len(subs) != 1:
+    return None
+  j, _ = subs[0]
+  if len(j.invars) != len(eqn.invars) or len(j.outvars) != len(eqn.outvars):
+    return None
+  return subs[0]
+
+
+def _pointwise(jaxpr, in_states, sig):
+  """States of jaxpr's outvars. A state is None (independent of the inputs) or t: the
+  value's first four dims are the tile's and it has t trailing (index vector) dims.
+  Appends each primitive's canonical name to `sig`. Raises _NotProvable."""
+  Lit = jax.extend.core.Literal
+  env = dict(zip(jaxpr.invars, in_states))
+  read = lambda v: None if isinstance(v, Lit) else env.get(v)
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    lits = tuple(repr(v.val) for v in eqn.invars if isinstance(v, Lit))
+    sub = _sub_jaxpr(eqn)
+    if sub is not None:
+      outs = _pointwise(sub[0], ins, sig)
+    elif all(x is None for x in ins):
+      outs = [None] * len(eqn.outvars)
+      sig.append((name, lits))
+    else:
+      shape = lambda v: tuple(v.aval.shape)
+      out_shape = shape(eqn.outvars[0])
+      dep = [(v, t) for v, t in zip(eqn.invars, ins) if t is not None]
+      ts = {t for _, t in dep}
+      if len(ts) != 1 or len(eqn.outvars) != 1:
+        raise _NotProvable(name)
+      (t,) = ts
+      if name in _POINTWISE:
+        for v, x in zip(eqn.invars, ins):
+          sh = () if isinstance(v, Lit) else shape(v)
+          if x is None and any(d != 1 for d in sh):
+            raise _NotProvable(name)  # an input-independent array: position dependent
+          if x is not None and (len(sh) != len(out_shape) or any(
+              a not in (1, b) for a, b in zip(sh, out_shape))):
+            raise _NotProvable(name)
+        outs = [t]
+        sig.append((name, lits))
+      elif name == "broadcast_in_dim":
+        dims = tuple(eqn.params["broadcast_dimensions"])
+        if dims[:4] != (0, 1, 2, 3):
+          raise _NotProvable(name)
+        outs = [len(out_shape) - 4]
+      elif name == "reshape":
+        (v, _), = dep
+        if eqn.params.get("dimensions") is not None or out_shape[:4] != shape(v)[:4]:
+          raise _NotProvable(name)
+        outs = [len(out_shape) - 4]
+      elif name == "squeeze":
+        if any(d < 4 for d in eqn.params["dimensions"]):
+          raise _NotProvable(name)
+        outs = [len(out_shape) - 4]
+      elif name == "concatenate":
+        if eqn.params["dimension"] < 4 or any(x is None for x in ins):
+          raise _NotProvable(name)
+        outs = [t]
+      elif name == "gather":
+        dn = eqn.params["dimension_numbers"]
+        idx_shape = shape(eqn.invars[1])
+        if (ins[0] is not None or ins[1] is None or t < 1 or tuple(dn.offset_dims)
+            or tuple(getattr(dn, "operand_batching_dims", ())) or any(
+                d != 1 for d in eqn.params["slice_sizes"])
+            or out_shape != idx_shape[:-1]):
+          raise _NotProvable(name)
+        outs = [t - 1]
+        sig.append(("lookup", ()))
+      else:
+        raise _NotProvable(name)
+    for v, x in zip(eqn.outvars, outs):
+      env[v] = x
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _scalar_signature(jaxpr, sig):
+  """The canonical primitive sequence of a function traced on scalars (see `_pointwise`)."""
+  Lit = jax.extend.core.Literal
+  for eqn in jaxpr.eqns:
+    sub = _sub_jaxpr(eqn)
+    if sub is not None:
+      _scalar_signature(sub[0], sig)
+      continue
+    name = eqn.primitive.name
+    if name in _SHAPE_ONLY:
+      continue
+    if name == "dynamic_slice" and all(d == 1 for d in eqn.params["slice_sizes"]):
+      sig.append(("lookup", ()))
+      continue
+    sig.append((name, tuple(repr(v.val) for v in eqn.invars if isinstance(v, Lit))))
+  return sig
+
+
+def provably_elementwise(tile_jaxpr, scalar_jaxpr, num_inputs: int) -> bool:
+  """Whether the user function traced on a tile (`tile_jaxpr`, whose first `num_inputs`
+  invars are the rank-4 scores / index arrays) is elementwise by construction and runs
+  the same primitives as its scalar form (`scalar_jaxpr`): then the numeric check of
+  `check` cannot fail and is skipped (no eager evaluation while tracing)."""
+  try:
+    sig = []
+    states = [0] * num_inputs + [None] * (len(tile_jaxpr.invars) - num_inputs)
+    outs = _pointwise(tile_jaxpr, states, sig)
+  except _NotProvable:
+    return False
+  if any(t not in (None, 0) for t in outs):
+    return False
+  keep = lambda sg: [x for x in sg if x[0] not in _SHAPE_ONLY]
+  return keep(sig) == keep(_scalar_signature(scalar_jaxpr, []))
+
+
 _ELEMENTWISE_OK: dict = {}
 
 
@@ -210,7 +356,9 @@ def check(score_mod: Callable, target, acc_dtype):
   raises while traced, or is not elementwise; returns `convert`'s (fn, consts, num_diff).
   Elementwise means each output score depends only on its own score and indices:
   applied to a small tile of random scores it must equal its scalar form applied to
-  each entry (what the kernels run). Checked once per distinct traced computation.
+  each entry (what the kernels run). Checked once per distinct traced computation, and
+  not evaluated at all when `provably_elementwise` proves it from the jaxpr (built-ins,
+  index arithmetic, table lookups), so no jax op runs while a caller's jit traces.
   """
   B, H, Sq, Skv = target
   i32 = jnp.int32
@@ -247,6 +395,9 @@ def check(score_mod: Callable, target, acc_dtype):
         f" call it) it fails: {e.__cause__ or e}") from e
   key = (fn, str(closed.jaxpr), tile)
   if key in _ELEMENTWISE_OK:
+    return fn, consts, n_diff
+  if provably_elementwise(closed.jaxpr, fn._jaxpr, 5):  # pylint: disable=protected-access
+    _ELEMENTWISE_OK[key] = True  # by construction: nothing evaluated (no jax op)
     return fn, consts, n_diff
   # Concrete stand-ins for traced consts (closed over inside a jit): zeros of their type.
   zeros = lambda c: jnp.zeros(jnp.shape(c), jnp.result_type(c)) if isinstance(

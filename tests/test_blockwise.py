@@ -55,3 +55,31 @@ def test_every_matmul_is_plain(dtype):
     rank = len(dims)
     assert int(contracting) == rank - 1, f"dot contracts axis {contracting} of {lhs} {dims}"
     assert layout.split(",")[0] == str(rank - 1), f"{lhs} {dims} has layout {{{layout}}}"
+
+
+@pytest.mark.parametrize("name, blocks", [
+    ("causal", (4, 4)), ("causal_square", (4, 8)), ("window", (4, 4)),
+    ("window_left_only", (4, 4)), ("causal_window", (8, 4)), ("plain", (4, 4)),
+])
+def test_carried_pair_walk_against_naive(name, blocks):
+  """More than `_impl._MAX_UNROLLED_ROWS` block rows: the static pair list is walked with
+  (row, col) in the loop state (`_pairs`' carried walk); forward, lse and gradients match
+  naive, and the jvp (the tangent pass walks the same list)."""
+  from flashvjp.blockwise import _impl  # pylint: disable=import-outside-toplevel
+  from tests import attention_base as base  # pylint: disable=import-outside-toplevel
+  # the carried walk runs (in the forward by q blocks, in the backward by kv blocks)
+  assert max(-(-base.SQ // blocks[0]), -(-base.SKV // blocks[1])) > _impl._MAX_UNROLLED_ROWS
+  got = base.run_case("blockwise", name, jnp.float32, block_q=blocks[0], block_kv=blocks[1])
+  ref = base.run_case("naive", name, jnp.float32)
+  _util.assert_close(got, ref, jnp.float32, what=f"blockwise/{name}/carried walk")
+  q, k, v, _, d, with_diff = base.case_problem(name, jnp.float32, 0)
+  tq, tk, tv = _util.random_qkv(5, base.B, base.H, base.HKV, q.shape[2], k.shape[2], base.D,
+                                v.shape[3])
+
+  def f(impl, q, k, v, **extra):
+    return flashvjp.flash_attention(q, k, v, implementation=impl, return_lse=True,
+                                    **with_diff(d, **extra))
+  got_t = jax.jvp(lambda *a: f("blockwise", *a, block_q=blocks[0], block_kv=blocks[1]),
+                  (q, k, v), (tq, tk, tv))
+  ref_t = jax.jvp(lambda *a: f("naive", *a), _util.as64((q, k, v)), _util.as64((tq, tk, tv)))
+  _util.assert_close(got_t, ref_t, jnp.float32, what=f"blockwise/{name}/carried walk jvp")

@@ -4,6 +4,7 @@ Compilations are counted with jax's monitoring event for backend compiles (one e
 XLA compile, eager op-by-op dispatch included); traces with a Python side effect in the
 traced function and the jit cache size.
 """
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -130,3 +131,90 @@ def test_jitted_pallas_traces_once():
   line = [l for l in out.stdout.splitlines() if l.startswith("TRACES")][-1]
   n_traces, jf_cache, g_cache = map(int, line.split()[1:])
   assert (n_traces, jf_cache, g_cache) == (2, 1, 1), line  # one trace for jf, one for g
+
+
+# Tracing and lowering flash_attention must run no jax op: every static bound, block range,
+# pair list, trip count and list width is computed in numpy / Python (`_mask.is_static`),
+# and an elementwise mask_mod / score_mod is proven so without evaluating it. Checked in a
+# fresh process, where any eager jax op compiles (so the backend-compile count is 0 only
+# when none runs), and under jax.transfer_guard("disallow"), where an eager op on host
+# values raises. Dynamic parts (segment ids, a BlockMask's classes, mask_mod arrays) are
+# jit arguments and stay traced.
+_NO_DISPATCH = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp
+    import flashvjp
+    compiles = []
+    def on_event(event, duration, **kw):
+      if event == "/jax/core/compile/backend_compile_duration":
+        compiles.append(event)
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    B, H, S, D = 1, 2, 256, 16
+    x = jax.ShapeDtypeStruct((B, H, S, D), jnp.float32)
+    ids = jax.ShapeDtypeStruct((B, S), jnp.int32)
+    blk = dict(block_q=64, block_kv=64)
+    chunk = flashvjp.chunked(64)
+    def grad_of(impl, **kw):
+      interp = dict(interpret=True) if impl.startswith("pallas") else {}
+      def loss(q, k, v, *dyn):
+        extra = {}
+        if "seg" in kw:
+          extra["segment_ids"] = dyn[0]
+        if "doc" in kw:
+          extra["mask_mod"] = flashvjp.document_causal(dyn[0])
+        if "block_mask" in kw:
+          extra["mask_mod"], extra["block_mask"] = chunk, dyn[0]
+        opts = {n: o for n, o in kw.items()
+                if n not in ("seg", "doc", "block_mask", "jvp", "rows16")}
+        blocks = dict(block_q=16, block_kv=16) if kw.get("rows16") else blk
+        f = lambda q_: flashvjp.flash_attention(q_, k, v, implementation=impl, **blocks,
+                                               **interp, **opts, **extra)
+        if kw.get("jvp"):
+          return jnp.sum(jax.jvp(f, (q,), (q,))[1])
+        return jnp.sum(f(q))
+      dyn = ()
+      if "seg" in kw or "doc" in kw:
+        dyn = (ids,)
+      if "block_mask" in kw:
+        dyn = (flashvjp.make_block_mask(chunk, B, H, S, S, 64, 64),)
+      fn = jax.jit(loss) if kw.get("jvp") else jax.jit(jax.grad(loss))
+      return fn, (x, x, x) + dyn
+    cases = [
+        ("blockwise", dict(causal=True)), ("blockwise", dict(window=(70, 0))),
+        ("blockwise", dict(window=(40, 40))), ("blockwise", dict(causal=True, seg=True)),
+        ("blockwise", dict(mask_mod=chunk)), ("blockwise", dict(doc=True)),
+        ("blockwise", dict(block_mask=True)),
+        ("blockwise", dict(causal=True, score_mod=flashvjp.softcap(20.0))),
+        ("blockwise", dict(causal=True, jvp=True)), ("blockwise", dict(causal=True, rows16=True)),
+        ("blockwise", dict(window=(40, 0), rows16=True, jvp=True)),
+        ("pallas_triton", dict(causal=True)), ("pallas_triton", dict(causal=True, seg=True)),
+        ("pallas_triton", dict(mask_mod=chunk)), ("pallas_triton", dict(causal=True, jvp=True)),
+        ("pallas_tpu", dict(causal=True)), ("pallas_tpu", dict(window=(70, 0), seg=True)),
+        ("pallas_tpu", dict(mask_mod=chunk)), ("pallas_tpu", dict(causal=True, jvp=True)),
+    ]
+    for impl, kw in cases:
+      fn, args = grad_of(impl, **kw)  # (make_block_mask compiles here, outside the trace)
+      before = len(compiles)
+      try:
+        with jax.transfer_guard("disallow"):
+          fn.lower(*args)
+        err = ""
+      except Exception as e:  # an eager op on host values
+        err = type(e).__name__ + ": " + str(e).splitlines()[0][:160]
+      name = impl + " " + ",".join(sorted(k for k in kw if k not in ("mask_mod", "score_mod"))
+                                   + [k for k in ("mask_mod", "score_mod") if k in kw])
+      print("CASE", name, "|", len(compiles) - before, "|", err, flush=True)
+""")
+
+
+def test_tracing_runs_no_jax_op():
+  """jit(grad) (and jit(jvp)) of flash_attention with static masks: trace + lower run no
+  eager jax op and compile nothing (blockwise, both Pallas families in interpret mode)."""
+  out = subprocess.run([sys.executable, "-c", _NO_DISPATCH], capture_output=True, text=True,
+                       timeout=900, check=False, cwd=pathlib.Path(__file__).resolve().parents[1])
+  assert out.returncode == 0, out.stderr[-3000:]
+  cases = [l.split("|") for l in out.stdout.splitlines() if l.startswith("CASE")]
+  assert len(cases) == 19, out.stdout + out.stderr[-2000:]
+  bad = [f"{name.strip()}: {n.strip()} XLA compiles {err.strip()}" for name, n, err in cases
+         if n.strip() != "0" or err.strip()]
+  assert not bad, "\n".join(bad)

@@ -120,3 +120,28 @@ def test_causal_lists_by_hand():
   assert np.asarray(lists.num_partial).tolist() == [[[1, 1, 1, 1]]]
   assert np.asarray(lists.num_full).tolist() == [[[0, 1, 2, 3]]]
   assert np.asarray(lists.full)[0, 0, 3].tolist() == [0, 1, 2, 2]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts())
+def test_static_block_bounds_equal_the_traced_ones(layout):
+  """The numpy path (static inputs: Python ints out, no jax op) and the jnp path (traced
+  block index, as inside a kernel) of every block-bound method agree on every block."""
+  import jax  # pylint: disable=import-outside-toplevel
+  sq, skv, bq, bk, causal, window, *_ = layout
+  spec = _mask.MaskSpec(causal, window, sq, skv)
+  nq, nk = -(-sq // bq), -(-skv // bk)
+
+  def methods(r, by):
+    if by == "q":
+      return (spec.kv_block_range(r, bq, bk, nk), spec.full_kv_block_range(r, bq, bk))
+    return (spec.q_block_range(r, bq, bk, nq), spec.full_q_block_range(r, bq, bk, nq))
+
+  for by, n in (("q", nq), ("kv", nk)):
+    traced = jax.jit(jax.vmap(lambda r, by=by: methods(r, by)))(jnp.arange(n, dtype=jnp.int32))
+    traced = np.broadcast_to(np.asarray(traced), (2, 2, n))
+    static = np.array([[list(p) for p in methods(r, by)] for r in range(n)]).transpose(1, 2, 0)
+    assert all(isinstance(x, int) for r in range(n) for p in methods(r, by) for x in p)
+    np.testing.assert_array_equal(static, traced)
+    assert spec.static_block_ranges(by, bq, bk, nq, nk) == tuple(
+        tuple(int(x) for x in static[0, :, r]) for r in range(n))

@@ -319,3 +319,37 @@ def test_array_literals_built_inside_the_function_under_jit():
   ref = flashvjp.flash_attention(q, k, v, mask=jnp.asarray(dense), bias=jnp.broadcast_to(bias, (1, H, 37, 37)),
                                  implementation="naive")
   _util.assert_close(f(q, k, v), ref, jnp.float64)
+
+
+_S = jax.ShapeDtypeStruct
+_TILE_IDX = (_S((2, 1, 1, 1), jnp.int32), _S((1, 2, 1, 1), jnp.int32),
+             _S((1, 1, 3, 1), jnp.int32), _S((1, 1, 1, 4), jnp.int32))
+
+
+@pytest.mark.parametrize("name, mod, proven", [
+    ("chunked", flashvjp.chunked(16), True),
+    ("sliding_window_with_global", flashvjp.sliding_window_with_global(8, 2), True),
+    ("prefix_lm (array)", flashvjp.prefix_lm(jnp.asarray([3, 5])), True),
+    ("document_causal", flashvjp.document_causal(jnp.zeros((2, 64), jnp.int32)), True),
+    ("flipped", lambda b, h, q, k: jnp.flip(q) >= k, False),
+    ("summed", lambda b, h, q, k: k <= q + jnp.sum(b), False),
+    ("shape-dependent", lambda b, h, q, k: (k <= q) if q.ndim == 0 else (k < q), False),
+])
+def test_provably_elementwise_accepts_only_what_it_can_prove(name, mod, proven):
+  """The structural proof that lets `check` skip evaluating a mask_mod: it accepts
+  pointwise index arithmetic and table lookups, and nothing that moves entries or differs
+  from the scalar form (those go to the numeric check)."""
+  fn, _ = _mask_mod.convert(mod)
+  tile = jax.make_jaxpr(mod)(*_TILE_IDX)
+  assert flashvjp._score_mod.provably_elementwise(tile.jaxpr, fn._jaxpr, 4) is proven, name
+
+
+def test_unprovable_mask_mods_are_still_checked_numerically():
+  """Not provable -> evaluated: one that differs from its scalar form is still rejected."""
+  q = jnp.ones((1, 2, 8, 4))
+  bad = lambda b, h, qi, ki: (ki <= qi) if qi.ndim == 0 else (ki < qi)
+  with pytest.raises(ValueError, match="mask_mod must be elementwise"):
+    flashvjp.flash_attention(q, q, q, mask_mod=bad)
+  rev = lambda b, h, qi, ki: jnp.flip(qi) >= ki
+  with pytest.raises(ValueError, match="mask_mod must be elementwise"):
+    flashvjp.flash_attention(q, q, q, mask_mod=rev)

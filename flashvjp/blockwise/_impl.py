@@ -12,9 +12,11 @@ tiles into O(seq) accumulators. GQA works on
 """
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from flashvjp import _dropout
@@ -201,7 +203,38 @@ def _carry_zero(acc, *refs):
   return z
 
 
-_MAX_UNROLLED_ROWS = 128
+_MAX_UNROLLED_ROWS = 8  # the chain beyond: compile time grows with it (0.95 s at 128 rows)
+
+
+@functools.lru_cache(maxsize=256)
+def _static_walk(spec: _mask.MaskSpec, bq: int, bk: int, nq: int, nk: int, by: str):
+  """(total pairs, first (row, col offset), row-end thresholds, (d row, d col) steps) of
+  the static pair list: Python ints from numpy (`MaskSpec.static_block_ranges`), once per
+  static configuration. Pair t's row is base row + the d rows of every threshold <= t,
+  its column t + base offset + the d cols of those thresholds."""
+  ranges = spec.static_block_ranges(by, bq, bk, nq, nk)
+  ends, shift, base, prev = [], [], (0, 0), None
+  acc_n = 0
+  for r_, (lo_, hi_) in enumerate(ranges):
+    size = max(hi_ - lo_, 0)
+    if size:
+      off = lo_ - acc_n
+      if prev is None:
+        base = (r_, off)
+      else:
+        ends.append(acc_n)
+        shift.append((r_ - prev[0], off - prev[1]))
+      prev = (r_, off)
+    acc_n += size
+  return acc_n, base, tuple(ends), tuple(shift)
+
+
+@functools.lru_cache(maxsize=256)
+def _contiguous(spec, bq, bk, nq, nk, by) -> bool:
+  """Whether the rows with a non-empty static range are one contiguous run."""
+  rows = [r for r, (lo, hi) in enumerate(spec.static_block_ranges(by, bq, bk, nq, nk))
+          if hi > lo]
+  return bool(rows) and rows[-1] - rows[0] + 1 == len(rows)
 
 
 def _pairs(L: _Layout, table, by):
@@ -210,21 +243,19 @@ def _pairs(L: _Layout, table, by):
   A single loop per pass runs over a flat list of (q block, kv block) pairs (row loop
   and column loop fused), so each pass compiles one loop body and no per-row
   init / finalise code inside a loop. The static bounds (causal, window, padding) give
-  the list at trace time; a dynamic block table (segment ids, dense mask) compacts it
+  the list at trace time (in numpy, cached: `_static_walk`; no jax op runs while
+  tracing), walked by a chain of scalar steps (few rows) or a carried (row, col); a dynamic block table (segment ids, dense mask) compacts it
   (`_mask._compact`), so empty blocks cost no branch (no lax.cond in the body) and the
   trip count is the number of non-empty pairs. `by` orders the list ("q": row-major,
   "kv": column-major).
   """
   n_rows, n_cols = (L.nq, L.nk) if by == "q" else (L.nk, L.nq)
+  total, base, ends, shift = _static_walk(L.spec, L.bq, L.bk, L.nq, L.nk, by)
 
   def bounds(r):
     if by == "q":
       return L.spec.kv_block_range(r, L.bq, L.bk, L.nk)
     return L.spec.q_block_range(r, L.bq, L.bk, L.nq)
-
-  with jax.ensure_compile_time_eval():  # the static trip count
-    sizes = [max(int(hi) - int(lo), 0) for lo, hi in map(bounds, range(n_rows))]
-  total = sum(sizes)
 
   def swap(row, col):
     return (row, col) if by == "q" else (col, row)
@@ -233,29 +264,38 @@ def _pairs(L: _Layout, table, by):
     # Static bounds: pair t's row is the number of row ends <= t and its column
     # t + (row start col - row offset), as sums of scalar steps with Python-int
     # thresholds (one small scalar kernel; no index arrays, no gathers).
-    with jax.ensure_compile_time_eval():
-      los = [int(bounds(r_)[0]) for r_ in range(n_rows)]
-    ends, shift, prev = [], [], None
-    acc_n = 0
-    for r_, (size, lo_) in enumerate(zip(sizes, los)):
-      if size:
-        off = lo_ - acc_n
-        if prev is None:
-          base = (r_, off)
-        else:
-          ends.append(acc_n)
-          shift.append((r_ - prev[0], off - prev[1]))
-        prev = (r_, off)
-      acc_n += size
-
+    # lax primitives on int32 literals: the chain has a step per row (64 at seq 8192, in
+    # three traced loops), and jnp's wrappers took ~30% of jit(grad)'s trace time.
     def at(t, state):
-      row, col = jnp.int32(base[0]), t + base[1]
+      t = lax.convert_element_type(t, np.int32)  # a no-op unless jax_enable_x64
+      lit = lambda x: np.asarray(x, np.int32)
+      zero = lit(0)
+      row, col = lax.full((), base[0], np.int32), lax.add(t, lit(base[1]))
       for e, (dr, dc) in zip(ends, shift):
-        past = t >= e
-        row = row + jnp.where(past, dr, 0)
-        col = col + jnp.where(past, dc, 0)
+        past = lax.ge(t, lit(e))
+        row = lax.add(row, lax.select(past, lit(dr), zero))
+        col = lax.add(col, lax.select(past, lit(dc), zero))
       return swap(row, col) + (state,)
     return total, (), at
+
+  if table is None and _contiguous(L.spec, L.bq, L.bk, L.nq, L.nk, by):
+    # More rows: the walk is carried, (row, col) of pair t in the loop state; the next
+    # pair is the next column, or the next row's first one (the bounds' arithmetic on the
+    # traced row). O(1) ops per step at any seq, where the chain above has one per row:
+    # jit(grad)'s XLA compile stays ~0.46 s CPU at seq 8192 and 32768 (the chain: 0.53 /
+    # 0.95 s); run time unchanged (A/B at seq 4096 and 8192, compile_time.md). Needs the
+    # non-empty rows to be one run (band masks: empty rows only before or after it).
+    def at_carry(t, state):
+      del t
+      row, col = state
+      nxt = col + 1
+      wrap = nxt >= bounds(row)[1]
+      row1 = row + wrap.astype(jnp.int32)
+      col1 = jnp.where(wrap, bounds(row1)[0], nxt).astype(jnp.int32)
+      return swap(row, col) + ((row1, col1),)
+    r0 = base[0]
+    walk0 = (lax.full((), r0, np.int32), lax.full((), bounds(r0)[0], np.int32))  # no consts
+    return total, walk0, at_carry
 
   # The list is built from iotas (no array constants: custom_partitioning refuses them).
   r = lax.iota(jnp.int32, n_rows)

@@ -72,27 +72,9 @@ def geometry(q_shape, k_shape, v_shape, block_q, block_kv) -> C.Geometry:
 
 def _static_ranges(spec: _mask.MaskSpec, g: C.Geometry, by: str):
   """Per row (q block for by="q", kv block for by="kv"): (lo, hi) column block bounds
-  from causal / window alone, as Python ints (the same formulas as MaskSpec.*_range)."""
-  out = []
-  if by == "q":
-    for i in range(g.nq):
-      lo, hi = 0, g.Skv
-      if spec.right is not None:
-        hi = min(hi, max((i + 1) * g.bq + spec.right, 0))
-      if spec.left is not None:
-        lo = max(0, i * g.bq - spec.left)
-      hb = min(max(-(-hi // g.bk), 0), g.nk)
-      out.append((min(lo // g.bk, hb), hb))
-  else:
-    for j in range(g.nk):
-      lo, hi = 0, g.Sq
-      if spec.right is not None:
-        lo = max(0, j * g.bk - spec.right)
-      if spec.left is not None:
-        hi = min(hi, max((j + 1) * g.bk + spec.left, 0))
-      hb = min(max(-(-hi // g.bq), 0), g.nq)
-      out.append((min(lo // g.bq, hb), hb))
-  return out
+  from causal / window / padding alone, as Python ints (`MaskSpec.static_block_ranges`:
+  numpy, cached; the bounds `_mask.block_classes` applies, so no list is longer)."""
+  return spec.static_block_ranges(by, g.bq, g.bk, g.nq, g.nk)
 
 
 def static_width(cfg: AttentionConfig, g: C.Geometry, by: str) -> int:
