@@ -324,8 +324,11 @@ def flash_attention(
 
   Differentiable in reverse mode (``jax.grad``: the hand-written backward on the residuals
   q, k, v, out, lse) and in forward mode (``jax.jvp``, ``jax.linearize``, ``jax.jacfwd``:
-  a fused O(seq)-memory tangent pass), and to second order (Hessian-vector products);
-  see docs/forward_mode.md and ``explain(...).forward_mode``.
+  a fused O(seq)-memory tangent pass), and to second order by forward-over-reverse
+  (Hessian-vector products: ``jax.jvp(jax.grad(f), (x,), (v,))``, ``jax.hessian``);
+  reverse-over-reverse (``jax.grad`` of a function of ``jax.grad``) raises
+  NotImplementedError naming forward-over-reverse. See docs/forward_mode.md and
+  ``explain(...).forward_mode``.
 
   Args:
     query: [batch, num_heads, seq_q, head_dim].

@@ -130,3 +130,21 @@ def test_imports_without_hypothesis():
                        timeout=300)
   assert res.returncode == 0, res.stderr
   assert "flashvjp[testing]" in res.stdout and "pip install" in res.stdout
+
+
+def test_docs_pytest_file_runs_as_written(tmp_path):
+  """docs/testing.md's `test_my_attention.py` passes under pytest, with JAX's defaults."""
+  import pathlib
+  import re
+  root = pathlib.Path(__file__).resolve().parent.parent
+  text = (root / "docs" / "testing.md").read_text()
+  blocks = re.findall(r"^```python\n(# test_my_attention\.py\n.*?)^```", text, re.S | re.M)
+  assert len(blocks) == 1
+  (tmp_path / "test_my_attention.py").write_text(blocks[0])
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_ENABLE_X64")}
+  env["PYTHONPATH"] = str(root)
+  res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "test_my_attention.py"], capture_output=True, text=True, env=env,
+                       cwd=str(tmp_path), timeout=600)
+  assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+  assert "3 passed" in res.stdout
