@@ -170,6 +170,8 @@ attention.defjvp(_attention_jvp, symbolic_zeros=True)
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _backward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse, mod):
+  if cfg.out_f32:  # out is float32 (a traced scale); the kernels take dO in the inputs' dtype
+    dout = dout.astype(q.dtype)
   dq, dk, dv, dbias, dconsts = _backend(cfg.implementation).backward(
       cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse, mod)
   return dq, dk, dv, dbias, tuple(dconsts)
