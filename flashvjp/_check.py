@@ -1,7 +1,10 @@
 """Gradient check of every available implementation against naive attention in float64.
 
-Room: self-check (the main job of `python -m flashvjp check`). Also the one place
-the per-dtype tolerances are stated; the test suite imports them from here.
+Room: self-check (the main job of `python -m flashvjp check`): its fixed feature rows,
+each one `flashvjp.testing.check` (the one comparison). Also the one place the per-dtype
+tolerances are stated; flashvjp.testing and the test suite import them from here.
+`max_rel_err` (max |got - ref| / max |ref|) is a measurement for precision tables
+(tests/test_precision.py, benchmarks/gpu_check.py), not a pass/fail check.
 """
 from __future__ import annotations
 
