@@ -23,6 +23,7 @@ from flashvjp.distributed import from_zigzag
 from flashvjp.distributed import ring_attention
 from flashvjp.distributed import sharded_attention
 from flashvjp.distributed import to_zigzag
+from flashvjp import testing  # the public gradient checks (flashvjp.testing.check)
 
 __version__ = "0.2.0"  # the one place; pyproject reads it (CHANGELOG.md says what changed)
 
@@ -32,5 +33,5 @@ __all__ = [
     "make_block_mask", "prefix_lm", "sliding_window_with_global",
     "flash_attention", "memory_efficient_attention", "pallas_flash_attention",
     "relative_position_bias", "softcap",
-    "from_zigzag", "ring_attention", "sharded_attention", "to_zigzag",
+    "from_zigzag", "ring_attention", "sharded_attention", "to_zigzag", "testing",
 ]

@@ -142,8 +142,12 @@ def _check_sinks(sinks, H):
 def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, score_mod, scale,
              dropout_rate, dropout_rng, deterministic, implementation, block_q, block_kv,
              interpret, dropout_broadcast=(False, False), mask_mod=None, block_mask=None,
-             sinks=None, allow_shapes=False):
-  """Validate everything; return (decision, cfg, arrays) without tracing any kernel."""
+             sinks=None, allow_shapes=False, fold_scale=False):
+  """Validate everything; return (decision, cfg, arrays) without tracing any kernel.
+
+  fold_scale: an array (traced) scale with low-precision inputs and no bias becomes the
+  first step of the score_mod (`_fold_scale`) instead of pre-scaling the query in `_run`.
+  """
   _check_qkv(query, key, value, allow_shapes)
   B, H, Sq, D = query.shape
   Skv = key.shape[2]
@@ -174,9 +178,13 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
     q_seg, kv_seg = _check_segments(segment_ids, B, Sq, Skv)
   acc = jnp.promote_types(query.dtype, jnp.float32)
   sm_fn, consts, n_diff = None, (), 0
+  if score_mod is not None and not callable(score_mod):
+    raise TypeError(f"score_mod must be callable (scores, b, h, q_idx, kv_idx) -> scores, got {type(score_mod).__name__}")
+  out_f32 = (fold_scale and scale_array is not None and bias is None and implementation != "naive"
+             and jnp.dtype(query.dtype).itemsize <= 2)
+  if out_f32:
+    score_mod, scale_array = _fold_scale(scale_array, score_mod), None
   if score_mod is not None:
-    if not callable(score_mod):
-      raise TypeError(f"score_mod must be callable (scores, b, h, q_idx, kv_idx) -> scores, got {type(score_mod).__name__}")
     sm_fn, consts, n_diff = _score_mod.check(score_mod, target, acc)
   mm_fn, mm_consts, mm_uses = None, (), (True, True)
   if block_mask is not None and mask_mod is None:
@@ -217,13 +225,33 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       score_mod=sm_fn, num_diff_consts=n_diff, interpret=decision.interpret,
       implementation=decision.implementation, precision=precision,
       dropout_broadcast=dropout_broadcast if dropout_active else (False, False),
-      mask_mod=mm_fn, mask_mod_blocks=mm_blocks, mask_mod_uses=mm_uses)
+      mask_mod=mm_fn, mask_mod_blocks=mm_blocks, mask_mod_uses=mm_uses,
+      out_f32=bool(out_f32) and decision.implementation != "naive")
   seed = _dropout.seed_from_key(dropout_rng) if dropout_active else None
   if not allow_shapes:
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
   arrays = (query, key, value, bias, mask, q_seg, kv_seg, seed, consts, scale_array, mm_consts,
             mm_classes, sinks)
   return decision, cfg, arrays
+
+
+def _fold_scale(scale_array, score_mod):
+  """A traced scale as the first step of the score_mod: ``s -> score_mod(scale * s, ...)``.
+
+  For bfloat16 / float16 inputs. The kernels then run with scale 1.0 on the query as
+  given, the scale is a differentiable array of the score_mod (its gradient accumulated
+  in float32 from the float32 score tiles, d scale = sum(dS * q k^T)), and the op keeps
+  out in float32 (`AttentionConfig.out_f32`: p @ v in float32, out rounded to the
+  query's dtype after the op), so that the backward's delta = rowsum(dO * O) matches its
+  float32 probabilities. Pre-scaling the query instead gives d scale = sum(q * dq) from
+  dq in the query's dtype, and delta from the rounded out, whose error d scale (a sum
+  over every score, mostly cancelling) amplifies: about 8x naive bfloat16 autodiff's
+  error (tests/test_testing.py). Only without a bias, which is added after the scale.
+  """
+  def mod(s, b, h, q_idx, kv_idx):
+    s = s * scale_array.astype(s.dtype)
+    return s if score_mod is None else score_mod(s, b, h, q_idx, kv_idx)
+  return mod
 
 
 def _check_scale(scale, head_dim):
@@ -282,6 +310,7 @@ def _run(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
                               tuple(consts[:n]), tuple(consts[n:]), mod)
   if sinks is not None:
     out, lse = _apply_sinks(out, lse, sinks)
+  out = out.astype(q.dtype)  # cfg.out_f32: the op's float32 out, rounded once here
   return (out, lse) if return_lse else (out, None)
 
 
@@ -324,8 +353,11 @@ def flash_attention(
 
   Differentiable in reverse mode (``jax.grad``: the hand-written backward on the residuals
   q, k, v, out, lse) and in forward mode (``jax.jvp``, ``jax.linearize``, ``jax.jacfwd``:
-  a fused O(seq)-memory tangent pass), and to second order (Hessian-vector products);
-  see docs/forward_mode.md and ``explain(...).forward_mode``.
+  a fused O(seq)-memory tangent pass), and to second order by forward-over-reverse
+  (Hessian-vector products: ``jax.jvp(jax.grad(f), (x,), (v,))``, ``jax.hessian``);
+  reverse-over-reverse (``jax.grad`` of a function of ``jax.grad``) raises
+  NotImplementedError naming forward-over-reverse. See docs/forward_mode.md and
+  ``explain(...).forward_mode``.
 
   Args:
     query: [batch, num_heads, seq_q, head_dim].
@@ -349,10 +381,13 @@ def flash_attention(
       denominator that attends to no value (gpt-oss-style attention sinks).
     scale: default 1 / sqrt(head_dim). A Python float is compiled in. A scalar float
       array (for example a traced, learned temperature, as jax.nn accepts) is
-      differentiable: it multiplies the query in float32 before the kernels, and the
-      product is rounded once to the query's dtype (for bfloat16 inputs this rounds
-      ``scale * q`` instead of the float32 logits: a relative change of at most 2^-8 per
-      query element, within the bfloat16 tolerance).
+      differentiable. For float32 inputs, or with a bias, it multiplies the query in
+      float32 before the kernels, the product rounded once to the query's dtype. For
+      bfloat16 / float16 inputs without a bias it multiplies the float32 scores inside
+      the kernels (as the first step of the score_mod), with ``p @ v`` and out kept in
+      float32 inside the op (out rounded after it: the residual out is float32), so
+      that d scale, a sum over every score, is accumulated in float32 with an exact
+      ``delta``: its error is that of float32, not 8x naive bfloat16 autodiff's.
     dropout_rate: dropout probability on p; active only when deterministic=False.
     dropout_rng: one JAX PRNG key (``jax.random.key(seed)``, shape (), or a legacy
       ``jax.random.PRNGKey(seed)``, uint32 [2]); required when dropout is active. An int,
@@ -376,7 +411,7 @@ def flash_attention(
       dropout_rng=dropout_rng, deterministic=deterministic, implementation=implementation,
       block_q=block_q, block_kv=block_kv, interpret=interpret,
       dropout_broadcast=dropout_broadcast, mask_mod=mask_mod, block_mask=block_mask,
-      sinks=sinks)
+      sinks=sinks, fold_scale=True)
   _dispatch.log(decision)
   out, lse = _run(cfg, *arrays, return_lse=bool(return_lse))
   return (out, lse) if return_lse else out

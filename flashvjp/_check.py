@@ -1,7 +1,10 @@
 """Gradient check of every available implementation against naive attention in float64.
 
-Room: self-check (the main job of `python -m flashvjp check`). Also the one place
-the per-dtype tolerances are stated; the test suite imports them from here.
+Room: self-check (the main job of `python -m flashvjp check`): its fixed feature rows,
+each one `flashvjp.testing.check` (the one comparison). Also the one place the per-dtype
+tolerances are stated; flashvjp.testing and the test suite import them from here.
+`max_rel_err` (max |got - ref| / max |ref|) is a measurement for precision tables
+(tests/test_precision.py, benchmarks/gpu_check.py), not a pass/fail check.
 """
 from __future__ import annotations
 
@@ -66,14 +69,28 @@ def max_rel_err(got, ref) -> float:
 class Row:
   implementation: str
   feature: str
-  errors: tuple  # out, dq, dk, dv; () when not run (see `skipped`)
+  errors: tuple  # out, dq, dk, dv; () when not run (see `skipped` / `error`)
   tol: float
   seconds: float = 0.0  # wall time of this row (compile + run)
   skipped: Optional[str] = None  # why the implementation does not run this feature here
+  report: Optional[object] = None  # the flashvjp.testing.Report (every quantity compared)
+  error: Optional[str] = None  # what a user's function raised (the row fails)
 
   @property
   def passed(self) -> bool:
-    return self.skipped is None and all(e <= self.tol for e in self.errors)
+    return self.skipped is None and self.error is None and self.report is not None and (
+        self.report.passed)
+
+  def others(self):
+    """The compared quantities beyond out, dq, dk, dv (dbias, dsinks, d score_mod[0], ...)."""
+    if self.report is None:
+      return ()
+    return tuple(q for q in self.report.quantities if q.name not in ("out", "dq", "dk", "dv"))
+
+  def to_dict(self) -> dict:
+    return dict(implementation=self.implementation, feature=self.feature, passed=self.passed,
+                seconds=round(self.seconds, 3), skipped=self.skipped, error=self.error,
+                report=None if self.report is None else self.report.to_dict())
 
 
 def _features(B, H, Sq) -> List[tuple]:
@@ -106,57 +123,54 @@ FEATURES = ("plain", "causal", "window(8,4)", "segment_ids", "mask+empty row", "
 
 def run(implementations, dtype=jnp.float32, B=1, H=4, Hkv=2, S=70, D=32,
         progress: Callable = lambda it: it, on_row: Optional[Callable[[Row], None]] = None,
-        features: Optional[Sequence[str]] = None) -> List[Row]:
+        features: Optional[Sequence[str]] = None, fn: Optional[Callable] = None) -> List[Row]:
   """Forward and gradients of each implementation vs naive (float64) on a few features.
 
-  `on_row(row)` is called as each row finishes (the CLI prints it then). `features`
-  selects a subset of `FEATURES` (default: all). A feature that an implementation's
-  encoded limits exclude on this platform (`flashvjp.explain` raises ValueError) gives a
-  row with `skipped` set, which does not count as passed.
+  Each row is one `flashvjp.testing.check` (out, dq, dk, dv, and the gradients of the
+  feature's bias, sinks or score_mod arrays). `on_row(row)` is called as each row
+  finishes (the CLI prints it then). `features` selects a subset of `FEATURES` (default:
+  all). A feature that an implementation's encoded limits exclude on this platform
+  (`flashvjp.explain` raises ValueError) gives a row with `skipped` set, which does not
+  count as passed. `fn`: check this function (flash_attention's signature) instead of
+  flashvjp's implementations; `implementations` is then its one label, and an
+  exception it raises fails the row (`Row.error`).
   """
   import time
 
   import flashvjp
+  from flashvjp import testing
   if features is not None:
     unknown = sorted(set(features) - set(FEATURES))
     if unknown:
       raise ValueError(f"features must be among {FEATURES}, got unknown {unknown}")
-  keys = jax.random.split(jax.random.key(0), 4)
-  q64 = jax.random.normal(keys[0], (B, H, S, D), jnp.float64)
-  k64 = jax.random.normal(keys[1], (B, Hkv, S, D), jnp.float64)
-  v64 = jax.random.normal(keys[2], (B, Hkv, S, D), jnp.float64)
-  w = jax.random.normal(keys[3], (B, H, S, D), jnp.float64)
-  q, k, v = (x.astype(dtype) for x in (q64, k64, v64))
-  q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
+  keys = jax.random.split(jax.random.key(0), 3)
+  with testing._check._x64():  # pylint: disable=protected-access
+    q, k, v = (jax.random.normal(kk, shape, jnp.float64).astype(dtype) for kk, shape in zip(
+        keys, ((B, H, S, D), (B, Hkv, S, D), (B, Hkv, S, D))))
+    selected = [(n, {a: (x.astype(dtype) if a == "bias" else x) for a, x in kw.items()})
+                for n, kw in _features(B, H, S) if features is None or n in features]
   rows = []
-  selected = [f for f in _features(B, H, S) if features is None or f[0] in features]
   for name, kw in progress(selected):
-    def loss(q, k, v, impl, **extra):
-      args = dict(kw)
-      if "bias" in args:
-        args["bias"] = args["bias"].astype(q.dtype)
-      return jnp.sum(flashvjp.flash_attention(q, k, v, implementation=impl, **args, **extra)
-                     .astype(jnp.float64) * w)
-    t_ref = time.perf_counter()
-    fwd_ref = flashvjp.flash_attention(q64, k64, v64, implementation="naive", **kw)
-    g_ref = jax.grad(loss, (0, 1, 2))(q64, k64, v64, "naive")
-    t_ref = time.perf_counter() - t_ref
     for impl in implementations:
       t0 = time.perf_counter()
-      tol = tolerance(dtype, impl)  # TF32 matmuls (Pallas-Triton's float32 default) -> TOL_TF32
-      extra = dict(block_q=32, block_kv=16)
+      extra = {} if fn is not None else dict(implementation=impl, block_q=32, block_kv=16)
+      tol = tolerance(dtype, "naive" if fn is not None else impl)  # TF32 for Pallas-Triton f32
       try:
-        flashvjp.explain(q, k, v, implementation=impl, **kw, **extra)
+        if fn is None:
+          flashvjp.explain(q, k, v, **kw, **extra)
       except ValueError as e:  # this family's limits exclude the feature here: say so
         row = Row(impl, name, (), tol, skipped=str(e))
       else:
-        out = flashvjp.flash_attention(q, k, v, implementation=impl, **kw, **extra)
-        g = jax.jit(jax.grad(loss, (0, 1, 2)), static_argnums=3)(q, k, v, impl)
-        errs = (max_rel_err(out, fwd_ref),) + tuple(max_rel_err(a, b) for a, b in zip(g, g_ref))
-        row = Row(impl, name, errs, tol)
-      # The reference's time is shared by the feature's rows; count it in the first.
-      row.seconds = time.perf_counter() - t0 + t_ref
-      t_ref = 0.0
+        try:
+          report = testing.check(fn, query=q, key=k, value=v, tolerance=tol, **kw, **extra)
+        except Exception as e:  # noqa: BLE001  (only a user's function: reported, the row fails)
+          if fn is None:
+            raise
+          row = Row(impl, name, (), tol, error=f"{type(e).__name__}: {e}")
+        else:
+          errs = tuple(report[n].error for n in ("out", "dq", "dk", "dv"))
+          row = Row(impl, name, errs, tol, report=report)
+      row.seconds = time.perf_counter() - t0
       rows.append(row)
       if on_row is not None:
         on_row(row)

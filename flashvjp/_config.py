@@ -222,6 +222,10 @@ class AttentionConfig:
   mask_mod: Optional[Callable] = None
   mask_mod_blocks: Optional[Tuple[int, int]] = None
   mask_mod_uses: Tuple[bool, bool] = (True, True)  # whether it reads (b, h)
+  # out in the accumulation dtype (float32), its p @ v in float32: set for a traced scale
+  # with low-precision inputs (flashvjp._api._fold_scale), so that the backward's
+  # delta = rowsum(dO * O) is that of the backward's own float32 probabilities.
+  out_f32: bool = False
 
   @property
   def dropout_active(self) -> bool:

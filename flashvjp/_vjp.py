@@ -9,8 +9,10 @@ hand-written backward, so:
 * `jax.grad` (= linearize, then transpose) runs forward, then the hand-written backward
   on the residuals (q, k, v, out, lse): never autodiff of a forward kernel;
 * forward-over-reverse (`jax.jvp(jax.grad(f))`, Hessian-vector products) differentiates
-  the backward in forward mode: `_backward` is a `jax.custom_jvp` whose rule is JAX's
-  forward-mode autodiff of the blockwise backward (pure JAX loops, O(seq) memory);
+  the backward in forward mode: `_backward` is a `jax.custom_jvp` whose rule binds
+  `flashvjp_backward_jvp`, JAX's forward-mode autodiff of the blockwise backward (pure JAX
+  loops, O(seq) memory); its transpose (reverse-over-reverse, `jax.grad(jax.grad(f))`)
+  raises `REVERSE_OVER_REVERSE`, a clear error naming forward-over-reverse;
 * jvp-of-jvp (`jacfwd(jacfwd)`, `check_grads(order=2, modes=("fwd",))`): the tangent
   primitive's JVP is itself (linear in the tangents) plus a second primitive,
   `flashvjp_tangent_jvp` (forward-mode autodiff of the blockwise tangent pass, linear in
@@ -99,6 +101,8 @@ def forward_mode_paths(implementation: str) -> dict:
       "grad through a tangent output": ("w.r.t. the tangent direction: the backward; w.r.t."
                                         " the primals: forward mode through the blockwise"
                                         " backward (O(seq))"),
+      "grad of grad": ("refused (NotImplementedError): reverse-over-reverse; use"
+                       " forward-over-reverse, jax.jvp(jax.grad(f))"),
   }
 
 
@@ -166,6 +170,8 @@ attention.defjvp(_attention_jvp, symbolic_zeros=True)
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _backward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse, mod):
+  if cfg.out_f32:  # out is float32 (a traced scale); the kernels take dO in the inputs' dtype
+    dout = dout.astype(q.dtype)
   dq, dk, dv, dbias, dconsts = _backend(cfg.implementation).backward(
       cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse, mod)
   return dq, dk, dv, dbias, tuple(dconsts)
@@ -173,10 +179,35 @@ def _backward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, d
 
 @_backward.defjvp
 def _backward_jvp(cfg, primals, tangents):
-  """Forward mode through the backward: JAX autodiff of the blockwise backward (pure JAX)."""
-  from flashvjp.blockwise import _impl as blockwise
+  """Forward mode through the backward: JAX autodiff of the blockwise backward (pure JAX),
+  bound as one linear primitive (`flashvjp_backward_jvp`) whose transpose is refused.
+
+  Forward-over-reverse (`jax.jvp(jax.grad(f))`) evaluates the primitive. Reverse-over-
+  reverse (`jax.grad` of a function of `jax.grad(f)`) would transpose it, i.e. run the
+  blockwise backward's loops in reverse mode: O(seq^2) saved state, and impossible for
+  the loops with dynamic trip counts (segments, a dense mask, mask_mod). As one staged
+  primitive those loops are never linearized; its transpose rule raises a clear error
+  naming forward-over-reverse instead.
+  """
   q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse, mod = primals
   tq, tk, tv, tbias, _, _, _, _, tconsts, tout, tlse, tdout, tdlse, _ = tangents
+  n = cfg.num_diff_consts
+  res = _backward(cfg, *primals)
+  ts = (tq, tk, tv, tbias, tuple(tconsts[:n]), tout, tlse, tdout, tdlse)
+  p_leaves, ptree = jax.tree_util.tree_flatten(primals)
+  t_leaves, ttree = jax.tree_util.tree_flatten(ts)
+  r_leaves, rtree = jax.tree_util.tree_flatten(res)
+  t_out = _backward_jvp_p.bind(*p_leaves, *t_leaves, cfg=cfg, ptree=ptree, ttree=ttree,
+                               n_out=len(r_leaves), levels=())
+  return res, jax.tree_util.tree_unflatten(rtree, list(t_out))
+
+
+def _backward_jvp_base(*flat, cfg, ptree, ttree):
+  from flashvjp.blockwise import _impl as blockwise
+  n_p = ptree.num_leaves
+  primals = jax.tree_util.tree_unflatten(ptree, list(flat[:n_p]))
+  ts = jax.tree_util.tree_unflatten(ttree, list(flat[n_p:]))
+  q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse, mod = primals
   n = cfg.num_diff_consts
   cfg_b = dataclasses.replace(cfg, implementation="blockwise")
 
@@ -186,8 +217,53 @@ def _backward_jvp(cfg, primals, tangents):
         dout, dlse, mod)
     return dq, dk, dv, dbias, tuple(dconsts)
 
-  return jax.jvp(f, (q, k, v, bias, tuple(consts[:n]), out, lse, dout, dlse),
-                 (tq, tk, tv, tbias, tuple(tconsts[:n]), tout, tlse, tdout, tdlse))
+  _, t_out = jax.jvp(f, (q, k, v, bias, tuple(consts[:n]), out, lse, dout, dlse), ts)
+  return jax.tree_util.tree_leaves(t_out)
+
+
+def _backward_jvp_impl(*flat, cfg, ptree, ttree, n_out, levels):
+  del n_out
+  base = functools.partial(_backward_jvp_base, cfg=cfg, ptree=ptree, ttree=ttree)
+  return list(_over_levels(base, levels, flat))
+
+
+def _backward_jvp_abstract_eval(*avals, ptree, n_out, levels, **_):
+  """The tangents of (dq, dk, dv, dbias, dconsts): shaped as the tangents of (q, k, v, bias,
+  diff consts), the first n_out tangent operands, with every vmap level's axis leading."""
+  n_p = ptree.num_leaves
+  sizes = []
+  for li in range(len(levels)):
+    for a, lv_a in zip(avals, zip(*levels)):
+      if lv_a[li]:
+        sizes.append(a.shape[sum(lv_a[:li])])
+        break
+  outs = []
+  for pos in range(n_p, n_p + n_out):
+    lead = sum(lv[pos] for lv in levels)
+    outs.append(_ac.aval_like(avals[pos], tuple(sizes) + tuple(avals[pos].shape[lead:])))
+  return outs
+
+
+def _backward_jvp_jvp_rule(primals, tangents, **params):
+  """Third order (jvp of jvp of grad): JAX forward-mode autodiff of the pure-JAX impl."""
+  tangents = [_ac.instantiate(t) for t in tangents]
+  outs, t_outs = jax.jvp(functools.partial(_backward_jvp_impl, **params), list(primals),
+                         list(tangents))
+  return list(outs), list(t_outs)
+
+
+REVERSE_OVER_REVERSE = (
+    "flashvjp: reverse-over-reverse differentiation (jax.grad, jax.vjp or jax.jacrev of a"
+    " function that itself calls jax.grad / jax.vjp of flash_attention) is not supported: it"
+    " would run the blockwise backward's loops in reverse mode, which is not O(seq) memory"
+    " and impossible for loops with dynamic trip counts. Differentiate the gradient in"
+    " forward mode instead (forward-over-reverse, fused, O(seq)): jax.jvp(jax.grad(f),"
+    " (x,), (v,)) for a Hessian-vector product, jax.jacfwd(jax.grad(f)) or jax.hessian(f)"
+    " for a Hessian (docs/forward_mode.md)")
+
+
+def _backward_jvp_transpose(cts, *flat, **params):
+  raise NotImplementedError(REVERSE_OVER_REVERSE)
 
 
 # ---- the tangent primitives ----------------------------------------------------------
@@ -417,5 +493,8 @@ def _tangent_jvp_transpose_rule(cts, *flat, cfg, tree, present, dpresent, levels
 
 _tangent_p = _ac.define("flashvjp_tangent", _tangent_impl, _abstract_eval, _batch_rule,
                         _tangent_jvp_rule, _tangent_transpose)
+_backward_jvp_p = _ac.define("flashvjp_backward_jvp", _backward_jvp_impl,
+                             _backward_jvp_abstract_eval, _batch_rule, _backward_jvp_jvp_rule,
+                             _backward_jvp_transpose)
 _tangent_jvp_p = _ac.define("flashvjp_tangent_jvp", _tangent_jvp_impl, _abstract_eval,
                             _batch_rule, _tangent_jvp_jvp_rule, _tangent_jvp_transpose_rule)

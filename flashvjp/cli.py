@@ -24,8 +24,18 @@ For each feature (plain, causal, local window, segment ids, a dense mask with an
 empty row, an additive bias, the softcap and ALiBi score_mods, dropout, a prefix-LM
 mask_mod, attention sinks) it runs each implementation available here on a small
 problem (batch 1, 4 query heads on 2 kv heads, seq 70, head_dim 32) and compares the output and the gradients dq, dk, dv with
-naive attention computed in float64 and differentiated by jax autodiff. A row passes
-when every max |error| <= tolerance x max |reference| (tolerance per input dtype).
+naive attention computed in float64 and differentiated by jax autodiff (also the
+gradients of the bias, the sinks and the arrays a score_mod closes over: the "more"
+column). Each row is one flashvjp.testing.check, the check your own test suite can call
+(docs/testing.md). A quantity passes when |error| <= tolerance x (max |reference| +
+|reference|) at every entry (numpy's allclose with rtol = tolerance and atol = tolerance
+x max |reference|; tolerance per input dtype); the columns show the largest
+|error| / (max |reference| + |reference|).
+
+Your own function: `python -m flashvjp check my_module:attention_fn` checks
+my_module.attention_fn (any function with flash_attention's signature; the current
+directory is importable) on the same features instead of flashvjp's implementations.
+--json prints one JSON document (every row, every quantity) instead of the table.
 
 Implementations: "blockwise" (pure JAX) always; the Pallas kernels of this platform
 (Triton on GPU, Mosaic on TPU) where they run. On a CPU both kernel families
@@ -43,7 +53,42 @@ def _fmt_seconds(s: float) -> str:
   return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
+def _load_function(spec: str):
+  """'package.module:function' (or 'module:obj.attr') -> the callable."""
+  import importlib
+  import os
+  mod_name, sep, attr = spec.partition(":")
+  if not sep or not mod_name or not attr:
+    raise SystemExit(f"error: function must be 'module:function', got {spec!r}")
+  if os.getcwd() not in sys.path and "" not in sys.path:
+    sys.path.insert(0, os.getcwd())
+  try:
+    obj = importlib.import_module(mod_name)
+  except ImportError as e:
+    raise SystemExit(f"error: cannot import module {mod_name!r} of {spec!r}: {e}") from e
+  for part in attr.split("."):
+    if not hasattr(obj, part):
+      raise SystemExit(f"error: module {mod_name!r} has no attribute {attr!r}")
+    obj = getattr(obj, part)
+  if not callable(obj):
+    raise SystemExit(f"error: {spec!r} is not callable ({type(obj).__name__})")
+  return obj
+
+
 def _check(args) -> int:
+  if args.json:  # one JSON document on stdout, nothing else
+    import contextlib
+    import io
+    import json
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+      code, doc = _check_rows(args)
+    print(json.dumps(doc, indent=1))
+    return code
+  return _check_rows(args)[0]
+
+
+def _check_rows(args):
   import jax
   jax.config.update("jax_enable_x64", True)
   import jax.numpy as jnp
@@ -57,7 +102,11 @@ def _check(args) -> int:
   default = flashvjp.explain(x, x, x)
   impls = ["blockwise"]
   pallas_note = None
-  if args.skip_pallas:
+  user_fn = _load_function(args.function) if args.function else None
+  if user_fn is not None:
+    impls = [args.function]
+    pallas_note = f"Checking your function {args.function} (flashvjp's own implementations: not run)"
+  elif args.skip_pallas:
     pallas_note = "Pallas kernels: not checked (--skip-pallas)"
   else:
     try:
@@ -78,7 +127,7 @@ def _check(args) -> int:
   dtype = jnp.dtype(args.dtype)
   n_rows = len(features) * len(impls)
   print(f"flashvjp {flashvjp.__version__}, jax {jax.__version__}, platform {plat}")
-  print(f"Checking output and gradients (dq, dk, dv) of {', '.join(impls)} against naive"
+  print(f"Checking output and gradients (dq, dk, dv and more) of {', '.join(impls)} against naive"
         f" attention in float64: {len(features)} features x {len(impls)} = {n_rows} rows.")
   tols = {impl: check.tolerance(dtype, impl) for impl in impls}
   if len(set(tols.values())) == 1:
@@ -95,25 +144,34 @@ def _check(args) -> int:
     print(f"Expect about {round(2.5 * n_rows)} s on an idle 2-core CPU (up to 4x that with jax 0.10,"
           " or when the machine is busy); each row prints as it finishes.")
   print(flush=True)
-  head = (f"{'implementation':<15}{'feature':<16}{'out':>10}{'dq':>10}{'dk':>10}{'dv':>10}"
-          f"  {'result':<7}{'time':>8}")
+  w = max(15, max(len(i) for i in impls) + 1)
+  head = (f"{'implementation':<{w}}{'feature':<19}{'out':>10}{'dq':>10}{'dk':>10}{'dv':>10}"
+          f"  {'more':<24}{'result':<7}{'time':>8}")
   print(head)
   print("-" * len(head), flush=True)
   done = [0]
 
   def on_row(r):
     done[0] += 1
-    if r.skipped is not None:
-      cells, result = f"{'-':>10}" * 4, "n/a"
+    more = ""
+    if r.skipped is not None or r.error is not None:
+      cells, result = f"{'-':>10}" * 4, "n/a" if r.skipped is not None else "FAIL"
     else:
       cells, result = "".join(f"{e:>10.2e}" for e in r.errors), "PASS" if r.passed else "FAIL"
-    print(f"{r.implementation:<15}{r.feature:<16}{cells}  {result:<7}{r.seconds:>6.1f} s"
-          f"   [{done[0]}/{n_rows}, {_fmt_seconds(time.perf_counter() - start)} elapsed]",
-          flush=True)
+      if r.others():
+        worst = max(r.others(), key=lambda q: q.error / q.tolerance)
+        more = f"{worst.name} {worst.error:.2e}"
+    print(f"{r.implementation:<{w}}{r.feature:<19}{cells}  {more:<24}{result:<7}"
+          f"{r.seconds:>6.1f} s   [{done[0]}/{n_rows},"
+          f" {_fmt_seconds(time.perf_counter() - start)} elapsed]", flush=True)
     if r.skipped is not None:
       print(f"    not run: {r.skipped}", flush=True)
+    if r.error is not None:
+      print(f"    raised {r.error}", flush=True)
+    if r.report is not None and not r.report.passed:
+      print("    " + str(r.report).replace("\n", "\n    "), flush=True)
 
-  rows = check.run(impls, dtype=dtype, on_row=on_row, features=features)
+  rows = check.run(impls, dtype=dtype, on_row=on_row, features=features, fn=user_fn)
   failed = [r for r in rows if r.skipped is None and not r.passed]
   skipped = [r for r in rows if r.skipped is not None]
   print()
@@ -124,7 +182,10 @@ def _check(args) -> int:
   print(f"{summary} in {_fmt_seconds(time.perf_counter() - start)}")
   if failed:
     print("FAILED: " + ", ".join(f"{r.implementation} {r.feature}" for r in failed))
-  return 1 if failed else 0
+  doc = dict(flashvjp=flashvjp.__version__, jax=jax.__version__, platform=plat,
+             dtype=dtype.name, default=str(default), passed=not failed,
+             rows=[r.to_dict() for r in rows])
+  return (1 if failed else 0), doc
 
 
 def _feature_arg(name: str) -> str:
@@ -146,6 +207,11 @@ def main(argv=None) -> None:
   sub = parser.add_subparsers(dest="command", required=True, metavar="{check,bench}")
   c = sub.add_parser("check", help=_CHECK_HELP, description=_CHECK_DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
+  c.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
+                 help="check your own function (flash_attention's signature), e.g."
+                 " my_model:attention_fn, instead of flashvjp's implementations")
+  c.add_argument("--json", action="store_true",
+                 help="print one JSON document (every row and quantity) instead of the table")
   c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                  help="input dtype; the tolerance follows it (default: float32)")
   c.add_argument("--skip-pallas", action="store_true",

@@ -6,7 +6,6 @@ means nothing). NaN never passes.
 """
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,29 +13,22 @@ import numpy as np
 import flashvjp
 
 from flashvjp._check import TOL, tolerance  # the one tolerance table, stated in the package
+from flashvjp.testing._compare import compare_trees  # the one comparison
 
 
 def assert_close(got, ref, dtype, what="", impl="naive"):
   """Every leaf of `got` matches the float64 `ref` within the tolerance of its scale; no NaN.
 
-  The tolerance is `flashvjp._check.tolerance(dtype, impl)`: TOL[dtype], or TOL_TF32 for
-  float32 through Pallas-Triton at the default matmul precision (TF32 on the GPU, emulated
-  in interpret mode).
+  The comparison is flashvjp.testing's (one criterion for the suite, the CLI and users):
+  |got - ref| <= tol * (max |ref| + |ref|) per leaf, infs only where the reference has
+  them. The tolerance is `flashvjp._check.tolerance(dtype, impl)`: TOL[dtype], or TOL_TF32
+  for float32 through Pallas-Triton at the default matmul precision (TF32 on the GPU,
+  emulated in interpret mode).
   """
-  tol = tolerance(dtype, impl)
   got_l, ref_l = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)
-  assert len(got_l) == len(ref_l), what
-  for n, (g, r) in enumerate(zip(got_l, ref_l)):
-    g = np.asarray(jnp.asarray(g, jnp.float64))
-    r = np.asarray(jnp.asarray(r, jnp.float64))
-    assert g.shape == r.shape, f"{what} leaf {n}: shape {g.shape} != {r.shape}"
-    assert not np.isnan(g).any(), f"{what} leaf {n}: NaN in result"
-    finite = np.isfinite(r)
-    np.testing.assert_array_equal(np.isfinite(g), finite, err_msg=f"{what} leaf {n}: inf pattern")
-    np.testing.assert_array_equal(g[~finite], r[~finite], err_msg=f"{what} leaf {n}: inf values")
-    scale = float(np.abs(r[finite]).max()) if finite.any() else 0.0
-    chex.assert_trees_all_close(g[finite], r[finite], rtol=tol, atol=tol * max(scale, 1e-30),
-                                custom_message=f"{what} leaf {n} (scale {scale:.3g})")
+  assert len(got_l) == len(ref_l), f"{what}: {len(got_l)} leaves != {len(ref_l)}"
+  report = compare_trees(got_l, ref_l, tolerance(dtype, impl), title=what)
+  assert report.passed, "\n" + str(report)
 
 
 def random_qkv(seed, B, H, Hkv, Sq, Skv, D, Dv=None, dtype=jnp.float32):

@@ -2,14 +2,17 @@
 
 Subclass `AttentionTests` per implementation (tests/test_blockwise.py,
 tests/test_pallas.py) and set IMPLEMENTATION / EXTRA_KWARGS. Each feature and
-combination is one case; forward, lse and gradients of (q, k, v, bias, score_mod
-arrays, sinks) are compared with tests/_util.TOL for the input dtype.
+combination is one case, checked by the public `flashvjp.testing.check` (the one
+comparison, also behind `python -m flashvjp check`): forward, lse and gradients of
+(q, k, v, bias, score_mod arrays, sinks) against float64 naive attention, with the
+tolerance of `flashvjp._check.tolerance` for the input dtype.
 """
 from __future__ import annotations
 
 import functools
 
 import jax
+import jax.test_util  # noqa: F401  (check_grads)
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -157,11 +160,20 @@ class AttentionTests:
   # Cases run in low precision (each dtype on a few features keeps the suite fast).
   LOW_PRECISION_CASES = ("causal", "mask_dense", "bias_head_kv", "alibi")
 
-  def check(self, name, dtype, **kw):
-    got = run_case(self.IMPLEMENTATION, name, dtype, extra=self.EXTRA_KWARGS, **kw)
-    ref = run_case("naive", name, dtype, **kw)
-    _util.assert_close(got, ref, dtype, what=f"{self.IMPLEMENTATION}/{name}/{jnp.dtype(dtype).name}",
-                       impl=self.IMPLEMENTATION)
+  def check(self, name, dtype, *, return_lse=True, block_q=BLOCK_Q, block_kv=BLOCK_KV, seed=0):
+    """The case through flashvjp.testing.check (out, lse, dq, dk, dv and the gradients of
+    bias, sinks and the arrays the score_mod closes over, found by flashvjp.testing)."""
+    q, k, v, _, arrays, with_diff = case_problem(name, dtype, seed)
+    kwargs = with_diff(arrays, **self.EXTRA_KWARGS)
+    report = flashvjp.testing.check(
+        query=q, key=k, value=v, implementation=self.IMPLEMENTATION, block_q=block_q,
+        block_kv=block_kv, return_lse=return_lse, seed=seed, **kwargs,
+        tolerance=_util.tolerance(dtype, self.IMPLEMENTATION))
+    assert report.passed, f"{self.IMPLEMENTATION}/{name}/{jnp.dtype(dtype).name}\n{report}"
+    expected = ["dq", "dk", "dv"] + [f"d{n}" for n in ("bias", "sinks") if n in arrays]
+    assert set(expected) <= set(report.names), report.names
+    if "score_mod" in arrays:
+      assert "d score_mod[0]" in report.names, report.names
 
   @pytest.mark.parametrize("name", sorted(CASES))
   def test_feature_float32(self, name):

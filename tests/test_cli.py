@@ -1,4 +1,6 @@
 """`python -m flashvjp check`: help written for users, rows printed as they finish, exit status."""
+import dataclasses
+import json
 import subprocess
 import sys
 
@@ -83,11 +85,58 @@ def test_run_reports_rows_as_they_finish_and_unsupported_features(monkeypatch):
 
 def test_check_fails_loudly(monkeypatch, capsys):
   """A row over tolerance prints FAIL, is named at the end, and the exit status is 1."""
-  monkeypatch.setattr(_check, "max_rel_err", lambda got, ref: 1.0)
+  from flashvjp.testing import _check as testing_check
+  real = testing_check.compare
+  monkeypatch.setattr(testing_check, "compare", lambda n, g, r, t: dataclasses.replace(
+      real(n, g, r, t), error=1.0 if n == "dk" else 0.0))
   code = _run_main(["check", "--skip-pallas", "--feature", "plain"])
   out = capsys.readouterr().out
   assert code == 1
   assert "FAIL" in out and "0 passed, 1 failed" in out and "FAILED: blockwise plain" in out
+  assert "FAILED dk" in out  # the report's table follows the row and names dk
+  assert any(l.split()[:1] == ["dk"] and "FAIL" in l for l in out.splitlines())
+
+
+def test_check_json(capsys):
+  """--json: one JSON document with every row and quantity (dbias for the bias feature)."""
+  code = _run_main(["check", "--json", "--skip-pallas", "--feature", "plain", "bias"])
+  doc = json.loads(capsys.readouterr().out)
+  assert code == 0 and doc["passed"] is True
+  assert [r["feature"] for r in doc["rows"]] == ["plain", "bias"]
+  names = [q["name"] for q in doc["rows"][1]["report"]["quantities"]]
+  assert names == ["out", "dq", "dk", "dv", "dbias"]
+  assert all(q["error"] <= q["tolerance"] for q in doc["rows"][1]["report"]["quantities"])
+
+
+_USER_MODULE = """
+import jax, flashvjp
+def good(q, k, v, **kw):
+  return flashvjp.flash_attention(q, k, v, implementation="blockwise", **kw)
+
+@jax.custom_vjp
+def _ident(x):
+  return x
+_ident.defvjp(lambda x: (x, None), lambda _, g: (1.01 * g,))
+
+def bad_dk(q, k, v, **kw):
+  return flashvjp.flash_attention(q, _ident(k), v, implementation="blockwise", **kw)
+"""
+
+
+def test_check_a_users_function(tmp_path, monkeypatch, capsys):
+  """`python -m flashvjp check module:fn` checks the user's function: passes or names dk."""
+  (tmp_path / "my_attention_mod.py").write_text(_USER_MODULE)
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  assert _run_main(["check", "my_attention_mod:good", "--feature", "causal", "alibi"]) == 0
+  out = capsys.readouterr().out
+  assert "my_attention_mod:good" in out and "2 passed, 0 failed" in out
+  assert "d score_mod[0]" in out  # alibi's slopes are differentiated
+  assert _run_main(["check", "my_attention_mod:bad_dk", "--json", "--feature", "plain"]) == 1
+  doc = json.loads(capsys.readouterr().out)
+  assert doc["rows"][0]["report"]["failed"] == ["dk"]
+  with pytest.raises(SystemExit, match="no attribute"):
+    cli.main(["check", "my_attention_mod:nope"])
 
 
 def test_module_entry_point():

@@ -112,13 +112,60 @@ def test_jacfwd_matches_naive():
 
 
 @pytest.mark.parametrize("impl", ["blockwise", "pallas_triton"])
-def test_check_grads_order2_fwd_and_rev(impl):
-  # No dense mask: the order-2 "rev" leg is reverse-over-reverse, JAX autodiff of the
-  # backward's loops, which needs a static trip count (docs/forward_mode.md).
+def test_check_grads_order2_fwd(impl):
+  # Order 2 in forward mode (jvp of jvp, and the fwd leg of grad); the order-2 "rev" leg
+  # is reverse-over-reverse, refused with a clear error (test_reverse_over_reverse_*).
   f, args = _tiny(impl, mask=None)
   g = jax.jit(lambda q, k, v, bias: jnp.sum(f(q, k, v, bias)[0] ** 2) + jnp.sum(
       jnp.sin(f(q, k, v, bias)[1])))
-  jax.test_util.check_grads(g, args, order=2, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
+  jax.test_util.check_grads(g, args, order=2, modes=("fwd",), atol=1e-6, rtol=1e-6)
+  jax.test_util.check_grads(g, args, order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
+
+
+def _ror_features():
+  seg = jnp.asarray([[0] * 5 + [1] * 7], jnp.int32)
+  mask = jnp.asarray(np.random.default_rng(0).random((1, 1, 12, 12)) > 0.3)
+  return {
+      "plain": {}, "causal": dict(causal=True), "window": dict(window=(3, 2)),
+      "segment_ids": dict(segment_ids=seg), "mask": dict(mask=mask),
+      "bias": dict(bias=0.1 * jnp.ones((1, 2, 12, 12))),
+      "score_mod": dict(score_mod=flashvjp.alibi(jnp.asarray([0.5, 0.25]))),
+      "mask_mod": dict(mask_mod=flashvjp.prefix_lm(jnp.asarray([4], jnp.int32))),
+      "sinks": dict(sinks=jnp.asarray([0.3, -0.2])),
+      "dropout": dict(dropout_rate=0.2, dropout_rng=jax.random.key(1), deterministic=False),
+      "traced_scale": dict(scale=jnp.asarray(0.4)), "lse": dict(return_lse=True),
+  }
+
+
+@pytest.mark.parametrize("feature", sorted(_ror_features()))
+def test_reverse_over_reverse_raises_naming_forward_over_reverse(feature):
+  """grad of grad is refused with an error naming jax.jvp(jax.grad(f)), per feature; the
+  supported forward-over-reverse HVP runs and matches naive float64 autodiff."""
+  kw = _ror_features()[feature]
+  q, k, v = _util.random_qkv(0, 1, 2, 1, 12, 12, 4, dtype=jnp.float64)
+
+  def f(impl):
+    def loss(q):
+      res = flashvjp.flash_attention(q, k, v, implementation=impl, block_q=4, block_kv=4, **kw)
+      out = res[0] if isinstance(res, tuple) else res
+      return jnp.sum(jnp.sin(out))
+    return loss
+
+  with pytest.raises(NotImplementedError, match=r"jax\.jvp\(jax\.grad\(f\)"):
+    jax.grad(lambda q: jnp.sum(jax.grad(f("blockwise"))(q) ** 2))(q)
+  hvp = lambda impl: jax.jvp(jax.grad(f(impl)), (q,), (v[:, :1].repeat(2, 1),))[1]
+  _util.assert_close(hvp("blockwise"), hvp("naive"), jnp.float64, what=f"hvp/{feature}")
+
+
+@pytest.mark.parametrize("impl", ["pallas_triton", "pallas_tpu"])
+def test_reverse_over_reverse_raises_for_pallas_and_jacrev(impl):
+  q, k, v = _util.random_qkv(0, 1, 2, 1, 8, 8, 4, dtype=jnp.float32)
+  f = lambda q: jnp.sum(jnp.sin(flashvjp.flash_attention(q, k, v, causal=True,
+                                                         implementation=impl)))
+  with pytest.raises(NotImplementedError, match="forward-over-reverse"):
+    jax.jacrev(jax.grad(f))(q)
+  with pytest.raises(NotImplementedError, match="forward-over-reverse"):
+    jax.grad(lambda q: jnp.sum(jax.grad(f)(q)))(q)
 
 
 def test_linearize_matches_jvp():

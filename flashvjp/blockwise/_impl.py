@@ -364,8 +364,9 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     l = alpha * l + p.sum(axis=-1)
     if cfg.dropout_active:
       p = p * L.keep_scale(seed, i, j)
-    pv = jnp.einsum("bhqk,bhkd->bhqd", p.reshape(L.B, L.Hkv, L.G * L.bq, L.bk).astype(L.mm),
-                    L.kv_mm(vp, j), preferred_element_type=acc)
+    pv_mm = acc if cfg.out_f32 else L.mm  # float32 p @ v for an exact delta (cfg.out_f32)
+    pv = jnp.einsum("bhqk,bhkd->bhqd", p.reshape(L.B, L.Hkv, L.G * L.bq, L.bk).astype(pv_mm),
+                    L.kv_mm(vp, j).astype(pv_mm), preferred_element_type=acc)
     o = alpha[..., None] * o + pv.reshape(L.B, L.Hkv, L.G, L.bq, L.Dv)
     return (_put_rows(ml_all, jnp.stack([m_new, l], axis=-1), i, L.bq),
             _put_rows(o_all, o, i, L.bq), walk)
@@ -377,7 +378,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   ml, o, _ = lax.fori_loop(0, count, body, init)
   m, l = ml[..., 0], ml[..., 1]
   empty = l == 0.0
-  out = (o / jnp.where(empty, 1.0, l)[..., None]).astype(q.dtype)
+  out = (o / jnp.where(empty, 1.0, l)[..., None]).astype(acc if cfg.out_f32 else q.dtype)
   lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
   out = out.reshape(L.B, L.H, L.Sqp, L.Dv)[:, :, : L.Sq]
   lse = lse.reshape(L.B, L.H, L.Sqp)[:, :, : L.Sq]

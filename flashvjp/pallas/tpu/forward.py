@@ -13,6 +13,7 @@ GQA: the K/V index maps read kv head h // G, so K/V are never repeated.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -172,7 +173,11 @@ def _forward_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
     if cfg.dropout_active:
       p = p * Lo.dropout_scale(cfg, g, r["seed"], t, acc)
     vt = r["v"][...]
-    o_s[...] = alpha * o_s[...] + Lo.dot_nn(p.astype(vt.dtype), vt, acc, cfg)
+    if cfg.out_f32:  # a traced scale (AttentionConfig.out_f32): p @ v in float32, exact delta
+      pv = Lo.dot_nn(p, vt.astype(acc), acc, dataclasses.replace(cfg, precision="highest"))
+    else:
+      pv = Lo.dot_nn(p.astype(vt.dtype), vt, acc, cfg)
+    o_s[...] = alpha * o_s[...] + pv
     m_s[...] = jnp.broadcast_to(m_new, m_s.shape)
     l_s[...] = jnp.broadcast_to(l_new, l_s.shape)
 
@@ -243,7 +248,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     lse_shape, lse_spec = (g.B, g.H, g.Sqp, Lo.LANES), _bs((None, None, g.bq, Lo.LANES), out_map)
   out, lse = _compat.tpu_pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dvp), q.dtype),
+      out_shape=(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dvp), acc if cfg.out_f32 else q.dtype),
                  jax.ShapeDtypeStruct(lse_shape, acc)),
       grid=(g.B, g.H, g.nq, lists.W),
       in_specs=ins.specs,

@@ -19,6 +19,7 @@ GQA: the K/V index maps read kv head h // G, so K/V are never repeated.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -158,7 +159,11 @@ def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
     if cfg.dropout_active:
       p = p * C.dropout_scale(cfg, g, r["seed"], t, acc)
     vt = r["v"][kv, :]
-    o = alpha[:, None] * o + C.dot_nn(p.astype(vt.dtype), vt, acc, cfg)
+    if cfg.out_f32:  # a traced scale (AttentionConfig.out_f32): p @ v in float32, exact delta
+      pv = C.dot_nn(p, vt.astype(acc), acc, dataclasses.replace(cfg, precision="highest"))
+    else:
+      pv = C.dot_nn(p.astype(vt.dtype), vt, acc, cfg)
+    o = alpha[:, None] * o + pv
     return m_new, l, o
 
   def run(start, stop, masked, carry):
@@ -207,7 +212,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
                              mod_scalar=msplit.scalar)
   out, lse = _compat.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dvp), q.dtype),
+      out_shape=(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dvp), acc if cfg.out_f32 else q.dtype),
                  jax.ShapeDtypeStruct((g.B, g.H, g.Sqp), acc)),
       grid=(g.B, g.H, g.nq),
       in_specs=ins.specs,

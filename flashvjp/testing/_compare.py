@@ -1,0 +1,145 @@
+"""The comparison of results with a float64 reference: per-quantity errors and the Report.
+
+Room: testing (public gradient checks). One criterion everywhere (`flashvjp.testing.check`,
+the test suite's `tests/_util.assert_close`, `python -m flashvjp check`): a quantity
+passes when, over every entry i,
+
+    |got_i - ref_i| <= tol * (max |ref| + |ref_i|)
+
+that is `numpy.testing.assert_allclose(got, ref, rtol=tol, atol=tol * max |ref|)`: the
+tolerance is relative to the scale of the whole tensor (attention gradients have many
+entries near zero, where elementwise relative error means nothing). The reported error
+is the left side divided by ``max |ref| + |ref_i|``, its maximum over the entries, so
+that a quantity passes exactly when ``error <= tolerance``. NaN never passes; an inf
+must sit where the reference has the same inf (an empty row's lse = -inf).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantity:
+  """One compared quantity (``out``, ``lse``, ``dq``, ``d score_mod[0]``, ...).
+
+  error: max over entries of |got - ref| / (max |ref| + |ref|) (inf for NaN or a
+    misplaced inf); passes when ``error <= tolerance``.
+  worst_index: the entry where that maximum is reached (() for a scalar).
+  got, ref: the values there (float64).
+  scale: max |ref| over the reference's finite entries.
+  """
+
+  name: str
+  error: float
+  tolerance: float
+  worst_index: Tuple[int, ...]
+  got: float
+  ref: float
+  scale: float
+  shape: Tuple[int, ...]
+  note: str = ""
+
+  @property
+  def passed(self) -> bool:
+    return bool(self.error <= self.tolerance)
+
+
+def compare(name: str, got, ref, tolerance: float) -> Quantity:
+  """Compare one array with its float64 reference (shapes must match)."""
+  g = np.asarray(got, np.float64)
+  r = np.asarray(ref, np.float64)
+  if g.shape != r.shape:
+    return Quantity(name, float("inf"), tolerance, (), float("nan"), float("nan"), float("nan"),
+                    tuple(r.shape), note=f"shape {g.shape} != reference {r.shape}")
+  fin = np.isfinite(r)
+  scale = float(np.abs(r[fin]).max()) if fin.any() else 0.0
+  nan = np.isnan(g)
+  bad_inf = (np.isfinite(g) != fin) | (~fin & ~nan & (g != r))
+  if nan.any() or bad_inf.any():
+    where = np.argwhere(nan | bad_inf)[0]
+    idx = tuple(int(i) for i in where)
+    note = "NaN" if nan[idx] else "inf where the reference differs"
+    return Quantity(name, float("inf"), tolerance, idx, float(g[idx]), float(r[idx]), scale,
+                    tuple(r.shape), note=note)
+  if not fin.any():
+    return Quantity(name, 0.0, tolerance, (), float("nan"), float("nan"), 0.0, tuple(r.shape))
+  diff = np.where(fin, np.abs(g - r), 0.0)
+  err = diff / (max(scale, 1e-30) + np.where(fin, np.abs(r), 0.0))
+  flat = int(np.argmax(err))
+  idx = tuple(int(i) for i in np.unravel_index(flat, r.shape)) if r.ndim else ()
+  return Quantity(name, float(err.reshape(-1)[flat]), tolerance, idx, float(g[idx]),
+                  float(r[idx]), scale, tuple(r.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """The result of `flashvjp.testing.check`: one `Quantity` per compared array.
+
+  ``report.passed`` is True when every quantity passes; ``report["dk"]`` is one
+  quantity; ``report.failed`` names the failing ones; ``str(report)`` is a table.
+  """
+
+  quantities: Tuple[Quantity, ...]
+  title: str = ""
+
+  @property
+  def passed(self) -> bool:
+    return all(q.passed for q in self.quantities)
+
+  @property
+  def failed(self) -> Tuple[str, ...]:
+    return tuple(q.name for q in self.quantities if not q.passed)
+
+  @property
+  def names(self) -> Tuple[str, ...]:
+    return tuple(q.name for q in self.quantities)
+
+  def __getitem__(self, name: str) -> Quantity:
+    for q in self.quantities:
+      if q.name == name:
+        return q
+    raise KeyError(f"no quantity {name!r} in this report; it has {list(self.names)}")
+
+  def to_dict(self) -> dict:
+    """A JSON-serialisable form (what ``python -m flashvjp check --json`` prints)."""
+    def num(x):
+      return None if x != x else (str(x) if x in (float("inf"), float("-inf")) else x)
+    return {
+        "title": self.title, "passed": self.passed, "failed": list(self.failed),
+        "quantities": [dict(name=q.name, error=num(q.error), tolerance=q.tolerance,
+                            passed=q.passed, worst_index=list(q.worst_index), got=num(q.got),
+                            ref=num(q.ref), scale=num(q.scale), shape=list(q.shape),
+                            note=q.note) for q in self.quantities]}
+
+  def __str__(self) -> str:
+    head = f"{'quantity':<18}{'error':>10}{'tolerance':>11}  {'result':<6}  worst at (got vs ref)"
+    lines = []
+    if self.title:
+      lines.append(f"{self.title}: {'PASSED' if self.passed else 'FAILED ' + ', '.join(self.failed)}")
+    lines += [head, "-" * len(head)]
+    for q in self.quantities:
+      where = f"{list(q.worst_index)} ({q.got:.6g} vs {q.ref:.6g})" if q.got == q.got else ""
+      if q.note:
+        where = f"{where} {q.note}".strip()
+      lines.append(f"{q.name:<18}{q.error:>10.2e}{q.tolerance:>11.1e}  "
+                   f"{'ok' if q.passed else 'FAIL':<6}  {where}")
+    lines.append("error = max |got - ref| / (max |ref| + |ref|), against float64 naive attention;"
+                 " a quantity passes when error <= tolerance")
+    return "\n".join(lines)
+
+  __repr__ = __str__
+
+
+def compare_trees(got, ref, tolerance: float, names: Optional[Sequence[str]] = None,
+                  title: str = "") -> Report:
+  """A Report comparing each leaf of `got` with the same leaf of the float64 `ref`."""
+  import jax
+  g_l, r_l = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)
+  if len(g_l) != len(r_l):
+    raise ValueError(f"got has {len(g_l)} arrays, the reference {len(r_l)}")
+  names = list(names) if names is not None else [f"leaf {n}" for n in range(len(g_l))]
+  return Report(tuple(compare(n, np.asarray(g), np.asarray(r), tolerance)
+                      for n, g, r in zip(names, g_l, r_l)), title)
