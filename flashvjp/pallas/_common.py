@@ -473,10 +473,20 @@ def tf32_round(x):
 
 
 def tf32x3_operand(x):
-  """A float32 operand of a "high" (3xTF32) dot: saturated to +-TF32_MAX, so that the
-  split's cvt.rna cannot overflow a finite number to inf (see TF32_MAX)."""
-  m = jnp.asarray(TF32_MAX, x.dtype)
-  return jnp.minimum(jnp.maximum(x, -m), m)
+  """x saturated to +-TF32_MAX, so that the 3xTF32 split's cvt.rna cannot overflow a finite
+  number to inf (see TF32_MAX). Selects, not min / max: NaN stays NaN (inf saturates)."""
+  return jnp.where(x > TF32_MAX, TF32_MAX, jnp.where(x < -TF32_MAX, -TF32_MAX, x))
+
+
+def pad_operand(cfg: AttentionConfig, x, seq, head):
+  """`pad_seq_head` of a kernel input (q, k, v, dO, a tangent), saturated to the TF32 range
+  at the "high" precision (`tf32x3_operand`), outside the kernels: one O(seq) pass in XLA
+  instead of two selects per operand element inside every dot (which cost the dK/dV and
+  dQ kernels at head dim 128 a 24-28 B register spill in the sm_90a compile check). The
+  kernels' own operands P (<= 1) and dS (0 where masked) need no saturation."""
+  if cfg.precision == "high" and jnp.dtype(x.dtype) == jnp.float32:
+    x = tf32x3_operand(x)
+  return pad_seq_head(x, seq, head)
 
 
 def dot_kind(cfg: Optional[AttentionConfig], dtype) -> str:
@@ -507,8 +517,6 @@ def _dot(a, b, dims, acc, cfg):
   kind = dot_kind(cfg, a.dtype)
   if kind == "native":
     return lax.dot_general(a, b, dims, preferred_element_type=acc)
-  if kind == "tf32x3":
-    a, b = tf32x3_operand(a), tf32x3_operand(b)
   if cfg.interpret:
     return _emulated_dot(a, b, dims, acc, kind)
   precision = {"tf32": lax.Precision.DEFAULT, "tf32x3": HIGH_F32_ALGORITHM,
