@@ -121,7 +121,11 @@ def matmul_kind(dtype, precision: str) -> str:
 # rows (wgmma) for 16-bit and TF32 up to head dim 128. Why each entry:
 # * forward / dQ keep [rows, head_dim] float32 accumulators plus the q (and dO) tile in
 #   registers: 8 warps split 128 rows over two warpgroups; float32 operands (TF32) at 256 and
-#   3xTF32 ("highest", every operand split in two in registers) need fewer rows / columns.
+#   3xTF32 ("high", every operand split in two in registers) need fewer rows / columns;
+#   IEEE float32 ("highest": FMA dots, each thread holds its rows of both operands along
+#   the whole contraction) spills in the forward at 32x64 (d64, 552 B) and 16x32 (d128,
+#   236-464 B): 32x32 / 16x16 forward tiles are spill-free (79 / 64 registers); its
+#   backward keeps 3xTF32's tiles (71-126 registers).
 # * dK/dV keeps two [block_kv, head_dim] accumulators (and K, V) in registers and computes its
 #   tiles transposed ([bk, bq], as FlashAttention-2/3), so all four dots have M = block_kv rows
 #   (wgmma at 64) and block_q is only their N: 16-bit 64x64 at d64; 32x64 at d128 (64x64
@@ -132,7 +136,7 @@ def matmul_kind(dtype, precision: str) -> str:
 #   two 16-row score dots mma.sync; float32 head dim > 128 and 3xTF32 d128 keep 32-row kv
 #   tiles (64 rows spill 0.1-5 KB).
 # * num_stages 2 everywhere: software-pipelined K/V (Q/dO) loads (1 stage loses the async copies).
-# Known residue: 3xTF32 ("highest") spills at head dim 128 with softcap+window in dK/dV (4 B;
+# Known residue: 3xTF32 ("high") spills at head dim 128 with softcap+window in dK/dV (4 B;
 # 1 stage avoids it but is not pipelined) and at head dim > 128 (dK/dV up to ~26 KB, dQ
 # ~0.5 KB) at every tile size tried down to 16x16; 16-bit and TF32 are spill-free.
 LAUNCH_TABLE = {}
