@@ -130,8 +130,11 @@ def matrix() -> list[Case]:
       F("bf16_d64_mqa_h8_kv1", D=64, H=8, Hkv=1),
       F("bf16_d128_causal_lse", causal=True, return_lse=True),
       F("f32_d64_causal_lse", dtype="f32", D=64, causal=True, return_lse=True),
+      F("f32_d64_causal_high", dtype="f32", D=64, causal=True, precision="high"),
+      F("f32_d128_full_high", dtype="f32", D=128, precision="high"),
       F("f32_d64_causal_highest", dtype="f32", D=64, causal=True, precision="highest"),
       F("f32_d128_full_highest", dtype="f32", D=128, precision="highest"),
+      F("f32_d128_causal_highest", dtype="f32", D=128, causal=True, precision="highest"),
       F("bf16_d128_combo", causal=True, segments=True, dropout=0.1, softcap=30.0,
         bias="broadcast"),
       # mask_mod: block lists from its classes, its tile part on PARTIAL blocks only.

@@ -51,17 +51,23 @@ PALLAS_INTERPRET_DEFAULT = BlockSizes(block_q=64, block_kv=64)
 
 # ---- Pallas-Triton launch table -------------------------------------------------------------
 # Float32 matmul precision, as jax.default_matmul_precision names it, reduced to what the
-# kernels' float32 dots do (16-bit inputs are unaffected):
+# kernels' float32 dots do (16-bit inputs are unaffected). The one table of what each setting
+# computes, its measured error and its cost is README.md's "Precision" section:
 #   "default": TF32 on the GPU (jax.nn's float32 default there; 10 explicit mantissa bits,
-#              the tensor cores ignore the low 13 bits of each operand),
-#   "highest": full float32 (Triton's 3xTF32 split: three TF32 products, float32 accuracy).
-PRECISIONS = ("default", "highest")
+#              the tensor cores ignore the low 13 bits of each operand); Mosaic's default
+#              contraction on a TPU. Also None, "fastest", "bfloat16", "tensorfloat32".
+#   "high":    3xTF32 on the GPU (Triton's tf32x3 split: three TF32 products, nearly float32,
+#              tensor cores kept; operands saturated to the TF32 range first, see
+#              pallas/_common.py `TF32_MAX`); bf16x3 on a TPU. Also "bfloat16_3x",
+#              lax.Precision.HIGH, "TF32_TF32_F32_X3".
+#   "highest": float32 (IEEE float32 dots: Triton's input_precision="ieee", JAX's own lowering
+#              of HIGHEST / F32_F32_F32; fp32 contraction on a TPU). Also "float32".
+PRECISIONS = ("default", "high", "highest")
 _PRECISION_NAMES = {
     None: "default", "default": "default", "fastest": "default", "bfloat16": "default",
-    "tensorfloat32": "default", "high": "default", "DEFAULT": "default", "HIGH": "default",
-    "TF32_TF32_F32": "default",
+    "tensorfloat32": "default", "DEFAULT": "default", "TF32_TF32_F32": "default",
+    "high": "high", "HIGH": "high", "bfloat16_3x": "high", "TF32_TF32_F32_X3": "high",
     "highest": "highest", "float32": "highest", "HIGHEST": "highest", "F32_F32_F32": "highest",
-    "TF32_TF32_F32_X3": "highest",
 }
 
 
@@ -72,8 +78,9 @@ def canonical_precision(value) -> str:
     return _PRECISION_NAMES[name]
   raise ValueError(
       f"jax_default_matmul_precision={value!r} is not supported by flashvjp's kernels; use None,"
-      " 'default', 'bfloat16', 'tensorfloat32', 'high' (TF32 float32 matmuls on GPU) or 'highest',"
-      " 'float32' (full float32)")
+      " 'default', 'bfloat16', 'tensorfloat32' (TF32 float32 matmuls on GPU), 'high',"
+      " 'bfloat16_3x', 'TF32_TF32_F32_X3' (3xTF32: nearly float32) or 'highest', 'float32',"
+      " 'F32_F32_F32' (IEEE float32)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +105,12 @@ def head_dim_bucket(head_dim: int) -> int:
 
 
 def matmul_kind(dtype, precision: str) -> str:
-  """"16bit" (bf16/f16 operands), "tf32" or "f32" (float32 operands at `precision`)."""
+  """"16bit" (bf16/f16 operands), or for float32 operands at `precision`: "tf32"
+  ("default"), "tf32x3" ("high") or "f32" ("highest": IEEE float32 dots, FMA units)."""
   import numpy as np
   if np.dtype(dtype).itemsize <= 2:
     return "16bit"
-  return "f32" if precision == "highest" else "tf32"
+  return {"default": "tf32", "high": "tf32x3", "highest": "f32"}[precision]
 
 
 # (padded head dim, matmul kind, kernel role) -> Launch. Roles: "fwd" (accumulator rows =
@@ -113,7 +121,11 @@ def matmul_kind(dtype, precision: str) -> str:
 # rows (wgmma) for 16-bit and TF32 up to head dim 128. Why each entry:
 # * forward / dQ keep [rows, head_dim] float32 accumulators plus the q (and dO) tile in
 #   registers: 8 warps split 128 rows over two warpgroups; float32 operands (TF32) at 256 and
-#   3xTF32 ("highest", every operand split in two in registers) need fewer rows / columns.
+#   3xTF32 ("high", every operand split in two in registers) need fewer rows / columns;
+#   IEEE float32 ("highest": FMA dots, each thread holds its rows of both operands along
+#   the whole contraction) spills in the forward at 32x64 (d64, 552 B) and 16x32 (d128,
+#   236-464 B): 32x32 / 16x16 forward tiles are spill-free (79 / 64 registers); its
+#   backward keeps 3xTF32's tiles (71-126 registers).
 # * dK/dV keeps two [block_kv, head_dim] accumulators (and K, V) in registers and computes its
 #   tiles transposed ([bk, bq], as FlashAttention-2/3), so all four dots have M = block_kv rows
 #   (wgmma at 64) and block_q is only their N: 16-bit 64x64 at d64; 32x64 at d128 (64x64
@@ -124,7 +136,7 @@ def matmul_kind(dtype, precision: str) -> str:
 #   two 16-row score dots mma.sync; float32 head dim > 128 and 3xTF32 d128 keep 32-row kv
 #   tiles (64 rows spill 0.1-5 KB).
 # * num_stages 2 everywhere: software-pipelined K/V (Q/dO) loads (1 stage loses the async copies).
-# Known residue: 3xTF32 ("highest") spills at head dim 128 with softcap+window in dK/dV (4 B;
+# Known residue: 3xTF32 ("high") spills at head dim 128 with softcap+window in dK/dV (4 B;
 # 1 stage avoids it but is not pipelined) and at head dim > 128 (dK/dV up to ~26 KB, dQ
 # ~0.5 KB) at every tile size tried down to 16x16; 16-bit and TF32 are spill-free.
 LAUNCH_TABLE = {}
@@ -142,8 +154,11 @@ _fill(256, "16bit", (64, 32, 8, 2), (16, 64, 8, 2), (64, 32, 8, 2))
 _fill(64, "tf32", (128, 64, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2))
 _fill(128, "tf32", (128, 64, 8, 2), (16, 64, 8, 2, False), (64, 16, 8, 2))
 _fill(256, "tf32", (64, 16, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2))
-_fill(64, "f32", (32, 64, 4, 2), (16, 64, 8, 2), (32, 32, 4, 2))
-_fill(128, "f32", (16, 32, 4, 2), (16, 32, 8, 2), (16, 32, 4, 2))
+_fill(64, "tf32x3", (32, 64, 4, 2), (16, 64, 8, 2), (32, 32, 4, 2))
+_fill(128, "tf32x3", (16, 32, 4, 2), (16, 32, 8, 2), (16, 32, 4, 2))
+_fill(256, "tf32x3", (16, 16, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2))
+_fill(64, "f32", (32, 32, 4, 2), (16, 64, 8, 2), (32, 32, 4, 2))
+_fill(128, "f32", (16, 16, 4, 2), (16, 32, 8, 2), (16, 32, 4, 2))
 _fill(256, "f32", (16, 16, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2))
 
 
@@ -210,8 +225,8 @@ class AttentionConfig:
   num_diff_consts: int = 0  # the first num_diff_consts score_mod consts are differentiable
   interpret: bool = False
   implementation: str = "blockwise"  # one of flashvjp._dispatch.CONCRETE
-  # float32 matmuls: "default" (TF32 on GPU, as jax.nn) or "highest" (full float32);
-  # from jax.default_matmul_precision when the call is prepared (_config.PRECISIONS).
+  # float32 matmuls: "default" (TF32 on GPU, as jax.nn), "high" (3xTF32) or "highest"
+  # (IEEE float32); from jax.default_matmul_precision when the call is prepared (PRECISIONS).
   precision: str = "default"
   # Dropout keep-mask shared across (batch, heads) where True (Flax's broadcast_dropout):
   # the counter hash then sees b = 0 / h = 0 (flashvjp._dropout.hash_coords).

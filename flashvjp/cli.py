@@ -135,7 +135,8 @@ def _check_rows(args):
   else:  # float32 through TF32 matmuls (Pallas-Triton's default precision) gets a wider one
     tol_text = ", ".join(f"{t:g} ({impl})" for impl, t in tols.items()) + (
         "; the wider one is for float32 matmuls in TF32, the GPU's default precision, which"
-        " interpret mode reproduces (jax.default_matmul_precision('highest') for full float32)")
+        " interpret mode reproduces (jax.default_matmul_precision('highest') for IEEE float32, 'high' for"
+        " 3xTF32)")
   print(f"Inputs {dtype.name}; a row passes when max |error| <= tolerance x max |reference|,"
         f" tolerance {tol_text}.")
   if pallas_note:

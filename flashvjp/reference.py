@@ -34,23 +34,26 @@ def attention(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, co
   h_idx = jnp.arange(H, dtype=jnp.int32)[None, :, None, None]
   q_idx = jnp.arange(Sq, dtype=jnp.int32)[None, None, :, None]
   kv_idx = jnp.arange(Skv, dtype=jnp.int32)[None, None, None, :]
-  if cfg.score_mod is not None:
-    s = _score_mod.apply(cfg.score_mod, consts, s, b_idx, h_idx, q_idx, kv_idx)
   allowed = mask_spec(cfg).dense(q_seg, kv_seg, mask)
   if cfg.mask_mod is not None:
     allowed = allowed & _mask_mod.apply(cfg.mask_mod, mod.consts, b_idx, h_idx, q_idx, kv_idx)
   allowed = jnp.broadcast_to(allowed, s.shape)
+  # A masked position may hold any finite K / V (padding filled with finfo.max): its score
+  # is selected away before anything else reads it, and the output is (e @ v) / l rather
+  # than (e / l) @ v, so that no cotangent multiplies a masked entry's inf dO . v by p = 0.
+  s = jnp.where(allowed, s, 0.0)
+  if cfg.score_mod is not None:
+    s = _score_mod.apply(cfg.score_mod, consts, s, b_idx, h_idx, q_idx, kv_idx)
   s = jnp.where(allowed, s, -jnp.inf)
   m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   e = jnp.where(allowed, jnp.exp(s - m), 0.0)
   l = jnp.sum(e, axis=-1, keepdims=True)
   empty = l == 0.0
-  p = e / jnp.where(empty, 1.0, l)
   lse = jnp.where(empty, -jnp.inf, jnp.log(jnp.where(empty, 1.0, l)) + m)[..., 0]
   if cfg.dropout_active:
     keep = _dropout.keep(seed[0], seed[1], b_idx, h_idx, q_idx, kv_idx, cfg.dropout_rate,
                          cfg.dropout_broadcast)
-    p = jnp.where(keep, p / (1.0 - cfg.dropout_rate), 0.0)
-  out = jnp.einsum("bhqk,bhkd->bhqd", p, v.astype(acc))
+    e = jnp.where(keep, e / (1.0 - cfg.dropout_rate), 0.0)
+  out = jnp.einsum("bhqk,bhkd->bhqd", e, v.astype(acc)) / jnp.where(empty, 1.0, l)
   return out.astype(q.dtype), lse

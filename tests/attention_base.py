@@ -9,6 +9,7 @@ tolerance of `flashvjp._check.tolerance` for the input dtype.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import flashvjp
+from flashvjp import _check
 from tests import _util
 
 # Shapes that exercise padding (seq not a multiple of the blocks), several blocks,
@@ -126,8 +128,9 @@ def case_problem(name, dtype, seed=0):
 
 
 def run_case(impl, name, dtype, *, return_lse=True, block_q=BLOCK_Q, block_kv=BLOCK_KV, extra=None,
-             seed=0):
-  """(value, grads) of a weighted loss of (out, lse) for implementation `impl`."""
+             seed=0, precision=None):
+  """(value, grads) of a weighted loss of (out, lse) for implementation `impl`, under
+  jax.default_matmul_precision(`precision`) when given."""
   q, k, v, dims, d, with_diff = case_problem(name, dtype, seed)
   if impl == "naive":
     q, k, v, d = _util.as64((q, k, v, d))
@@ -148,8 +151,80 @@ def run_case(impl, name, dtype, *, return_lse=True, block_q=BLOCK_Q, block_kv=BL
       total = total + jnp.sum(jnp.where(jnp.isfinite(lse64), lse64, 0.0) * w_lse)
     return total, res
 
-  (val, res), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, d)
+  ctx = jax.default_matmul_precision(precision) if precision else contextlib.nullcontext()
+  with ctx:
+    (val, res), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        q, k, v, d)
   return res, grads
+
+
+# ---- extreme finite values in masked positions ---------------------------------------------
+
+def garbage_kv(k, v, masked_kv):
+  """k, v with every masked key position [B, Skv] overwritten by extreme finite values:
+  finfo.max, -finfo.max, and NaN-free garbage of magnitude 1e30 (cycling over positions)."""
+  big = np.finfo(np.float32).max
+  pos = np.arange(k.shape[2])
+  pattern = np.where(pos % 3 == 0, big, np.where(pos % 3 == 1, -big, 1e30))[None, None, :, None]
+  noise = np.random.default_rng(5).standard_normal(k.shape[:3] + (1,))
+  fill = np.where(pos[None, None, :, None] % 3 == 2, pattern * noise, pattern)
+  sel = np.asarray(masked_kv)[:, None, :, None]
+  fk = np.where(sel, np.broadcast_to(fill, k.shape[:3] + (1,)), np.asarray(k, np.float64))
+  fv = np.where(sel, np.broadcast_to(fill, v.shape[:3] + (1,)), np.asarray(v, np.float64))
+  return jnp.asarray(fk, k.dtype), jnp.asarray(fv, v.dtype)
+
+
+GARBAGE_MASKS = ("key_lengths", "dense_mask", "segment_ids")
+
+
+def run_garbage(impl, how, precision, extra=None, score_mod=None):
+  """[(out, lse, dq, dk, dv) with clean K / V, the same with masked K / V garbage]: one jit,
+  called twice. Masked by `how`: key_value_seq_lengths (flashvjp.dot_product_attention),
+  a dense key mask, or segment ids whose padding segment is masked."""
+  B_, H_, Hkv_, S_, D_ = 2, 2, 1, 40, 16
+  q, k, v = _util.random_qkv(3, B_, H_, Hkv_, S_, S_, D_)
+  lengths = np.array([26, 9], np.int32)
+  masked_kv = np.arange(S_)[None, :] >= lengths[:, None]
+  w = jax.random.normal(jax.random.key(4), (B_, H_, S_, D_), jnp.float64)
+  kw = dict(implementation=impl, **(extra or {}))
+  if impl != "naive":
+    kw.update(block_q=16, block_kv=16)
+  if score_mod is not None:
+    kw["score_mod"] = score_mod
+
+  def attend(q, k, v):
+    if how == "key_lengths":
+      out, lse = flashvjp.dot_product_attention(  # (default blocks: no block kwargs)
+          *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), key_value_seq_lengths=lengths,
+          return_residual=True, implementation=impl)
+      return jnp.swapaxes(out, 1, 2), lse
+    if how == "dense_mask":
+      return flashvjp.flash_attention(q, k, v, mask=jnp.asarray(~masked_kv)[:, None, None, :],
+                                      return_lse=True, **kw)
+    seg_q = jnp.zeros((B_, S_), jnp.int32)
+    seg_kv = jnp.asarray(masked_kv.astype(np.int32))  # padding = segment 1, never a query's
+    return flashvjp.flash_attention(q, k, v, segment_ids=(seg_q, seg_kv), return_lse=True, **kw)
+
+  def loss(q, k, v):
+    out, lse = attend(q, k, v)
+    return jnp.sum(out.astype(jnp.float64) * w) + jnp.sum(lse.astype(jnp.float64)), (out, lse)
+
+  ctx = jax.default_matmul_precision(precision) if precision else contextlib.nullcontext()
+  with ctx:
+    f = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+    res = []
+    for kk, vv in ((k, v), garbage_kv(k, v, masked_kv)):
+      (_, (out, lse)), g = f(q, kk, vv)
+      res.append(tuple(np.asarray(x) for x in (out, lse) + tuple(g)))
+  return res
+
+
+def assert_garbage_changes_nothing(clean, dirty, what):
+  """No NaN / inf anywhere, and every result bitwise the clean one: a masked entry
+  contributes exactly nothing (out, lse, dq of every row; dk, dv are 0 at masked keys)."""
+  for name, c, d in zip(("out", "lse", "dq", "dk", "dv"), clean, dirty):
+    assert np.isfinite(d).all(), f"{what}: {np.count_nonzero(~np.isfinite(d))} non-finite in {name}"
+    np.testing.assert_array_equal(d, c, err_msg=f"{what}: {name}")
 
 
 class AttentionTests:
@@ -190,6 +265,45 @@ class AttentionTests:
   @pytest.mark.parametrize("blocks", [(1, 7), (64, 5), (13, 128)])
   def test_any_block_size(self, blocks):
     self.check("causal_window", jnp.float32, block_q=blocks[0], block_kv=blocks[1])
+
+  # ---- precision and extreme values (README "Precision") ----
+  PRECISIONS = (None, "high", "highest")
+  # A representative set of the cases for the IEEE float32 check at "highest" (combo: causal,
+  # segment ids, a dense mask with empty rows, dropout, bias and ALiBi together). Every case
+  # was measured (README "Precision"): the largest error is 0.91 of the bound.
+  HIGHEST_CASES = ("plain", "causal_window", "mask_dense", "softcap", "mqa", "combo")
+
+  @pytest.mark.parametrize("precision", PRECISIONS)
+  @pytest.mark.parametrize("how", GARBAGE_MASKS)
+  def test_masked_extreme_values_change_nothing(self, how, precision):
+    """Masked K / V rows holding finfo.max, -finfo.max or 1e30 garbage: no NaN / inf in
+    out, lse, dq, dk, dv, and every value bitwise the clean inputs' (fails on 0 * inf)."""
+    clean, dirty = run_garbage(self.IMPLEMENTATION, how, precision, self.EXTRA_KWARGS)
+    assert_garbage_changes_nothing(clean, dirty, f"{self.IMPLEMENTATION}/{how}/{precision}")
+
+  def test_masked_extreme_values_with_score_mod(self):
+    """The same through a score_mod (softcap): a masked q k of +-inf never reaches its
+    derivative (tanh'(inf) * 0)."""
+    clean, dirty = run_garbage(self.IMPLEMENTATION, "segment_ids", "high", self.EXTRA_KWARGS,
+                               score_mod=flashvjp.softcap(3.0))
+    assert_garbage_changes_nothing(clean, dirty, f"{self.IMPLEMENTATION}/softcap")
+
+  @pytest.mark.parametrize("name", HIGHEST_CASES)
+  def test_highest_is_ieee_float32(self, name):
+    """At "highest", out / lse / dq / dk / dv within HIGHEST_ATOL + HIGHEST_RTOL * |ref| of
+    float64 naive attention, elementwise (what an IEEE float32 computation gives); the rest
+    (bias / score_mod array gradients) at the scale-relative TOL[float32]."""
+    got = run_case(self.IMPLEMENTATION, name, jnp.float32, extra=self.EXTRA_KWARGS,
+                   precision="highest")
+    ref = run_case("naive", name, jnp.float32)
+    what = f"{self.IMPLEMENTATION}/{name}/highest"
+    _util.assert_close(got, ref, jnp.float32, what=what, impl=self.IMPLEMENTATION)
+    (out, lse), (dq, dk, dv, _) = got
+    (r_out, r_lse), (r_dq, r_dk, r_dv, _) = ref
+    for leaf, g, r in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv),
+                          (r_out, r_lse, r_dq, r_dk, r_dv)):
+      bad = _check.highest_violations(g, r)
+      assert bad == 0, f"{what}: {bad} entries of {leaf} beyond 1e-6 + 1e-6 |ref|"
 
   def test_empty_rows_zero_output_and_gradients(self):
     q, k, v = _util.random_qkv(1, 1, 2, 1, 8, 8, 4)

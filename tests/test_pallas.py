@@ -113,7 +113,7 @@ def test_matches_blockwise_to_float32_rounding(kw):
     (_, res), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(q, k, v, bias)
     return res, grads
 
-  with jax.default_matmul_precision("highest"):  # full float32 on both (3xTF32 in the kernels)
+  with jax.default_matmul_precision("highest"):  # full float32 on both (IEEE dots in the kernels)
     got, ref = run("pallas"), run("blockwise")
   for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
     g, r = np.asarray(g), np.asarray(r)

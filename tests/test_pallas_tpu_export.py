@@ -97,3 +97,13 @@ def test_mask_mod_lowers_for_tpu_at_default_blocks(mod):
   exported = jax.export.export(jax.jit(jax.grad(f, (0, 1, 2))), platforms=["tpu"])(x, x, x)
   kernels = re.findall(r'kernel_name = "([^"]+)"', exported.mlir_module())
   assert sorted(kernels) == ["flashvjp_tpu_bwd_dkdv", "flashvjp_tpu_bwd_dq", "flashvjp_tpu_fwd"]
+
+
+@pytest.mark.parametrize("precision", ["high", "highest"])
+def test_float32_precisions_lower_for_tpu(precision):
+  """Mosaic lowers every kernel's float32 dots at HIGH (bf16x3) and HIGHEST (fp32), the
+  contraction precisions "high" / "highest" request (README "Precision")."""
+  with jax.default_matmul_precision(precision):
+    exported, _ = export_case("combo", jnp.float32)
+  kernels = re.findall(r'kernel_name = "([^"]+)"', exported.mlir_module())
+  assert len(kernels) == 4, kernels

@@ -431,13 +431,17 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     k_blk, v_blk = L.kv_mm(kp, j), L.kv_mm(vp, j)
     q_blk, do_blk = L.q_mm(q5, i), L.q_mm(do5, i)
     s = L.scores_t(q_blk, k_blk, bias5, i, j)
+    if masked:
+      ok = L.allowed(i, j, q_seg, kv_seg, mask5, mod, t=True)
     if cfg.score_mod is not None:
+      if masked:  # a masked q k may be inf / NaN (any finite K there): keep it out of
+        s = jnp.where(ok, s, 0.0)  # the score_mod's derivative (0 * f'(inf) = NaN)
       idx = L.indices(i, j, t=True)
       s, sm_vjp = jax.vjp(
           lambda s_, c_: _score_mod.apply(cfg.score_mod, c_ + fixed_consts, s_, *idx),
           s, diff_consts)
     if masked:
-      s = jnp.where(L.allowed(i, j, q_seg, kv_seg, mask5, mod, t=True), s, -jnp.inf)
+      s = jnp.where(ok, s, -jnp.inf)
     p = jnp.exp(s - row_t(lse5, i))
     dp = jnp.einsum("bhkd,bhqd->bhkq", v_blk, do_blk, preferred_element_type=acc)
     dp = dp.reshape(p.shape)
@@ -448,6 +452,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     dv_j = jnp.einsum("bhkq,bhqd->bhkd", pd.reshape(tile_t).astype(L.mm), do_blk,
                       preferred_element_type=acc)
     ds = p * (dp - row_t(delta5, i))
+    if masked:  # a masked entry gives exactly 0, not 0 * (dp - delta): dp is inf / NaN
+      ds = jnp.where(ok, ds, 0.0)  # where a masked V row holds, e.g., finfo.max
     if cfg.score_mod is not None:
       ds, dc = sm_vjp(ds)
       dconsts = tuple(a + b.astype(a.dtype) for a, b in zip(dconsts, dc))

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from flashvjp import _dropout
@@ -445,9 +446,17 @@ def list_loops(counts, block_at, body, carry):
 
 # ---- per-tile math (inside kernel bodies) --------------------------------------
 
-# What "highest" asks of Triton for float32 operands: the 3xTF32 split (float32 accuracy on
-# the tensor cores, wgmma kept) rather than IEEE FMA loops, which spill tens of KB.
-HIGHEST_F32_ALGORITHM = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+# What "high" asks of Triton for float32 operands: the 3xTF32 split (nearly float32 on the
+# tensor cores, wgmma kept). "highest" asks for IEEE float32 dots (input_precision="ieee",
+# FMA units), which JAX's own Pallas-Triton lowering gives lax.Precision.HIGHEST / F32_F32_F32.
+HIGH_F32_ALGORITHM = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+HIGHEST_F32_ALGORITHM = lax.DotAlgorithmPreset.F32_F32_F32
+# The largest TF32 number, (2 - 2^-10) * 2^127. Triton's 3xTF32 rounds each operand to
+# TF32 (cvt.rna) for its big x big product: a float32 within 2^-11 of finfo.max rounds up to
+# inf there, and a masked entry (p = 0, or dS = 0) times that inf is NaN. "high" therefore
+# saturates its operands to +-TF32_MAX first (`tf32x3_operand`): only |x| > TF32_MAX, the top
+# 1/2048 of float32's last binade, changes (by < 2^-11 relative).
+TF32_MAX = float(np.float32((2.0 - 2.0 ** -10) * 2.0 ** 127))
 
 
 def tf32_truncate(x):
@@ -463,18 +472,37 @@ def tf32_round(x):
   return jnp.where(jnp.isfinite(x), r, x)
 
 
+def tf32x3_operand(x):
+  """x saturated to +-TF32_MAX, so that the 3xTF32 split's cvt.rna cannot overflow a finite
+  number to inf (see TF32_MAX). Selects, not min / max: NaN stays NaN (inf saturates)."""
+  return jnp.where(x > TF32_MAX, TF32_MAX, jnp.where(x < -TF32_MAX, -TF32_MAX, x))
+
+
+def pad_operand(cfg: AttentionConfig, x, seq, head):
+  """`pad_seq_head` of a kernel input (q, k, v, dO, a tangent), saturated to the TF32 range
+  at the "high" precision (`tf32x3_operand`), outside the kernels: one O(seq) pass in XLA
+  instead of two selects per operand element inside every dot (which cost the dK/dV and
+  dQ kernels at head dim 128 a 24-28 B register spill in the sm_90a compile check). The
+  kernels' own operands P (<= 1) and dS (0 where masked) need no saturation."""
+  if cfg.precision == "high" and jnp.dtype(x.dtype) == jnp.float32:
+    x = tf32x3_operand(x)
+  return pad_seq_head(x, seq, head)
+
+
 def dot_kind(cfg: Optional[AttentionConfig], dtype) -> str:
-  """How a dot on `dtype` operands runs: "native" (16-bit / float64 / no config), "tf32",
-  "tf32x3" (the float32 "highest" precision)."""
+  """How a dot on `dtype` operands runs: "native" (16-bit / float64 / no config), "tf32"
+  ("default"), "tf32x3" ("high") or "ieee" ("highest") for float32 operands."""
   if cfg is None or jnp.dtype(dtype) != jnp.float32:
     return "native"
-  return "tf32x3" if cfg.precision == "highest" else "tf32"
+  return {"default": "tf32", "high": "tf32x3", "highest": "ieee"}[cfg.precision]
 
 
 def _emulated_dot(a, b, dims, acc, kind):
-  """Interpret mode: the float32 dot the GPU's tensor cores compute, on the CPU."""
+  """Interpret mode: the float32 dot the GPU computes, on the CPU."""
   dot = functools.partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=acc,
                           precision=lax.Precision.HIGHEST)
+  if kind == "ieee":
+    return dot(a, b)
   if kind == "tf32":
     return dot(tf32_truncate(a), tf32_truncate(b))
   # Triton's 3xTF32 (F32DotTC pass): big = cvt.rna(x), small = x - big; the tensor cores
@@ -491,7 +519,8 @@ def _dot(a, b, dims, acc, cfg):
     return lax.dot_general(a, b, dims, preferred_element_type=acc)
   if cfg.interpret:
     return _emulated_dot(a, b, dims, acc, kind)
-  precision = lax.Precision.DEFAULT if kind == "tf32" else HIGHEST_F32_ALGORITHM
+  precision = {"tf32": lax.Precision.DEFAULT, "tf32x3": HIGH_F32_ALGORITHM,
+               "ieee": HIGHEST_F32_ALGORITHM}[kind]
   return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc)
 
 
@@ -601,7 +630,6 @@ def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, 
   """
   qk = dot_nt(k, q, acc, cfg) if transposed else dot_nt(q, k, acc, cfg)
   qi, ki = tile_indices(g, t.i, t.j, transposed)
-  s, sm_vjp = biased_modded(cfg, qk, t, qi, ki, consts, acc, diff_consts)
   ok = None
   if masked:
     q_ax, kv_ax = ((None, slice(None)), (slice(None), None)) if transposed else (
@@ -612,7 +640,22 @@ def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, 
     ok = mask_spec(cfg).allowed(qi, ki, q_seg=qs, kv_seg=ks, dense=dense)
     if cfg.mask_mod is not None:  # PARTIAL blocks only: FULL ones come with masked=False
       ok = ok & mask_mod_allowed(cfg, t, qi, ki)
+  s, sm_vjp = biased_modded(cfg, masked_scores_for_mod(cfg, qk, ok), t, qi, ki, consts, acc,
+                            diff_consts)
   return s, ok, sm_vjp
+
+
+def masked_scores_for_mod(cfg: AttentionConfig, qk, ok):
+  """q k^T with masked entries set to 0 when a score_mod follows (else unchanged).
+
+  A masked position may hold any finite K (finfo.max padding): its q k is then +-inf or
+  NaN, and the score_mod's derivative there (tanh' of softcap, 0 * inf) would turn the
+  zero cotangent of a masked entry into NaN. Without a score_mod the masked score only
+  meets selects (`mask_value`, `select_masked`), so no select is spent on it.
+  """
+  if ok is None or cfg.score_mod is None:
+    return qk
+  return jnp.where(ok, qk, jnp.zeros((), qk.dtype))
 
 
 def mask_value(acc):
@@ -625,6 +668,12 @@ def mask_value(acc):
   (float32): it rounds back to `mask_value`.
   """
   return jnp.asarray(jnp.finfo(acc).min, acc)
+
+
+def select_masked(ok, x):
+  """x where the mask model allows the entry, exactly 0 elsewhere (a select, never a product
+  with p = 0: a masked position may hold any finite K / V, and 0 * inf is NaN)."""
+  return jnp.where(ok, x, jnp.zeros((), x.dtype))
 
 
 def lse_pad_value(acc):

@@ -204,13 +204,21 @@ def load_consts(refs, meta: ConstMeta, b, h):
 
 # ---- per-tile math (inside kernel bodies) --------------------------------------------
 
+# Mosaic's contraction precision of float32 operands per setting (JAX's Mosaic lowering:
+# DEFAULT -> no attribute (Mosaic's default), HIGH -> bf16x3, HIGHEST -> fp32). Interpret
+# mode runs the CPU's IEEE float32 dot whatever the setting (no bf16-pass emulation: the
+# tests of this family assert float32 accuracy at every setting).
+TPU_F32_PRECISION = {"default": lax.Precision.DEFAULT, "high": lax.Precision.HIGH,
+                     "highest": lax.Precision.HIGHEST}
+
+
 def _dot(a, b, dims, acc, cfg):
-  """Float32 accumulation; float32 operands at full precision in interpret mode or when
-  cfg.precision == "highest", else the MXU's default (bfloat16 passes) as jax.nn on TPU."""
+  """Float32 accumulation; float32 operands at cfg.precision (`TPU_F32_PRECISION`), full
+  float32 in interpret mode."""
   prec = None
   if jnp.dtype(a.dtype) == jnp.float32:
-    highest = cfg.interpret or getattr(cfg, "precision", "default") == "highest"
-    prec = lax.Precision.HIGHEST if highest else lax.Precision.DEFAULT
+    prec = (lax.Precision.HIGHEST if cfg.interpret
+            else TPU_F32_PRECISION[getattr(cfg, "precision", "default")])
   return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=acc)
 
 
@@ -266,7 +274,6 @@ def scores(cfg: AttentionConfig, g: C.Geometry, q, k, t: Tile, consts, acc, mask
   the kernels for finite inputs (`jax.debug_infs`).
   """
   qi, ki = C.tile_indices(g, t.i, t.j)
-  s, sm_vjp = C.biased_modded(cfg, dot_nt(q, k, acc, cfg), t, qi, ki, consts, acc, diff_consts)
   ok = None
   if masked:
     # int8 tile widened before the compare (int8 vector compares are not on every TPU).
@@ -274,6 +281,8 @@ def scores(cfg: AttentionConfig, g: C.Geometry, q, k, t: Tile, consts, acc, mask
     ok = C.mask_spec(cfg).allowed(qi, ki, q_seg=t.q_seg, kv_seg=t.kv_seg, dense=dense)
     if cfg.mask_mod is not None:  # PARTIAL blocks only (FULL ones come with masked=False)
       ok = ok & C.mask_mod_allowed(cfg, t, qi, ki)
+  qk = C.masked_scores_for_mod(cfg, dot_nt(q, k, acc, cfg), ok)
+  s, sm_vjp = C.biased_modded(cfg, qk, t, qi, ki, consts, acc, diff_consts)
   return s, ok, sm_vjp
 
 

@@ -68,9 +68,13 @@ def tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, masked
     keep = Lo.dropout_scale(cfg, g, seed_ref, t, acc)
     pd, dp = p * keep, dp * keep
   ds = p * (dp - delta)
+  if ok is not None:
+    # A masked entry contributes exactly nothing: select, not p * (...) = 0 * (dp - delta),
+    # which is NaN where a masked V row overflows dp (finfo.max padding; `C.select_masked`).
+    ds = C.select_masked(ok, ds)
   dconsts = ()
   if sm_vjp is not None:
-    ds, dconsts = sm_vjp(ds)
+    ds, dconsts = sm_vjp(ds)  # at finite masked scores (`C.masked_scores_for_mod`)
   return pd, ds, tuple(dconsts)
 
 

@@ -77,9 +77,13 @@ def _tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, maske
     keep = C.dropout_scale(cfg, g, seed_ref, t, acc, transposed=transposed)
     pd, dp = p * keep, dp * keep
   ds = p * (dp - delta[row])
+  if ok is not None:
+    # A masked entry contributes exactly nothing: select, not p * (...) = 0 * (dp - delta),
+    # which is NaN where a masked V row overflows dp (finfo.max padding; `C.select_masked`).
+    ds = C.select_masked(ok, ds)
   dconsts = ()
   if sm_vjp is not None:
-    ds, dconsts = sm_vjp(ds)
+    ds, dconsts = sm_vjp(ds)  # at finite masked scores (`C.masked_scores_for_mod`)
   return pd, ds, tuple(dconsts)
 
 
@@ -434,8 +438,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
                  dtype=q.dtype)
   masked = C.needs_mask(cfg, g, has_seg, has_mask)
   delta_p, lse_p = _preprocess(out, lse, dout, dlse, g, acc)
-  qp, dop = C.pad_seq_head(q, g.Sqp, g.Dp), C.pad_seq_head(dout, g.Sqp, g.Dvp)
-  kp, vp = C.pad_seq_head(k, g.Skvp, g.Dp), C.pad_seq_head(v, g.Skvp, g.Dvp)
+  qp, dop = C.pad_operand(cfg, q, g.Sqp, g.Dp), C.pad_operand(cfg, dout, g.Sqp, g.Dvp)
+  kp, vp = C.pad_operand(cfg, k, g.Skvp, g.Dp), C.pad_operand(cfg, v, g.Skvp, g.Dvp)
   bias_p, mask_b = C.pad_pair(bias, g), C.pad_pair(mask, g)
   mask_p = None if mask_b is None else mask_b.astype(jnp.int8)
   q_seg_p, kv_seg_p = C.pad_segments(q_seg, kv_seg, g)
@@ -456,7 +460,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
                  dtype=q.dtype)
   masked = C.needs_mask(cfg, g, has_seg, has_mask)
   delta_p, lse_p = _preprocess(out, lse, dout, dlse, g, acc)
-  dop = C.pad_seq_head(dout, g.Sqp, g.Dvp)
+  dop = C.pad_operand(cfg, dout, g.Sqp, g.Dvp)
   dq, dres = _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop, lse_p,
                  delta_p, masked, acc, n_diff, mod, msplit)
   dq = dq[:, :, : g.Sq, : g.D].astype(q.dtype)

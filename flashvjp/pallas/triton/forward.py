@@ -47,9 +47,9 @@ def kernel_inputs(cfg: AttentionConfig, g: C.Geometry, q, k, v, bias, mask, q_se
   """
   G = g.G
   ins = C.KernelInputs()
-  qp = C.pad_seq_head(q, g.Sqp, g.Dp)
-  kp = C.pad_seq_head(k, g.Skvp, g.Dp)
-  vp = C.pad_seq_head(v, g.Skvp, g.Dvp)
+  qp = C.pad_operand(cfg, q, g.Sqp, g.Dp)
+  kp = C.pad_operand(cfg, k, g.Skvp, g.Dp)
+  vp = C.pad_operand(cfg, v, g.Skvp, g.Dvp)
   ins.add("q", qp, _compat.block_spec((None, None, g.bq, g.Dp), lambda b, h, i: (b, h, i, 0)))
   ins.add("k", kp, _compat.block_spec((None, None, g.Skvp, g.Dp),
                                       lambda b, h, i: (b, h // G, 0, 0)))

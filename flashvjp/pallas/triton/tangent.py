@@ -183,12 +183,12 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   G = g.G
   q_spec = _compat.block_spec((None, None, g.bq, g.Dp), lambda b, h, i: (b, h, i, 0))
   if tq is not None:
-    ins.add("tq", C.pad_seq_head(tq, g.Sqp, g.Dp), q_spec)
+    ins.add("tq", C.pad_operand(cfg, tq, g.Sqp, g.Dp), q_spec)
   if tk is not None:
-    ins.add("tk", C.pad_seq_head(tk, g.Skvp, g.Dp), _compat.block_spec(
+    ins.add("tk", C.pad_operand(cfg, tk, g.Skvp, g.Dp), _compat.block_spec(
         (None, None, g.Skvp, g.Dp), lambda b, h, i: (b, h // G, 0, 0)))
   if tv is not None:
-    ins.add("tv", C.pad_seq_head(tv, g.Skvp, g.Dvp), _compat.block_spec(
+    ins.add("tv", C.pad_operand(cfg, tv, g.Skvp, g.Dvp), _compat.block_spec(
         (None, None, g.Skvp, g.Dvp), lambda b, h, i: (b, h // G, 0, 0)))
   if tbias is not None:
     tb = C.pad_pair(tbias, g)
