@@ -113,6 +113,21 @@ def test_nan_never_passes():
   assert r.to_dict()["quantities"][0]["error"] == "inf"
 
 
+def test_a_gradient_zero_in_exact_arithmetic_is_judged_at_the_problem_scale():
+  """One key: softmax is constant, so dq and dk are exactly 0 in float64 and rounding
+  noise (~1e-7) in float32; found by the strategies. That noise passes, a 1% error in the
+  same quantity does not."""
+  ks = jax.random.split(jax.random.key(3), 3)
+  qkv = dict(query=jax.random.normal(ks[0], (1, 2, 1, 8)),
+             key=jax.random.normal(ks[1], (1, 1, 1, 8)),
+             value=jax.random.normal(ks[2], (1, 1, 1, 8)))
+  r = testing.check(**qkv, implementation="blockwise")
+  assert r.passed, str(r)
+  assert r["dq"].scale < 1e-12  # the reference really is zero there
+  bad = testing.check(dk_off_by_one_percent, **_qkv(), implementation="blockwise")
+  assert bad.failed == ("dk",)
+
+
 def _dscale_errors(impl, shape, seeds, block=None):
   """Relative error of d scale (bfloat16 inputs, a traced scale, weights on out and lse)."""
   B_, H_, Hk, Sq, Skv, D_ = shape

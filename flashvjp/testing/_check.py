@@ -19,7 +19,7 @@ import numpy as np
 from flashvjp import _check as _tables
 from flashvjp import _mask_mod
 from flashvjp import _score_mod
-from flashvjp.testing._compare import Report, compare
+from flashvjp.testing._compare import SCALE_FLOOR, Report, compare
 
 LAYOUTS = ("BHSD", "BSHD")
 # Arguments of the function under test that only choose how it runs: not given to the reference.
@@ -256,10 +256,13 @@ def check(fn: Optional[Callable] = None, *, query, key, value, layout: str = "BH
     raise ValueError(f"tolerance names unknown quantities {unknown}; this check compares"
                      f" {all_names}")
   tol = lambda n: float(overrides.get(n, base))
+  main = [ref_out] + [r for n, r in zip(names, ref_grads) if n in ("dq", "dk", "dv")]
+  floor = SCALE_FLOOR * max((float(np.abs(r[np.isfinite(r)]).max(initial=0.0)) for r in main),
+                            default=0.0)
   quantities = [compare("out", got_out, ref_out, tol("out"))]
   if with_lse:
     quantities.append(compare("lse", got_lse, ref_lse, tol("lse")))
-  grads = {n: compare(n, g, r, tol(n)) for n, g, r in zip(names, got_grads, ref_grads)}
+  grads = {n: compare(n, g, r, tol(n), floor) for n, g, r in zip(names, got_grads, ref_grads)}
   quantities += [grads[n] for n in _names_in_order(diff)]
   title = (f"flashvjp.testing.check of {getattr(fn, '__name__', type(fn).__name__)}"
            f" ({dtype.name}, {layout} {tuple(query.shape)}) vs float64 naive attention")

@@ -10,7 +10,12 @@ that is `numpy.testing.assert_allclose(got, ref, rtol=tol, atol=tol * max |ref|)
 tolerance is relative to the scale of the whole tensor (attention gradients have many
 entries near zero, where elementwise relative error means nothing). The reported error
 is the left side divided by ``max |ref| + |ref_i|``, its maximum over the entries, so
-that a quantity passes exactly when ``error <= tolerance``. NaN never passes; an inf
+that a quantity passes exactly when ``error <= tolerance``. `check` floors ``max |ref|`` at
+``SCALE_FLOOR`` (10%) of the problem's scale (the largest of max |ref| over out, dq, dk and
+dv): a gradient that is exactly zero in exact arithmetic (one key: softmax is constant)
+is rounding noise in float32, and is judged against the scale of the problem it came from
+rather than against zero (below that floor the rounding of the problem's own magnitudes is
+what would be measured). A 1% error, a wrong row or a missing gradient still fails. NaN never passes; an inf
 must sit where the reference has the same inf (an empty row's lse = -inf).
 """
 from __future__ import annotations
@@ -29,7 +34,7 @@ class Quantity:
     misplaced inf); passes when ``error <= tolerance``.
   worst_index: the entry where that maximum is reached (() for a scalar).
   got, ref: the values there (float64).
-  scale: max |ref| over the reference's finite entries.
+  scale: max |ref| over the reference's finite entries (before any floor).
   """
 
   name: str
@@ -47,8 +52,15 @@ class Quantity:
     return bool(self.error <= self.tolerance)
 
 
-def compare(name: str, got, ref, tolerance: float) -> Quantity:
-  """Compare one array with its float64 reference (shapes must match)."""
+SCALE_FLOOR = 0.1
+
+
+def compare(name: str, got, ref, tolerance: float, floor: float = 0.0) -> Quantity:
+  """Compare one array with its float64 reference (shapes must match).
+
+  floor: a lower bound on the scale ``max |ref|`` the error is relative to (see the module
+  docstring; 0 by default).
+  """
   g = np.asarray(got, np.float64)
   r = np.asarray(ref, np.float64)
   if g.shape != r.shape:
@@ -67,7 +79,7 @@ def compare(name: str, got, ref, tolerance: float) -> Quantity:
   if not fin.any():
     return Quantity(name, 0.0, tolerance, (), float("nan"), float("nan"), 0.0, tuple(r.shape))
   diff = np.where(fin, np.abs(g - r), 0.0)
-  err = diff / (max(scale, 1e-30) + np.where(fin, np.abs(r), 0.0))
+  err = diff / (max(scale, floor, 1e-30) + np.where(fin, np.abs(r), 0.0))
   flat = int(np.argmax(err))
   idx = tuple(int(i) for i in np.unravel_index(flat, r.shape)) if r.ndim else ()
   return Quantity(name, float(err.reshape(-1)[flat]), tolerance, idx, float(g[idx]),
