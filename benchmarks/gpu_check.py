@@ -46,7 +46,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import os
 import platform
 import subprocess
@@ -54,7 +53,7 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Callable, List, Optional
+from typing import Callable, List
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +69,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS_DIR = os.path.join(HERE, "results")
 SMOKE_RESULTS_DIR = os.path.join(ROOT, "build", "gpu_check_smoke")  # git-ignored
-BACKEND = "pallas_triton"  # the Pallas family under test (a name in flashvjp._dispatch.CONCRETE)
+BACKEND = "pallas_triton"  # the Pallas family under test
+if BACKEND not in _dispatch.CONCRETE:  # renamed backends: fail at once, not on a lent GPU
+  raise ImportError(f"gpu_check: backend {BACKEND!r} is not in flashvjp._dispatch.CONCRETE "
+                    f"{_dispatch.CONCRETE}")
 IMPLS = ("flashvjp", "cudnn", "xla", "jax_pallas_mha")
 MODES = ("fwd", "fwd+bwd", "jvp")
 JVP_IMPLS = ("flashvjp", "xla")  # cuDNN and JAX's mha are custom_vjp: no forward mode
@@ -271,6 +273,7 @@ def plan_timing(plan: Plan, smoke, mem_bytes):
 # -- part 3: sweep
 
 SWEEP_KIND = "16bit"  # bfloat16: the headline dtype
+SWEEP_NOISE = 0.03  # a variant replaces the table's entry only when > 3% faster
 SWEEP_ROLES = (("fwd", "fwd"), ("dkdv", "fwd+bwd"), ("dq", "fwd+bwd"))  # (role, timed mode)
 
 
@@ -511,8 +514,7 @@ def check_case(dims, kw, precision, smoke):
   with jax.default_matmul_precision(precision or "default"):
     res = f(q, k, v, diff, tq, tk, tv, tdiff)
     res2 = f(q, k, v, diff, tq, tk, tv, tdiff)
-    tol = _check.tolerance(dtype, BACKEND, precision=precision or "default",
-                           platform="gpu" if not smoke else None)
+    tol = _check.tolerance(dtype, BACKEND, precision=precision or "default")
   deterministic = all(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
                       for a, b in zip(jax.tree_util.tree_leaves(res),
                                       jax.tree_util.tree_leaves(res2)))
@@ -699,6 +701,8 @@ def best_launch_table(run: Run) -> dict:
     if table is None:
       continue  # no same-run baseline: nothing to compare with
     best = min(rs, key=lambda r: r["ms"])
+    if table["ms"] / best["ms"] < 1.0 + SWEEP_NOISE:
+      best = table  # within the noise of the same run's samples: keep the table's entry
     entries.append(dict(head_dim=hd, kind=kind, role=role, **best["launch"], ms=best["ms"],
                         table_ms=table["ms"], speedup=round(table["ms"] / best["ms"], 3),
                         candidates=len(rs), timed_mode=best["mode"], shape=best["shape"]))

@@ -104,3 +104,16 @@ def test_best_launch_table_picks_the_fastest_against_the_table():
                                        dict(base, launch=launch(64), is_table=False, ms=1.0)])
   (e,) = G.best_launch_table(run)["entries"]
   assert (e["block_q"], e["speedup"], e["candidates"]) == (64, 2.0, 2)
+
+
+def test_best_launch_table_keeps_the_table_within_noise():
+  run = G.Run.__new__(G.Run)
+  run.smoke = False
+  launch = lambda bq: dataclasses.asdict(_config.Launch(bq, 64, 8, 2))
+  base = dict(part="sweep", status="timed", head_dim=64, kind="16bit", role="dq", mode="fwd+bwd",
+              shape={})
+  run.data = dict(machine=dict(device_kind="X", jax="j", jaxlib="l", triton=None),
+                  started="now", rows=[dict(base, launch=launch(128), is_table=True, ms=2.0),
+                                       dict(base, launch=launch(64), is_table=False, ms=1.99)])
+  (e,) = G.best_launch_table(run)["entries"]
+  assert (e["block_q"], e["speedup"]) == (128, 1.0)
