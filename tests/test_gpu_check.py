@@ -117,3 +117,18 @@ def test_best_launch_table_keeps_the_table_within_noise():
                                        dict(base, launch=launch(64), is_table=False, ms=1.99)])
   (e,) = G.best_launch_table(run)["entries"]
   assert (e["block_q"], e["speedup"]) == (128, 1.0)
+
+
+def test_correctness_row_passes_and_fails_on_its_tolerance(monkeypatch):
+  """One smoke row end to end (interpret mode): PASS at the library's tolerance, FAIL when
+  the tolerance is tighter than the error (the row judges, it does not just run)."""
+  plan = G.build_plan(True, G.ASSUMED_GPU[1], skip=("timing", "sweep"))
+  row = next(r for r in plan.rows if r.key == "correctness plain f32 (precision default)")
+  run = G.Run.__new__(G.Run)
+  run.smoke = True
+  res = row.fn(run, row)
+  assert res["status"] == "PASS", res
+  assert res["tol"] == G._check.tolerance("float32", G.BACKEND, precision="default")
+  assert set(res["errors"]) >= {"out", "lse", "dq", "dk", "dv", "jvp out", "jvp lse"}
+  monkeypatch.setattr(G._check, "tolerance", lambda *a, **k: 1e-9)
+  assert row.fn(run, row)["status"] == "FAIL"
