@@ -1,27 +1,44 @@
-"""GPU check of flashvjp's Pallas kernels: correctness through the real Triton lowering, then timing.
+"""GPU check of flashvjp's Pallas-Triton kernels: correctness, headline timings, block-size sweep.
 
-Run on a GPU machine (jax with CUDA; chex; no package registry needed)::
+Run on a GPU machine (jax with CUDA, chex, numpy; no other package, no registry needed)::
 
-    PYTHONPATH=. python3 benchmarks/gpu_check.py          # or: bash benchmarks/gpu_check.sh
+    bash benchmarks/gpu_check.sh                   # this script, then the sm_90a compile check
+    PYTHONPATH=. python3 benchmarks/gpu_check.py   # this script alone
+    python benchmarks/gpu_check.py --dry-run       # the plan and its time estimate; runs nothing
 
-1. Correctness: every feature, forward + lse + gradients of the compiled Pallas
-   kernels (interpret=False) against naive attention in float64 on the host CPU,
-   with the library's tolerance table (flashvjp._check.TOL); bitwise determinism;
-   and the dispatcher's refusal of a score_mod that cannot lower (a relative-position
-   table indexed by kv - q is a gather).
-2. Timing (bfloat16, head_dim 64 and 128, seq 1k..16k, causal and not, batch*heads
-   sized to fill the GPU): forward and forward+backward for flashvjp pallas,
-   jax.nn.dot_product_attention(implementation="cudnn") and ("xla"), and
-   jax.experimental.pallas.ops.gpu.attention.mha. TFLOP/s and ratio to cuDNN.
-3. A small block-size sweep of the flashvjp kernels at one shape (tuning data).
+The parts, in order of value (each row is recorded as it finishes, so a run that is stopped
+still leaves its results):
 
-Everything is written incrementally to benchmarks/results/gpu_check.json and
-gpu_check.md, so a run that is stopped still leaves its results. Each entry is
-guarded: a failing baseline records its error instead of ending the run. The whole
-run keeps to a time budget (--budget-s, default 450 s) and records what it skipped.
+1. Correctness: every feature through the compiled Triton kernels (interpret=False) on
+   bfloat16, float16 and float32: out, lse, every gradient (value_and_grad) and the jvp
+   tangents of out and lse, against naive attention in float64 on the host CPU, plus bitwise
+   determinism. float32 rows run at each distinct float32 matmul precision (the default,
+   TF32 on the GPU, and jax.default_matmul_precision("highest")), judged at
+   flashvjp._check.tolerance(dtype, "pallas_triton", precision) for the precision in effect.
+   The dispatcher's refusals of what cannot lower (a gather in a score_mod / mask_mod) are
+   checked without running a kernel.
+2. Headline timings, bfloat16, head_dim 128 and 64, causal and not, seq 1k-16k (32k where
+   memory allows): forward, forward+backward and jvp of flashvjp against
+   jax.nn.dot_product_attention(implementation="cudnn"), its "xla" path and JAX's Pallas
+   `mha`, in TFLOP/s (FlashAttention convention; jvp = 3x forward) with ratios measured in
+   the same run. cuDNN and `mha` are custom_vjp functions without forward mode: their jvp is
+   not planned (recorded as skipped).
+3. Block-size sweep of the launch table (flashvjp._config.LAUNCH_TABLE) for bfloat16 at head
+   dims 128 and 64, per kernel role (fwd timed by the forward, dkdv / dq by forward+backward,
+   the other roles at the table's values): the fastest entry per role is written as a launch
+   table file (<out>_launch_table.json, with the machine it came from) that
+   flashvjp._config.load_launch_table reads.
+4. (gpu_check.sh, after this script) the sm_90a compile check with the GPU image's Triton,
+   compared with the CI's pip-Triton figures (benchmarks/results/triton_sm90.json).
 
-`--cpu-smoke` runs the same code paths on CPU in interpret mode with tiny shapes
-(to check the script itself without a GPU).
+The run keeps to --budget-s: part 1 must end by 35% of it, part 2 by 80%, part 3 by 100%
+(time a part leaves unused goes to the next). A row starts only if its estimated seconds fit
+before its part's deadline; what was skipped, and why, is recorded. Estimates are a model
+(compile + run at assumed rates) unless a previous GPU run's results file holds the row's
+measured seconds (--estimates).
+
+`--cpu-smoke` runs every part on CPU in interpret mode with tiny shapes (CI runs it: any row
+that errors or fails fails CI). Exit status: 1 when any row is FAIL or ERROR, else 0.
 """
 from __future__ import annotations
 
@@ -31,72 +48,91 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 import traceback
+import warnings
+from typing import Callable, List
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import flashvjp
+from flashvjp import _api
+from flashvjp import _check
+from flashvjp import _config
+from flashvjp import _dispatch
 
-import flashvjp  # noqa: E402
-from flashvjp import _check  # noqa: E402
-from flashvjp import _config  # noqa: E402
-from flashvjp import _dropout  # noqa: E402
-from flashvjp import _score_mod  # noqa: E402
-from flashvjp import _vjp  # noqa: E402
-
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-class Run:
-  """Results so far, the time budget, and incremental JSON + markdown output."""
-
-  def __init__(self, budget_s, smoke, out_prefix):
-    self.t0 = time.perf_counter()
-    self.budget_s = budget_s
-    self.smoke = smoke
-    self.prefix = out_prefix
-    self.data = dict(
-        started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        jax=jax.__version__, python=platform.python_version(),
-        devices=[str(d) for d in jax.devices()],
-        device_kind=jax.devices()[0].device_kind, backend=jax.default_backend(),
-        smoke=smoke, correctness=[], benchmarks=[], sweep=[], skipped=[])
-
-  def elapsed(self):
-    return time.perf_counter() - self.t0
-
-  def left(self):
-    return self.budget_s - self.elapsed()
-
-  def save(self):
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    self.data["elapsed_s"] = round(self.elapsed(), 1)
-    with open(os.path.join(RESULTS_DIR, self.prefix + ".json"), "w") as f:
-      json.dump(self.data, f, indent=1, default=str)
-    with open(os.path.join(RESULTS_DIR, self.prefix + ".md"), "w") as f:
-      f.write(markdown(self.data))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS_DIR = os.path.join(HERE, "results")
+SMOKE_RESULTS_DIR = os.path.join(ROOT, "build", "gpu_check_smoke")  # git-ignored
+BACKEND = "pallas_triton"  # the Pallas family under test
+if BACKEND not in _dispatch.CONCRETE:  # renamed backends: fail at once, not on a lent GPU
+  raise ImportError(f"gpu_check: backend {BACKEND!r} is not in flashvjp._dispatch.CONCRETE "
+                    f"{_dispatch.CONCRETE}")
+IMPLS = ("flashvjp", "cudnn", "xla", "jax_pallas_mha")
+MODES = ("fwd", "fwd+bwd", "jvp")
+JVP_IMPLS = ("flashvjp", "xla")  # cuDNN and JAX's mha are custom_vjp: no forward mode
+PART_DEADLINES = {"correctness": 0.35, "timing": 0.80, "sweep": 1.00}  # share of the budget
+DEFAULT_BUDGET_S = 360.0  # gpu_check.sh gives the compile check the rest of 480 s
+TOTAL_S = 480  # gpu_check.sh: this script + the compile check (about 8 minutes)
+ASSUMED_GPU = ("NVIDIA H200 (assumed: no GPU here)", 141e9)  # device, memory bytes (dry run)
+JVP_FLOP_FACTOR = 3.0  # forward (2 matmuls) + tangent (dQ K^T + Q dK^T, dP V + P dV)
 
 
 def _err(e: BaseException) -> str:
-  return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+  msg = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
 
 
-# ---- correctness ---------------------------------------------------------------------
+def precisions():
+  """The distinct float32 matmul precisions to check: [(name, canonical)], default first.
 
-def _inputs(seed, B, H, Hkv, Sq, Skv, D, Dv, dtype):
-  ks = jax.random.split(jax.random.key(seed), 5)
-  q = jax.random.normal(ks[0], (B, H, Sq, D), jnp.float32).astype(dtype)
-  k = jax.random.normal(ks[1], (B, Hkv, Skv, D), jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[2], (B, Hkv, Skv, Dv), jnp.float32).astype(dtype)
-  w_out = jax.random.normal(ks[3], (B, H, Sq, Dv), jnp.float32)
-  w_lse = jax.random.normal(ks[4], (B, H, Sq), jnp.float32)
-  return q, k, v, w_out, w_lse
+  A name that flashvjp maps to an already listed canonical precision is not repeated, so a
+  precision policy with more levels (e.g. "high" as its own) adds rows by itself.
+  """
+  out, seen = [], set()
+  for name in ("default", "high", "highest"):
+    try:
+      canon = _config.canonical_precision(name)
+    except ValueError:
+      continue
+    if canon not in seen:
+      seen.add(canon)
+      out.append((name, canon))
+  return out
 
+
+def flops(B, H, S, D, causal, mode):
+  f = 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
+  return {"fwd": f, "fwd+bwd": 3.5 * f, "jvp": JVP_FLOP_FACTOR * f}[mode]
+
+
+# ---- the plan -----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Row:
+  part: str  # a key of PART_DEADLINES
+  key: str  # unique within the run; the results' name of the row
+  shape: str  # what runs, for the plan
+  est_s: float  # estimated wall seconds
+  fn: Callable[["Run", "Row"], dict]  # runs it; returns the result fields (status included)
+  args: dict = dataclasses.field(default_factory=dict)
+
+
+class Plan:
+  def __init__(self):
+    self.rows: List[Row] = []
+    self.not_planned: List[str] = []  # "key: why" for rows left out before any run
+
+
+# -- part 1: correctness
 
 def correctness_cases(smoke):
+  """[(name, dims, kwargs, precision name or None)] in priority order (budget cuts the end)."""
   S = 40 if smoke else 300  # not a multiple of the blocks: padding is exercised
   S2 = 33 if smoke else 257
   rng = np.random.default_rng(0)
@@ -106,163 +142,458 @@ def correctness_cases(smoke):
   seg_kv = np.repeat(np.arange(S2)[None] * 3 // S2, 2, 0).astype(np.int32)
   bias = lambda shape: 0.5 * jax.random.normal(jax.random.key(9), shape, jnp.float32)
   drop = dict(dropout_rate=0.2, dropout_rng=jax.random.key(3), deterministic=False)
-  base = dict(B=2, H=4, Hkv=2, Sq=S, Skv=S2, D=64, Dv=64, dtype=jnp.bfloat16)
-  c = [
+  prefix = jnp.asarray([S // 3, S // 2], jnp.int32)
+  base = dict(B=2, H=4, Hkv=2, Sq=S, Skv=S2, D=64, Dv=64, dtype="bfloat16")
+  f32 = dict(dtype="float32")
+  combo = dict(causal=True, segment_ids=(jnp.asarray(seg_q), jnp.asarray(seg_kv)),
+               mask=jnp.asarray(mask), bias=bias((1, 4, S, S2)), score_mod=flashvjp.softcap(5.0))
+  c = [  # every feature once first, then more dtypes / head dims / layouts
       ("plain bf16", {}, {}),
-      ("plain f16", dict(dtype=jnp.float16), {}),
-      ("plain f32", dict(dtype=jnp.float32), {}),
+      ("plain f32", f32, {}),
       ("causal", {}, dict(causal=True)),
-      ("causal f32 square", dict(dtype=jnp.float32, Skv=S), dict(causal=True)),
-      ("window(48,16)", {}, dict(window=(48, 16))),
-      ("head_dim 96/40 (padded)", dict(D=96, Dv=40), dict(causal=True)),
+      ("causal f32 square", dict(f32, Skv=S), dict(causal=True)),
       ("head_dim 128", dict(D=128, Dv=128), {}),
+      ("window(48,16)", {}, dict(window=(48, 16))),
+      ("segment_ids", {}, dict(segment_ids=(jnp.asarray(seg_q), jnp.asarray(seg_kv)))),
+      ("mask dense + empty row", {}, dict(mask=jnp.asarray(mask))),
+      ("bias full (grad)", {}, dict(bias=bias((2, 4, S, S2)))),
+      ("softcap score_mod", {}, dict(score_mod=flashvjp.softcap(5.0))),
+      ("alibi score_mod (slopes[h] per head)", {},
+       dict(causal=True, score_mod=flashvjp.alibi(flashvjp.alibi_slopes(4)))),
+      ("mask_mod prefix_lm", dict(Skv=S), dict(mask_mod=flashvjp.prefix_lm(prefix))),
+      ("sinks (grad)", {}, dict(causal=True, sinks=jnp.linspace(-1.0, 2.0, 4))),
+      ("dropout", {}, drop),
+      ("combo", {}, dict(combo, **drop)),
+      ("plain f16", dict(dtype="float16"), {}),
+      ("head_dim 96/40 (padded)", dict(D=96, Dv=40), dict(causal=True)),
       ("head_dim 256", dict(D=256, Dv=256), dict(causal=True)),
       ("mqa", dict(Hkv=1), dict(causal=True)),
       ("mha", dict(Hkv=4), {}),
-      ("segment_ids", {}, dict(segment_ids=(jnp.asarray(seg_q), jnp.asarray(seg_kv)))),
-      ("mask dense + empty row", {}, dict(mask=jnp.asarray(mask))),
       ("mask key padding", {}, dict(mask=jnp.asarray(mask[:, :, :1]))),
-      ("bias full (grad)", {}, dict(bias=bias((2, 4, S, S2)))),
       ("bias [1,H,1,Skv] (grad)", {}, dict(bias=bias((1, 4, 1, S2)))),
-      ("softcap score_mod", {}, dict(score_mod=flashvjp.softcap(5.0))),
-      ("alibi score_mod (slopes[h] per head)", {}, dict(causal=True,
-                                                       score_mod=flashvjp.alibi(flashvjp.alibi_slopes(4)))),
-      ("dropout", {}, drop),
-      ("combo", {}, dict(causal=True, segment_ids=(jnp.asarray(seg_q), jnp.asarray(seg_kv)),
-                         mask=jnp.asarray(mask), bias=bias((1, 4, S, S2)),
-                         score_mod=flashvjp.softcap(5.0), **drop)),
+      ("head_dim 128 f32 causal", dict(f32, D=128, Dv=128), dict(causal=True)),
+      ("combo f32", f32, combo),
   ]
-  return [(name, {**base, **shape}, kw) for name, shape, kw in c]
+  out = []
+  for name, shape, kw in c:
+    dims = {**base, **shape}
+    if dims["dtype"] == "float32":
+      for pname, _ in precisions():
+        out.append((f"{name} (precision {pname})", dims, kw, pname))
+    else:
+      out.append((name, dims, kw, None))
+  return out
 
 
-def _loss_fn(impl, kw, interpret, w_out, w_lse):
-  kw = dict(kw)
-  has_bias = "bias" in kw
-  bias0 = kw.pop("bias", None)
-
-  def loss(q, k, v, bias):
-    args = dict(kw)
-    if has_bias:
-      args["bias"] = bias
-    if impl == "pallas":
-      args.update(interpret=interpret)
-    out, lse = flashvjp.flash_attention(q, k, v, implementation=impl, return_lse=True, **args)
-    total = jnp.sum(out.astype(jnp.float64) * w_out) + jnp.sum(
-        jnp.where(jnp.isfinite(lse), lse, 0.0).astype(jnp.float64) * w_lse)
-    return total, (out, lse)
-
-  return loss, bias0
+def _est_correctness(smoke, dims):
+  if smoke:  # interpret mode: tracing + CPU compile dominate
+    return 4.0 if dims["D"] <= 128 else 6.0
+  return 5.0 if dims["D"] <= 128 else 7.0  # Triton compile of 4 kernels + host reference
 
 
-def check_case(name, dims, kw, smoke):
-  """(errors dict, tol, passed, deterministic) of one feature case."""
-  dtype = dims["dtype"]
-  q, k, v, w_out, w_lse = _inputs(0, dims["B"], dims["H"], dims["Hkv"], dims["Sq"], dims["Skv"],
-                                  dims["D"], dims["Dv"], dtype)
-  loss, bias = _loss_fn("pallas", kw, smoke, w_out, w_lse)
-  argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
-  f = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))
-  (_, (out, lse)), grads = f(q, k, v, bias)
-  (_, (out2, lse2)), grads2 = f(q, k, v, bias)
-  leaves1 = jax.tree_util.tree_leaves((out, lse, grads))
-  leaves2 = jax.tree_util.tree_leaves((out2, lse2, grads2))
-  deterministic = all(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
-                      for a, b in zip(leaves1, leaves2))
-
-  cpu = jax.devices("cpu")[0]
-  to64 = lambda x: None if x is None else jax.device_put(jnp.asarray(x, jnp.float64), cpu)
-  kw_cpu = jax.tree_util.tree_map(
-      lambda x: jax.device_put(x, cpu) if isinstance(x, jax.Array) else x, kw)
-  loss_ref, _ = _loss_fn("naive", kw_cpu, False, to64(w_out), to64(w_lse))
-  with jax.default_device(cpu):
-    (_, (out_r, lse_r)), grads_r = jax.jit(jax.value_and_grad(loss_ref, argnums=argnums,
-                                                              has_aux=True))(
-        to64(q), to64(k), to64(v), to64(bias))
-  names = ["out", "lse", "dq", "dk", "dv"] + (["dbias"] if bias is not None else [])
-  got = [out, lse] + list(grads)
-  ref = [out_r, lse_r] + list(grads_r)
-  errors = {n: _check.max_rel_err(jax.device_get(g), jax.device_get(r))
-            for n, g, r in zip(names, got, ref)}
-  tol = _check.TOL[jnp.dtype(dtype)]
-  return errors, tol, all(e <= tol for e in errors.values()), deterministic
+def plan_correctness(plan: Plan, smoke):
+  for name in ("refusal: relative_position_bias score_mod (gather)",
+               "refusal: document_causal mask_mod (gather)"):
+    plan.rows.append(Row("correctness", f"correctness {name}", "explain() only, no kernel",
+                         0.5, run_refusal_row, dict(name=name)))
+  for name, dims, kw, pname in correctness_cases(smoke):
+    shape = (f"B{dims['B']} H{dims['H']}/{dims['Hkv']} S{dims['Sq']}x{dims['Skv']} "
+             f"D{dims['D']}/{dims['Dv']} {dims['dtype']}"
+             + (f" @{pname}" if pname else "") + " grad+jvp")
+    plan.rows.append(Row("correctness", f"correctness {name}", shape,
+                         _est_correctness(smoke, dims), run_correctness_row,
+                         dict(name=name, dims=dims, kw=kw, precision=pname)))
 
 
-def run_correctness(run: Run):
-  for name, dims, kw in correctness_cases(run.smoke):
-    if run.left() < 0.45 * run.budget_s:
-      run.data["skipped"].append(f"correctness {name}: time budget")
+# -- part 2: timing
+
+# Priority tiers of (seqs, head dims, modes): the budget cuts from the end.
+TIERS = [
+    ((4096, 16384), (128,), ("fwd+bwd", "fwd", "jvp")),
+    ((1024,), (128,), ("fwd+bwd", "fwd", "jvp")),
+    ((4096, 16384, 1024), (64,), ("fwd+bwd", "fwd", "jvp")),
+    ((2048, 8192), (128, 64), ("fwd+bwd", "fwd", "jvp")),
+    ((32768,), (128, 64), ("fwd+bwd", "fwd", "jvp")),
+]
+SMOKE_TIERS = [((64,), (64,), MODES)]
+TOKENS = 16384  # batch * seq (batch >= 1); heads * head_dim = 2048
+# Model of one timing row on an H200 (bf16): compile seconds and TFLOP/s. Guesses until a GPU
+# run records measured seconds (then --estimates uses those).
+_COMPILE_S = {"flashvjp": (2.5, 5.0, 4.0), "cudnn": (1.5, 3.0, 0.0), "xla": (1.5, 3.0, 3.0),
+              "jax_pallas_mha": (2.5, 5.0, 0.0)}
+_TFLOPS = {"flashvjp": 250.0, "cudnn": 400.0, "xla": 80.0, "jax_pallas_mha": 200.0}
+SAMPLES = 5
+SAMPLE_S = 0.05  # each sample queues calls for about this long
+
+
+def timing_dims(S, D, smoke):
+  return (max(1, (256 if smoke else TOKENS) // S), 2 if smoke else 2048 // D)
+
+
+def _mem_bytes(impl, B, H, S, D, mode):
+  """Rough peak device bytes of one timing row (inputs, outputs, gradients, temps)."""
+  act = B * H * S * D * 2  # one bfloat16 [B, H, S, D] tensor
+  total = 12 * act
+  if impl == "xla":  # materialised [B, H, S, S] scores and probabilities
+    total += B * H * S * S * {"fwd": 6, "fwd+bwd": 16, "jvp": 12}[mode]
+  return total
+
+
+def plan_timing(plan: Plan, smoke, mem_bytes):
+  impls = [i for i in IMPLS if not (smoke and i == "cudnn")]
+  if smoke:
+    plan.not_planned.append("timing cudnn: cuDNN runs on NVIDIA GPUs only")
+  plan.not_planned.append(
+      f"timing {', '.join(i for i in impls if i not in JVP_IMPLS)} jvp, every shape: custom_vjp "
+      "functions (no forward mode)")
+  for seqs, dims, modes in (SMOKE_TIERS if smoke else TIERS):
+    for S in seqs:
+      for D in dims:
+        B, H = timing_dims(S, D, smoke)
+        for causal in (True, False):
+          for mode in modes:
+            for impl in impls:
+              key = f"timing {impl} S={S} D={D} causal={causal} {mode}"
+              if mode == "jvp" and impl not in JVP_IMPLS:
+                continue  # (one not_planned line below)
+              need = _mem_bytes(impl, B, H, S, D, mode)
+              if need > 0.5 * mem_bytes:
+                plan.not_planned.append(
+                    f"{key}: needs ~{need / 1e9:.0f} GB, over half the device's "
+                    f"{mem_bytes / 1e9:.0f} GB")
+                continue
+              i = MODES.index(mode)
+              est = (0.5 if smoke else _COMPILE_S[impl][i]) + (SAMPLES + 2) * SAMPLE_S \
+                  + (0.0 if smoke else flops(B, H, S, D, causal, mode) / (_TFLOPS[impl] * 1e12))
+              plan.rows.append(Row("timing", key, f"B{B} H{H} S{S} D{D} bf16", round(est, 2),
+                                   run_timing_row, dict(impl=impl, B=B, H=H, S=S, D=D,
+                                                        causal=causal, mode=mode)))
+
+
+# -- part 3: sweep
+
+SWEEP_KIND = "16bit"  # bfloat16: the headline dtype
+SWEEP_NOISE = 0.03  # a variant replaces the table's entry only when > 3% faster
+SWEEP_ROLES = (("fwd", "fwd"), ("dkdv", "fwd+bwd"), ("dq", "fwd+bwd"))  # (role, timed mode)
+
+
+def sweep_candidates(default: _config.Launch, smoke) -> list:
+  """The table's launch first (the same run's baseline), then variants of it."""
+  d = default
+  cands = [d, dataclasses.replace(d, num_stages=3),
+           dataclasses.replace(d, num_warps=4 if d.num_warps == 8 else 8),
+           dataclasses.replace(d, block_kv=d.block_kv * 2)]
+  out = []
+  for c in cands:
+    if c not in out:
+      out.append(c)
+  return out[:2] if smoke else out
+
+
+def plan_sweep(plan: Plan, smoke):
+  S, causal = (64, True) if smoke else (4096, True)
+  for hd in ((64,) if smoke else (128, 64)):
+    B, H = (1, 2) if smoke else (max(1, TOKENS // S), 2048 // hd)
+    for role, mode in SWEEP_ROLES:
+      default = _config.LAUNCH_TABLE[(hd, SWEEP_KIND, role)]
+      for i, launch in enumerate(sweep_candidates(default, smoke)):
+        desc = (f"{launch.block_q}x{launch.block_kv} w{launch.num_warps} s{launch.num_stages}"
+                + ("" if launch.transposed else " not transposed"))
+        key = f"sweep d{hd} {role} {desc}" + (" (table)" if i == 0 else "")
+        est = (0.6 if smoke else (3.0 if mode == "fwd" else 5.5)) + (SAMPLES + 2) * SAMPLE_S
+        plan.rows.append(Row("sweep", key, f"B{B} H{H} S{S} D{hd} bf16 causal {mode}",
+                             round(est, 2), run_sweep_row,
+                             dict(hd=hd, role=role, mode=mode, launch=launch, B=B, H=H, S=S,
+                                  causal=causal, is_table=i == 0)))
+  plan.rows.append(Row("sweep", "sweep launch table file (written, reloaded)",
+                       "flashvjp._config.load_launch_table", 0.1, run_table_row))
+
+
+def build_plan(smoke, mem_bytes, skip=()) -> Plan:
+  plan = Plan()
+  if "correctness" not in skip:
+    plan_correctness(plan, smoke)
+  if "timing" not in skip:
+    plan_timing(plan, smoke, mem_bytes)
+  if "sweep" not in skip:
+    plan_sweep(plan, smoke)
+  return plan
+
+
+def load_estimates(path) -> dict:
+  """{row key: measured seconds} of a previous GPU run's results file ({} if none / a smoke run)."""
+  try:
+    with open(path) as f:
+      d = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  if d.get("smoke", True):
+    return {}
+  return {r["key"]: float(r["seconds"]) for r in d.get("rows", []) if "seconds" in r}
+
+
+def fits(row: Row, elapsed: float, budget_s: float) -> bool:
+  """Whether `row` may start at `elapsed`: its estimate ends before its part's deadline.
+
+  The first row of a part that does not fit ends the part (the budget cuts from the end of
+  each part's priority order, never a stray row from the middle).
+  """
+  return elapsed + row.est_s <= PART_DEADLINES[row.part] * budget_s
+
+
+def dry_run(plan: Plan, budget_s, smoke, device, sm90_s) -> str:
+  """The plan as text: rows with estimated seconds, what the budget cuts, the total."""
+  lines = [f"plan ({'CPU smoke run' if smoke else 'GPU run'}; device {device}); "
+           f"budget {budget_s:.0f} s for gpu_check.py"]
+  t, ran, cut = 0.0, {}, []
+  for part in PART_DEADLINES:
+    rows = [r for r in plan.rows if r.part == part]
+    if not rows:
+      continue
+    lines.append(f"\n== {part}: {len(rows)} rows, must end by {PART_DEADLINES[part] * budget_s:.0f} s")
+    ended = False
+    for r in rows:
+      ok = not ended and fits(r, t, budget_s)
+      ended = not ok
+      if ok:
+        t += r.est_s
+        ran[part] = ran.get(part, 0) + 1
+      else:
+        cut.append(r.key)
+      lines.append(f"  {r.est_s:6.1f} s  {'' if ok else 'SKIP (budget) '}{r.key}  [{r.shape}]"
+                   + (f"  -> {t:.0f} s" if ok else ""))
+  lines.append("")
+  for part in PART_DEADLINES:
+    n = sum(r.part == part for r in plan.rows)
+    if n:
+      lines.append(f"{part}: {ran.get(part, 0)} of {n} rows fit")
+  lines.append(f"not planned: {len(plan.not_planned)} rows")
+  lines += [f"  - {s}" for s in plan.not_planned]
+  total = t + sm90_s
+  lines.append(f"estimated: {t:.0f} s of the {budget_s:.0f} s budget (gpu_check.py), "
+               f"{len(cut)} rows cut by the budget"
+               + ("" if smoke else f"; + sm_90a compile check (gpu_check.sh) {sm90_s:.0f} s "
+                  f"= {total:.0f} s of {TOTAL_S} s: "
+                  f"{'within' if total <= TOTAL_S else 'OVER'} the budget"))
+  return "\n".join(lines)
+
+
+# ---- the run -------------------------------------------------------------------------------
+
+def machine_info(smoke) -> dict:
+  info = dict(jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", None) or
+              _version("jaxlib"), python=platform.python_version(), backend=jax.default_backend(),
+              device_kind=jax.devices()[0].device_kind, devices=len(jax.devices()),
+              host=platform.node(), triton=_version("triton"), chex=_version("chex"))
+  if not smoke:
+    try:
+      out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                            "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+      info["nvidia_smi"] = out.stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+      info["nvidia_smi"] = _err(e)
+  return info
+
+
+def _version(pkg):
+  try:
+    from importlib import metadata
+    return metadata.version(pkg)
+  except Exception:  # not installed: record that
+    return None
+
+
+def device_memory() -> float:
+  try:
+    return float(jax.devices()[0].memory_stats()["bytes_limit"])
+  except Exception:  # CPU devices have no memory_stats: plan with the assumed GPU's memory
+    return ASSUMED_GPU[1]
+
+
+class Run:
+  """The results so far, the time budget, and incremental JSON + markdown output."""
+
+  def __init__(self, budget_s, smoke, out_dir, prefix, plan: Plan):
+    self.t0 = time.perf_counter()
+    self.budget_s, self.smoke = budget_s, smoke
+    self.out_dir, self.prefix = out_dir, prefix
+    self.data = dict(
+        started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        smoke=smoke, budget_s=budget_s, part_deadlines_s={
+            p: round(s * budget_s) for p, s in PART_DEADLINES.items()},
+        machine=machine_info(smoke), precisions=[p for p, _ in precisions()],
+        planned=len(plan.rows), rows=[], skipped=list(plan.not_planned), launch_table=None)
+
+  def elapsed(self):
+    return time.perf_counter() - self.t0
+
+  def path(self, suffix):
+    return os.path.join(self.out_dir, self.prefix + suffix)
+
+  def save(self):
+    os.makedirs(self.out_dir, exist_ok=True)
+    self.data["elapsed_s"] = round(self.elapsed(), 1)
+    with open(self.path(".json"), "w") as f:
+      json.dump(self.data, f, indent=1, default=str)
+    with open(self.path(".md"), "w") as f:
+      f.write(markdown(self.data))
+
+
+def execute(run: Run, plan: Plan):
+  ended = set()  # parts the budget has ended
+  for row in plan.rows:
+    if row.part in ended or not fits(row, run.elapsed(), run.budget_s):
+      ended.add(row.part)
+      run.data["skipped"].append(f"{row.key}: time budget (est {row.est_s} s at "
+                                 f"{run.elapsed():.0f} s)")
       continue
     t = time.perf_counter()
-    row = dict(case=name, dtype=jnp.dtype(dims["dtype"]).name,
-               shape=[dims[x] for x in ("B", "H", "Hkv", "Sq", "Skv", "D", "Dv")])
     try:
-      errors, tol, passed, det = check_case(name, dims, kw, run.smoke)
-      row.update(errors={n: float(f"{e:.3g}") for n, e in errors.items()}, tol=tol,
-                 passed=passed, deterministic=det)
-    except Exception as e:  # record the failure of this case; the run goes on
-      row.update(passed=False, error=_err(e), trace=traceback.format_exc()[-2000:])
-    row["seconds"] = round(time.perf_counter() - t, 1)
-    print(f"[{run.elapsed():6.1f}s] correctness {name}: "
-          f"{'PASS' if row.get('passed') else 'FAIL'} {row.get('errors', row.get('error'))}",
-          flush=True)
-    run.data["correctness"].append(row)
+      res = row.fn(run, row)
+    except Exception as e:  # record this row's failure; the run goes on
+      res = dict(status="ERROR", error=_err(e), trace=traceback.format_exc()[-2000:])
+    res = dict(key=row.key, part=row.part, **res, est_s=row.est_s,
+               seconds=round(time.perf_counter() - t, 2))
+    run.data["rows"].append(res)
+    show = res.get("error") or res.get("summary", "")
+    print(f"[{run.elapsed():6.1f}s] {res['status']:7s} {row.key}: {show}", flush=True)
     run.save()
-  # The dispatcher must refuse what cannot lower (a table indexed by kv - q: a gather).
-  if run.smoke:
-    run.data["skipped"].append("relative-bias refusal: a GPU-only check (interpret runs it)")
-    return
-  row = dict(case="relative_position_bias refused on Triton (ValueError for 'pallas', "
-                  "blockwise for None)")
+
+
+# -- part 1
+
+def _inputs(seed, B, H, Hkv, Sq, Skv, D, Dv, dtype):
+  ks = jax.random.split(jax.random.key(seed), 9)
+  shapes = [(B, H, Sq, D), (B, Hkv, Skv, D), (B, Hkv, Skv, Dv)]
+  prim = [jax.random.normal(kk, s, jnp.float32).astype(dtype) for kk, s in zip(ks[:3], shapes)]
+  tang = [jax.random.normal(kk, s, jnp.float32).astype(dtype) for kk, s in zip(ks[3:6], shapes)]
+  w_out = jax.random.normal(ks[6], (B, H, Sq, Dv), jnp.float32)
+  w_lse = jax.random.normal(ks[7], (B, H, Sq), jnp.float32)
+  return prim, tang, w_out, w_lse, ks[8]
+
+
+def _diff_args(kw):
+  """The differentiable array options of a case ({name: array}) and the rest."""
+  diff = {n: kw[n] for n in ("bias", "sinks") if n in kw}
+  return diff, {n: v for n, v in kw.items() if n not in diff}
+
+
+def _checked_fn(impl, fixed, interpret, w_out, w_lse):
+  """f(q, k, v, diff, tq, tk, tv, tdiff) -> out, lse, grads of a weighted loss, jvp tangents."""
+  def att(q, k, v, diff):
+    extra = dict(interpret=interpret) if impl == BACKEND else {}
+    return flashvjp.flash_attention(q, k, v, implementation=impl, return_lse=True, **fixed,
+                                    **diff, **extra)
+
+  def finite(lse):
+    return jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+  def loss(q, k, v, diff):
+    out, lse = att(q, k, v, diff)
+    total = jnp.sum(out.astype(jnp.float64) * w_out) + jnp.sum(
+        finite(lse).astype(jnp.float64) * w_lse)
+    return total, (out, lse)
+
+  def f(q, k, v, diff, tq, tk, tv, tdiff):
+    (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+        q, k, v, diff)
+    _, (t_out, t_lse) = jax.jvp(att, (q, k, v, diff), (tq, tk, tv, tdiff))
+    return out, lse, grads, t_out, finite(t_lse)
+  return f
+
+
+def check_case(dims, kw, precision, smoke):
+  """({name: max rel err}, tol, deterministic) of one correctness case."""
+  dtype = jnp.dtype(dims["dtype"])
+  (q, k, v), (tq, tk, tv), w_out, w_lse, kt = _inputs(
+      0, *(dims[x] for x in ("B", "H", "Hkv", "Sq", "Skv", "D", "Dv")), dtype)
+  diff, fixed = _diff_args(kw)
+  tdiff = {n: jax.random.normal(jax.random.fold_in(kt, i), a.shape, a.dtype)
+           for i, (n, a) in enumerate(sorted(diff.items()))}
+  f = jax.jit(_checked_fn(BACKEND, fixed, smoke, w_out, w_lse))
+  with jax.default_matmul_precision(precision or "default"):
+    res = f(q, k, v, diff, tq, tk, tv, tdiff)
+    res2 = f(q, k, v, diff, tq, tk, tv, tdiff)
+    tol = _check.tolerance(dtype, BACKEND, precision=precision or "default")
+  deterministic = all(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+                      for a, b in zip(jax.tree_util.tree_leaves(res),
+                                      jax.tree_util.tree_leaves(res2)))
+  cpu = jax.devices("cpu")[0]
+  to64 = lambda t: jax.tree_util.tree_map(
+      lambda x: jax.device_put(jnp.asarray(x, jnp.float64), cpu)
+      if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating) else jax.device_put(x, cpu), t)
+  fixed_cpu = jax.tree_util.tree_map(
+      lambda x: jax.device_put(x, cpu) if isinstance(x, jax.Array) else x, fixed)
+  ref_f = jax.jit(_checked_fn("naive", fixed_cpu, False, to64(w_out), to64(w_lse)))
+  with jax.default_device(cpu):
+    ref = ref_f(*to64((q, k, v, diff, tq, tk, tv, tdiff)))
+  names = (["out", "lse"] + ["dq", "dk", "dv"] + [f"d{n}" for n in sorted(diff)]
+           + ["jvp out", "jvp lse"])
+  flat = lambda r: [r[0], r[1], *r[2][:3], *[r[2][3][n] for n in sorted(diff)], r[3], r[4]]
+  errors = {n: _check.max_rel_err(jax.device_get(g), jax.device_get(r))
+            for n, g, r in zip(names, flat(res), flat(ref))}
+  return errors, tol, deterministic
+
+
+def run_correctness_row(run: Run, row: Row) -> dict:
+  a = row.args
+  errors, tol, det = check_case(a["dims"], a["kw"], a["precision"], run.smoke)
+  passed = all(e <= tol for e in errors.values()) and det
+  worst = max(errors, key=errors.get)
+  return dict(status="PASS" if passed else "FAIL", dtype=a["dims"]["dtype"],
+              precision=a["precision"], shape={x: a["dims"][x] for x in
+                                               ("B", "H", "Hkv", "Sq", "Skv", "D", "Dv")},
+              errors={n: float(f"{e:.3g}") for n, e in errors.items()}, tol=tol,
+              deterministic=det,
+              summary=f"max rel err {errors[worst]:.3g} ({worst}) vs tol {tol:g}"
+                      + ("" if det else "; NOT deterministic"))
+
+
+def run_refusal_row(run: Run, row: Row) -> dict:
+  """The compiled Triton path refuses a gather in a score_mod / mask_mod, before any kernel;
+  the default choice on this platform is then not Pallas-Triton."""
+  q = jax.ShapeDtypeStruct((1, 4, 64, 64), jnp.bfloat16)
+  if "relative" in row.args["name"]:
+    opts = dict(score_mod=flashvjp.relative_position_bias(jnp.zeros((4, 9), jnp.float32), 4))
+  else:
+    opts = dict(mask_mod=flashvjp.document_causal(jnp.zeros((1, 64), jnp.int32)), causal=True)
   try:
-    q, k, v, *_ = _inputs(0, 1, 4, 4, 64, 64, 64, 64, jnp.bfloat16)
-    sm = flashvjp.relative_position_bias(jnp.zeros((4, 9), jnp.float32), 4)
-    decision = flashvjp.explain(q, k, v, score_mod=sm)
-    refused = False
-    try:
-      flashvjp.flash_attention(q, k, v, score_mod=sm, implementation="pallas",
-                               interpret=run.smoke)
-    except ValueError as e:
-      refused = "cannot run" in str(e)
-    row.update(passed=refused and (run.smoke or decision.implementation == "blockwise"),
-               decision=str(decision), refused=refused)
-  except Exception as e:  # record and go on
-    row.update(passed=False, error=_err(e))
-  run.data["correctness"].append(row)
-  run.save()
+    flashvjp.explain(q, q, q, implementation=BACKEND, interpret=False, **opts)
+    refused, why = False, "accepted"
+  except ValueError as e:
+    refused, why = "cannot run" in str(e), _err(e)
+  chosen = flashvjp.explain(q, q, q, **opts)
+  passed = refused and chosen.implementation != BACKEND
+  return dict(status="PASS" if passed else "FAIL", refused=refused, reason=why,
+              default_choice=str(chosen), summary=f"refused: {refused}; default: "
+                                                  f"{chosen.implementation}")
 
 
-# ---- benchmarks ------------------------------------------------------------------------
+# -- part 2
 
-def _time(f, args, iters):
-  """Median seconds per call of a jitted f (compiled first); calls queued `iters` at a time."""
-  jax.block_until_ready(f(*args))
-  samples = []
-  for _ in range(3):
-    t = time.perf_counter()
-    for _ in range(iters):
-      r = f(*args)
-    jax.block_until_ready(r)
-    samples.append((time.perf_counter() - t) / iters)
-  return float(np.median(samples))
-
-
-def _flops(B, H, S, D, causal, mode):
-  f = 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
-  return f if mode == "fwd" else 3.5 * f  # backward = 2.5x forward (5 matmuls vs 2)
+def _blocks_fn(causal, interpret, blocks: _config.BlockSizes):
+  """flashvjp with explicit forward / backward block sizes (the sweep), via its own prepare."""
+  def f(q, k, v):
+    _, cfg, arrays = _api._prepare(
+        q, k, v, bias=None, mask=None, causal=causal, window=None, segment_ids=None,
+        score_mod=None, scale=None, dropout_rate=0.0, dropout_rng=None, deterministic=True,
+        implementation=BACKEND, block_q=None, block_kv=None, interpret=interpret)
+    cfg = dataclasses.replace(cfg, blocks=blocks)
+    return _api._run(cfg, *arrays, return_lse=False)[0]
+  return f
 
 
-def _make(impl, causal, smoke, blocks=None):
+def make_fn(impl, causal, smoke, blocks=None):
   """f(q, k, v) in that implementation's native layout; returns (f, layout)."""
   if impl == "flashvjp":
-    if blocks is None:
-      return (lambda q, k, v: flashvjp.flash_attention(
-          q, k, v, causal=causal, implementation="pallas", interpret=smoke)), "BHSD"
-    return _pallas_with_blocks(causal, smoke, blocks), "BHSD"
+    if blocks is not None:
+      return _blocks_fn(causal, smoke, blocks), "BHSD"
+    return (lambda q, k, v: flashvjp.flash_attention(
+        q, k, v, causal=causal, implementation=BACKEND, interpret=smoke)), "BHSD"
   if impl in ("cudnn", "xla"):
     return (lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation=impl)), "BSHD"
   if impl == "jax_pallas_mha":
-    import warnings
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", DeprecationWarning)
       from jax.experimental.pallas.ops.gpu import attention as jax_attention
@@ -271,131 +602,198 @@ def _make(impl, causal, smoke, blocks=None):
   raise ValueError(f"unknown implementation {impl!r}")
 
 
-def _pallas_with_blocks(causal, smoke, blocks: _config.BlockSizes):
-  """flashvjp's Pallas custom_vjp with explicit forward / backward block sizes (sweep only)."""
-  def f(q, k, v):
-    S, D = q.shape[2], q.shape[3]
-    cfg = _config.AttentionConfig(
-        scale=D ** -0.5, causal=causal, window=None, seq_q=S, seq_kv=k.shape[2], dropout_rate=0.0,
-        blocks=blocks, interpret=smoke, implementation="pallas")
-    return _vjp.attention(cfg, q, k, v, None, None, None, None, None, (), ())[0]
-  return f
+def time_samples(g, args):
+  """Seconds per call of a jitted g: compile + 1 call, then SAMPLES samples of queued calls."""
+  t = time.perf_counter()
+  jax.block_until_ready(g(*args))
+  first = time.perf_counter() - t
+  t = time.perf_counter()
+  jax.block_until_ready(g(*args))
+  one = max(time.perf_counter() - t, 1e-6)
+  iters = int(min(50, max(1, SAMPLE_S // one)))
+  samples = []
+  for _ in range(SAMPLES):
+    t = time.perf_counter()
+    for _ in range(iters):
+      r = g(*args)
+    jax.block_until_ready(r)
+    samples.append((time.perf_counter() - t) / iters)
+  return first, iters, samples
 
 
 def bench_one(impl, B, H, S, D, causal, mode, smoke, blocks=None):
-  f, layout = _make(impl, causal, smoke, blocks)
+  f, layout = make_fn(impl, causal, smoke, blocks)
   shape = (B, H, S, D) if layout == "BHSD" else (B, S, H, D)
-  ks = jax.random.split(jax.random.key(1), 4)
-  q, k, v, do = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in ks)
+  ks = jax.random.split(jax.random.key(1), 7)
+  q, k, v, do, tq, tk, tv = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in ks)
   if mode == "fwd":
-    g = jax.jit(f)
-  else:
+    g, args = jax.jit(f), (q, k, v)
+  elif mode == "fwd+bwd":
     g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) *
                                                   do.astype(jnp.float32)), argnums=(0, 1, 2)))
-  return _time(g, (q, k, v), iters=2 if smoke else 10)
+    args = (q, k, v)
+  else:
+    g = jax.jit(lambda q, k, v, tq, tk, tv: jax.jvp(f, (q, k, v), (tq, tk, tv)))
+    args = (q, k, v, tq, tk, tv)
+  return time_samples(g, args)
 
 
-def bench_shapes(smoke):
-  if smoke:
-    return [(64, 64, False), (64, 64, True)]
-  # Priority order: the time budget cuts from the end.
-  out = []
-  for S in (4096, 1024, 16384, 2048, 8192):
-    for D in (128, 64):
-      for causal in (True, False):
-        out.append((S, D, causal))
-  return out
+def _timed(res_fields, B, H, S, D, causal, mode):
+  first, iters, samples = res_fields
+  med = float(np.median(samples))
+  fl = flops(B, H, S, D, causal, mode)
+  return dict(status="timed", ms=round(med * 1e3, 4),
+              ms_range=[round(min(samples) * 1e3, 4), round(max(samples) * 1e3, 4)],
+              tflops=round(fl / med / 1e12, 3), compile_and_first_s=round(first, 2),
+              iters=iters, samples=len(samples))
 
 
-def run_benchmarks(run: Run, impls):
-  tokens = 256 if run.smoke else 16384  # batch * seq; heads * head_dim = 2048
-  for S, D, causal in bench_shapes(run.smoke):
-    B = max(1, tokens // S)
-    H = 2 if run.smoke else 2048 // D
-    for mode in ("fwd", "fwd+bwd"):
-      results = {}
-      for impl in impls:
-        key = f"{impl} S={S} D={D} causal={causal} {mode}"
-        if run.left() < 20:
-          run.data["skipped"].append(f"bench {key}: time budget")
-          continue
-        if impl == "xla" and S > 8192:
-          run.data["skipped"].append(f"bench {key}: O(seq^2) scores do not fit")
-          continue
-        row = dict(impl=impl, B=B, H=H, S=S, D=D, causal=causal, mode=mode, dtype="bfloat16")
-        t = time.perf_counter()
-        try:
-          sec = bench_one(impl, B, H, S, D, causal, mode, run.smoke)
-          row.update(ms=round(sec * 1e3, 4),
-                     tflops=round(_flops(B, H, S, D, causal, mode) / sec / 1e12, 2))
-          results[impl] = sec
-        except Exception as e:  # a failing baseline is recorded, not fatal
-          row.update(error=_err(e))
-        row["wall_s"] = round(time.perf_counter() - t, 1)
-        run.data["benchmarks"].append(row)
-        print(f"[{run.elapsed():6.1f}s] {key}: {row.get('tflops', row.get('error'))}", flush=True)
-      for row in run.data["benchmarks"]:
-        if (row["S"], row["D"], row["causal"], row["mode"]) == (S, D, causal, mode) and \
-            "ms" in row and "cudnn" in results:
-          row["vs_cudnn"] = round(results["cudnn"] / (row["ms"] / 1e3), 3)
-      run.save()
+def run_timing_row(run: Run, row: Row) -> dict:
+  a = row.args
+  res = _timed(bench_one(a["impl"], a["B"], a["H"], a["S"], a["D"], a["causal"], a["mode"],
+                         run.smoke), a["B"], a["H"], a["S"], a["D"], a["causal"], a["mode"])
+  res.update(impl=a["impl"], B=a["B"], H=a["H"], S=a["S"], D=a["D"], causal=a["causal"],
+             mode=a["mode"], dtype="bfloat16")
+  # Ratios against the baselines measured in this run at the same (S, D, causal, mode).
+  same = [r for r in run.data["rows"] if r.get("part") == "timing" and r.get("status") == "timed"
+          and (r["S"], r["D"], r["causal"], r["mode"]) == (a["S"], a["D"], a["causal"], a["mode"])]
+  for r in same + [res]:
+    for base in ("cudnn", "xla"):
+      b = next((x for x in same + [res] if x["impl"] == base), None)
+      if b is not None:
+        r[f"vs_{base}"] = round(b["ms"] / r["ms"], 3)  # > 1: faster than the baseline
+  res["summary"] = f"{res['ms']} ms, {res['tflops']} TFLOP/s" + "".join(
+      f", x{res[k]} vs {k[3:]}" for k in ("vs_cudnn", "vs_xla") if k in res and a["impl"] != k[3:])
+  return res
 
 
-def run_sweep(run: Run):
-  """Forward and backward block sizes of the flashvjp kernels at one shape."""
-  S, D, causal = (64, 64, True) if run.smoke else (4096, 128, True)
-  B, H = (1, 2) if run.smoke else (4, 16)
-  fwd = [(128, 64), (64, 64), (128, 128), (64, 32)]
-  bwd = [(32, 128, 128, 32), (64, 64, 64, 64), (64, 128, 128, 64), (128, 64, 64, 128), (32, 64, 64, 32)]
-  configs = [("fwd", _config.BlockSizes(bq, bk)) for bq, bk in fwd]
-  configs += [("fwd+bwd", _config.BlockSizes(128, 64, a, b, c, d)) for a, b, c, d in bwd]
-  for mode, blocks in configs:
-    if run.left() < 15:
-      run.data["skipped"].append(f"sweep {mode} {blocks}: time budget")
-      continue
-    row = dict(mode=mode, blocks=dataclasses.asdict(blocks), S=S, D=D, B=B, H=H, causal=causal)
-    try:
-      sec = bench_one("flashvjp", B, H, S, D, causal, mode, run.smoke, blocks=blocks)
-      row.update(ms=round(sec * 1e3, 4),
-                 tflops=round(_flops(B, H, S, D, causal, mode) / sec / 1e12, 2))
-    except Exception as e:  # record and go on
-      row.update(error=_err(e))
-    print(f"[{run.elapsed():6.1f}s] sweep {mode} {blocks}: {row.get('tflops', row.get('error'))}",
-          flush=True)
-    run.data["sweep"].append(row)
-    run.save()
+# -- part 3
+
+def run_sweep_row(run: Run, row: Row) -> dict:
+  a = row.args
+  key = (a["hd"], SWEEP_KIND, a["role"])
+  with _config.launch_overrides({key: a["launch"]}):  # clears jax's caches on entry and exit
+    blocks = _config.default_block_sizes(BACKEND, False, head_dim=a["hd"], dtype="bfloat16")
+    res = _timed(bench_one("flashvjp", a["B"], a["H"], a["S"], a["hd"], a["causal"], a["mode"],
+                           run.smoke, blocks=blocks),
+                 a["B"], a["H"], a["S"], a["hd"], a["causal"], a["mode"])
+  res.update(head_dim=a["hd"], kind=SWEEP_KIND, role=a["role"], mode=a["mode"],
+             launch=dataclasses.asdict(a["launch"]), is_table=a["is_table"],
+             shape=dict(B=a["B"], H=a["H"], S=a["S"], causal=a["causal"]))
+  table = next((r for r in run.data["rows"] if r.get("part") == "sweep" and r.get("is_table")
+                and (r["head_dim"], r["role"]) == (a["hd"], a["role"]) and "ms" in r), None)
+  if table is not None and not a["is_table"]:
+    res["vs_table"] = round(table["ms"] / res["ms"], 3)
+  res["summary"] = f"{res['ms']} ms" + (f", x{res['vs_table']} vs the table's launch"
+                                        if "vs_table" in res else "")
+  return res
 
 
-# ---- report ------------------------------------------------------------------------------
+def best_launch_table(run: Run) -> dict:
+  """The launch table file's content: per swept (head dim, kind, role) the fastest launch."""
+  entries = []
+  groups = {}
+  for r in run.data["rows"]:
+    if r.get("part") == "sweep" and "launch" in r and r.get("status") == "timed":
+      groups.setdefault((r["head_dim"], r["kind"], r["role"]), []).append(r)
+  for (hd, kind, role), rs in sorted(groups.items()):
+    table = next((r for r in rs if r["is_table"]), None)
+    if table is None:
+      continue  # no same-run baseline: nothing to compare with
+    best = min(rs, key=lambda r: r["ms"])
+    if table["ms"] / best["ms"] < 1.0 + SWEEP_NOISE:
+      best = table  # within the noise of the same run's samples: keep the table's entry
+    entries.append(dict(head_dim=hd, kind=kind, role=role, **best["launch"], ms=best["ms"],
+                        table_ms=table["ms"], speedup=round(table["ms"] / best["ms"], 3),
+                        candidates=len(rs), timed_mode=best["mode"], shape=best["shape"]))
+  m = run.data["machine"]
+  return dict(format=_config.LAUNCH_TABLE_FORMAT,
+              machine=dict(device_kind=m["device_kind"], nvidia_smi=m.get("nvidia_smi"),
+                           jax=m["jax"], jaxlib=m["jaxlib"], triton=m["triton"],
+                           date=run.data["started"], smoke=run.smoke),
+              entries=entries)
+
+
+def run_table_row(run: Run, row: Row) -> dict:
+  content = best_launch_table(run)
+  path = run.path("_launch_table.json")
+  os.makedirs(run.out_dir, exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(content, f, indent=1)
+  table, machine = _config.load_launch_table(path)
+  ok = len(table) == len(content["entries"]) > 0 and machine == content["machine"]
+  run.data["launch_table"] = dict(path=os.path.relpath(path, ROOT), entries=content["entries"])
+  changed = [f"d{e['head_dim']} {e['role']} x{e['speedup']}" for e in content["entries"]
+             if e["speedup"] > 1.0]
+  return dict(status="PASS" if ok else "FAIL", path=os.path.relpath(path, ROOT),
+              entries=len(table), summary=f"{len(table)} entries; faster than the table: "
+                                          f"{', '.join(changed) or 'none'}")
+
+
+# ---- report --------------------------------------------------------------------------------
 
 def markdown(d) -> str:
-  lines = [f"# flashvjp GPU check ({d['started']})", "",
-           f"jax {d['jax']}, python {d['python']}, backend {d['backend']}, device "
-           f"{d['device_kind']}, {d.get('elapsed_s', '?')} s" + (" (CPU smoke run)" if d["smoke"] else ""),
-           "", "## Correctness (compiled Pallas kernels vs float64 naive)", "",
-           "| case | dtype | passed | deterministic | max rel err (out, lse, dq, dk, dv, dbias) | tol | s |",
-           "|---|---|---|---|---|---|---|"]
-  for r in d["correctness"]:
+  m = d["machine"]
+  rows = d["rows"]
+  lines = [f"# flashvjp GPU check ({d['started']})" + (" -- CPU smoke run" if d["smoke"] else ""),
+           "",
+           f"Device {m['device_kind']} ({m.get('nvidia_smi') or 'no nvidia-smi'}), jax {m['jax']},"
+           f" jaxlib {m['jaxlib']}, triton {m['triton']}, python {m['python']}; "
+           f"{d.get('elapsed_s', '?')} s of a {d['budget_s']:.0f} s budget "
+           f"(part deadlines {d['part_deadlines_s']}); {len(rows)} of {d['planned']} planned rows"
+           f" ran. Float32 precisions: {', '.join(d['precisions'])}.",
+           "", "## 1. Correctness (compiled Pallas-Triton kernels vs float64 naive)", "",
+           "| case | dtype | precision | status | deterministic | max rel err | tol | s |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    if r["part"] != "correctness":
+      continue
     errs = r.get("errors")
-    errs = ", ".join(f"{k} {v:.2g}" for k, v in errs.items()) if errs else r.get("error", r.get("decision", ""))
-    lines.append(f"| {r['case']} | {r.get('dtype', '')} | {'yes' if r.get('passed') else '**NO**'} | "
-                 f"{r.get('deterministic', '')} | {errs} | {r.get('tol', '')} | {r.get('seconds', '')} |")
-  lines += ["", "## Timing (bfloat16; TFLOP/s; ratio = cuDNN time / this time)", "",
-            "| S | D | causal | mode | impl | B x H | ms | TFLOP/s | vs cuDNN |",
-            "|---|---|---|---|---|---|---|---|---|"]
-  for r in d["benchmarks"]:
-    val = r.get("tflops", "")
-    lines.append(f"| {r['S']} | {r['D']} | {r['causal']} | {r['mode']} | {r['impl']} | "
-                 f"{r['B']}x{r['H']} | {r.get('ms', '')} | {val if val != '' else r.get('error', '')} | "
-                 f"{r.get('vs_cudnn', '')} |")
-  if d["sweep"]:
-    lines += ["", "## flashvjp block-size sweep", "", "| mode | blocks | ms | TFLOP/s |",
-              "|---|---|---|---|"]
-    for r in d["sweep"]:
-      b = r["blocks"]
-      desc = (f"fwd {b['block_q']}x{b['block_kv']}, dkdv {b['block_q_dkv']}x{b['block_kv_dkv']}, "
-              f"dq {b['block_q_dq']}x{b['block_kv_dq']}")
-      lines.append(f"| {r['mode']} | {desc} | {r.get('ms', '')} | {r.get('tflops', r.get('error', ''))} |")
+    errs = ", ".join(f"{k} {v:.2g}" for k, v in errs.items()) if errs else \
+        r.get("error") or r.get("summary", "")
+    lines.append(f"| {r['key'][len('correctness '):]} | {r.get('dtype', '')} | "
+                 f"{r.get('precision') or ''} | {r['status']} | {r.get('deterministic', '')} | "
+                 f"{errs} | {r.get('tol', '')} | {r['seconds']} |")
+  lines += ["", "## 2. Timing (bfloat16; TFLOP/s, FlashAttention convention, jvp = 3x forward;"
+            " ratio = baseline time / flashvjp time, > 1: flashvjp faster)", "",
+            "| S | D | causal | mode | B x H | flashvjp | cuDNN | xla | JAX Pallas mha | "
+            "flashvjp vs cuDNN | flashvjp vs xla | flashvjp ms (range) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  groups = {}
+  for r in rows:
+    if r["part"] == "timing":
+      a = r.get("impl") or r["key"].split()[1]
+      groups.setdefault(r["key"].split(" ", 2)[2], {})[a] = r
+  for g, by in groups.items():
+    any_r = next(iter(by.values()))
+    cell = lambda i: (f"{by[i]['tflops']}" if i in by and "tflops" in by[i]
+                      else ("ERROR" if i in by else ""))
+    fv = by.get("flashvjp", {})
+    S, D, causal, mode = g.split(" ")
+    lines.append(f"| {S[2:]} | {D[2:]} | {causal[7:]} | {mode} | "
+                 f"{any_r.get('B', '')}x{any_r.get('H', '')} | {cell('flashvjp')} | {cell('cudnn')}"
+                 f" | {cell('xla')} | {cell('jax_pallas_mha')} | {fv.get('vs_cudnn', '')} | "
+                 f"{fv.get('vs_xla', '')} | {fv.get('ms', '')} {fv.get('ms_range', '')} |")
+  errs = [r for r in rows if r["part"] == "timing" and r["status"] == "ERROR"]
+  if errs:
+    lines += ["", "Timing errors:", ""] + [f"- {r['key']}: {r['error']}" for r in errs]
+  sweep = [r for r in rows if r["part"] == "sweep"]
+  if sweep:
+    lines += ["", "## 3. Launch-table sweep (bfloat16, causal; ratio = the table's time / this)",
+              "", "| head dim | role | launch (bq x bk, warps, stages) | timed | ms | vs table |",
+              "|---|---|---|---|---|---|"]
+    for r in sweep:
+      if "launch" in r:
+        L = r["launch"]
+        lines.append(f"| {r['head_dim']} | {r['role']} | {L['block_q']}x{L['block_kv']}, "
+                     f"{L['num_warps']}, {L['num_stages']}{'' if L['transposed'] else ', not transposed'}"
+                     f"{' (table)' if r['is_table'] else ''} | {r['mode']} | {r.get('ms', '')} | "
+                     f"{r.get('vs_table', r.get('error', ''))} |")
+      elif r["status"] == "ERROR":
+        lines.append(f"| | | {r['key']} | | ERROR | {r.get('error', '')} |")
+    if d.get("launch_table"):
+      lines += ["", f"Launch table file: `{d['launch_table']['path']}` "
+                f"(`flashvjp._config.load_launch_table`)."]
   if d["skipped"]:
     lines += ["", "## Skipped", ""] + [f"- {s}" for s in d["skipped"]]
   return "\n".join(lines) + "\n"
@@ -403,35 +801,68 @@ def markdown(d) -> str:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--budget-s", type=float, default=450.0, help="stop starting new work after this")
+  p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                 help="wall seconds for this script's parts (rows start only if they fit)")
   p.add_argument("--cpu-smoke", action="store_true", help="interpret mode, tiny shapes, on CPU")
-  p.add_argument("--skip", nargs="*", default=[], choices=["correctness", "bench", "sweep"])
-  p.add_argument("--out", default="gpu_check", help="results/<out>.json and .md")
+  p.add_argument("--dry-run", action="store_true",
+                 help="print the plan (rows, shapes, estimated seconds, total vs budget); run nothing")
+  p.add_argument("--skip", nargs="*", default=[], choices=["correctness", "timing", "bench", "sweep"])
+  p.add_argument("--out", default=None, help="results file prefix (default gpu_check, "
+                                             "gpu_check_smoke with --cpu-smoke)")
+  p.add_argument("--results-dir", default=None, help="default benchmarks/results "
+                                                     "(build/gpu_check_smoke with --cpu-smoke)")
+  p.add_argument("--estimates", default=os.path.join(RESULTS_DIR, "gpu_check.json"),
+                 help="a previous GPU run's results: its measured row seconds replace the model")
+  p.add_argument("--sm90-s", type=float, default=TOTAL_S - DEFAULT_BUDGET_S,
+                 help="(dry run) the compile check's share, for the total")
   args = p.parse_args(argv)
-  if not args.cpu_smoke and jax.default_backend() != "gpu":
-    print(f"no GPU (backend {jax.default_backend()!r}); use --cpu-smoke to test the script",
-          file=sys.stderr)
+  skip = {"timing" if s == "bench" else s for s in args.skip}
+  smoke = args.cpu_smoke
+  on_gpu = jax.default_backend() == "gpu"
+  if not (smoke or on_gpu or args.dry_run):
+    print(f"no GPU (backend {jax.default_backend()!r}); --cpu-smoke checks the script on CPU, "
+          "--dry-run prints the plan", file=sys.stderr)
     return 2
-  run = Run(args.budget_s, args.cpu_smoke, args.out)
-  print(f"jax {jax.__version__} on {run.data['device_kind']}", flush=True)
-  if "correctness" not in args.skip:
-    # float64 references on the host; the kernels' inputs stay bf16/f16/f32.
+  mem = device_memory() if on_gpu else ASSUMED_GPU[1]
+  plan = build_plan(smoke, mem, skip)
+  measured = {} if smoke else load_estimates(args.estimates)
+  for r in plan.rows:
+    r.est_s = measured.get(r.key, r.est_s)
+  if args.dry_run:
+    device = jax.devices()[0].device_kind if on_gpu else ("CPU" if smoke else ASSUMED_GPU[0])
+    print(dry_run(plan, args.budget_s, smoke, device, args.sm90_s))
+    if measured:
+      print(f"(estimates: measured seconds of {len(measured)} rows from {args.estimates})")
+    return 0
+  out_dir = args.results_dir or (SMOKE_RESULTS_DIR if smoke else RESULTS_DIR)
+  prefix = args.out or ("gpu_check_smoke" if smoke else "gpu_check")
+  run = Run(args.budget_s, smoke, out_dir, prefix, plan)
+  print(f"jax {jax.__version__} on {run.data['machine']['device_kind']}; {len(plan.rows)} rows "
+        f"planned, budget {args.budget_s:.0f} s", flush=True)
+  if "correctness" not in skip:
+    # float64 references on the host; the kernels' inputs stay bf16/f16/f32. Timing and the
+    # sweep run without x64, as users do (JAX's own mha breaks under x64).
     jax.config.update("jax_enable_x64", True)
-    try:
-      run_correctness(run)
-    finally:
-      # Timing runs without x64, as users do (jax's own mha breaks under x64).
-      jax.config.update("jax_enable_x64", False)
-  impls = ["flashvjp", "cudnn", "xla", "jax_pallas_mha"]
-  if "bench" not in args.skip:
-    run_benchmarks(run, impls)
-  if "sweep" not in args.skip:
-    run_sweep(run)
+  try:
+    execute(run, _part(plan, "correctness"))
+  finally:
+    jax.config.update("jax_enable_x64", False)
+  execute(run, _part(plan, "timing", "sweep"))
   run.save()
-  failed = [r["case"] for r in run.data["correctness"] if not r.get("passed")]
-  print(f"done in {run.elapsed():.0f} s; correctness failures: {failed or 'none'}; results in "
-        f"{os.path.join(RESULTS_DIR, args.out)}.json/.md", flush=True)
-  return 1 if failed else 0
+  counts = {}
+  for r in run.data["rows"]:
+    counts[r["status"]] = counts.get(r["status"], 0) + 1
+  bad = [r["key"] for r in run.data["rows"] if r["status"] in ("FAIL", "ERROR")]
+  cut = sum("time budget" in s for s in run.data["skipped"])
+  print(f"done in {run.elapsed():.0f} s: {counts}; {cut} rows cut by the budget; "
+        f"FAIL/ERROR: {bad or 'none'}; results in {run.path('.json')} and .md", flush=True)
+  return 1 if bad else 0
+
+
+def _part(plan: Plan, *parts) -> Plan:
+  sub = Plan()
+  sub.rows = [r for r in plan.rows if r.part in parts]
+  return sub
 
 
 if __name__ == "__main__":

@@ -245,3 +245,81 @@ class AttentionConfig:
   @property
   def dropout_active(self) -> bool:
     return self.dropout_rate > 0.0
+
+
+# ---- recorded launch tables (benchmarks/gpu_check.py's sweep) ------------------------------
+# A file written by a GPU run's sweep: {"format": LAUNCH_TABLE_FORMAT, "machine": {device_kind,
+# jax, triton, date, ...}, "entries": [{"head_dim", "kind", "role", "block_q", "block_kv",
+# "num_warps", "num_stages", "transposed", ...measurements}]}. Loading it changes nothing by
+# itself: `launch_overrides` applies entries for a block of code; adopting them as defaults is
+# an edit of the `_fill` lines above, naming the file and machine they came from.
+LAUNCH_TABLE_FORMAT = "flashvjp-launch-table/1"
+
+
+def load_launch_table(path):
+  """({(head dim, kind, role): Launch}, machine dict) of a recorded launch table file.
+
+  Every entry must name a key of LAUNCH_TABLE (a known head-dim bucket, matmul kind and
+  role) and positive ints for blocks, warps and stages; ValueError names what is wrong.
+  """
+  import json
+  with open(path) as f:
+    try:
+      data = json.load(f)
+    except ValueError as e:
+      raise ValueError(f"launch table {path}: not JSON ({e})") from None
+  if not isinstance(data, dict) or data.get("format") != LAUNCH_TABLE_FORMAT:
+    raise ValueError(f"launch table {path}: format must be {LAUNCH_TABLE_FORMAT!r}, got "
+                     f"{data.get('format') if isinstance(data, dict) else type(data).__name__!r}")
+  machine, entries = data.get("machine"), data.get("entries")
+  if not isinstance(machine, dict) or not machine.get("device_kind"):
+    raise ValueError(f"launch table {path}: machine must be a dict with device_kind, got {machine!r}")
+  if not isinstance(entries, list):
+    raise ValueError(f"launch table {path}: entries must be a list, got {type(entries).__name__}")
+  table = {}
+  for i, e in enumerate(entries):
+    where = f"launch table {path}: entries[{i}]"
+    if not isinstance(e, dict):
+      raise ValueError(f"{where} must be a dict, got {type(e).__name__}")
+    key = (e.get("head_dim"), e.get("kind"), e.get("role"))
+    if key not in LAUNCH_TABLE:
+      raise ValueError(f"{where}: (head_dim, kind, role) = {key} is not a key of LAUNCH_TABLE")
+    for name in ("block_q", "block_kv", "num_warps", "num_stages"):
+      v = e.get(name)
+      if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"{where}: {name} must be a positive int, got {v!r}")
+    transposed = e.get("transposed", True)
+    if not isinstance(transposed, bool):
+      raise ValueError(f"{where}: transposed must be a bool, got {transposed!r}")
+    if key in table:
+      raise ValueError(f"{where}: {key} appears twice")
+    table[key] = Launch(e["block_q"], e["block_kv"], e["num_warps"], e["num_stages"], transposed)
+  return table, machine
+
+
+class launch_overrides:
+  """Context manager: LAUNCH_TABLE with `entries` ({key: Launch}) replacing its values.
+
+  Kernels read the table when they are traced, so jax's caches are cleared on entry and on
+  exit (a cached trace would otherwise keep the other table's launch parameters).
+  """
+
+  def __init__(self, entries):
+    unknown = [k for k in entries if k not in LAUNCH_TABLE]
+    if unknown:
+      raise ValueError(f"entries must be keys of LAUNCH_TABLE, got unknown {unknown}")
+    self._entries = dict(entries)
+    self._saved = None
+
+  def __enter__(self):
+    import jax
+    self._saved = {k: LAUNCH_TABLE[k] for k in self._entries}
+    LAUNCH_TABLE.update(self._entries)
+    jax.clear_caches()
+    return self
+
+  def __exit__(self, *exc):
+    import jax
+    LAUNCH_TABLE.update(self._saved)
+    jax.clear_caches()
+    return False

@@ -1,0 +1,134 @@
+"""The GPU check script (benchmarks/gpu_check.py) without a GPU: its plan and the launch-table
+file it writes. CI also runs `gpu_check.py --cpu-smoke` end to end (.ci/run)."""
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+from flashvjp import _config
+from flashvjp import _dispatch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location(
+    "gpu_check", os.path.join(ROOT, "benchmarks", "gpu_check.py"))
+G = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("gpu_check", G)  # dataclasses look their module up
+_spec.loader.exec_module(G)
+
+
+def test_dry_run_plan_fits_the_budget(capsys):
+  assert G.main(["--dry-run", "--estimates", os.devnull]) == 0
+  out = capsys.readouterr().out
+  assert "within the budget" in out, out[-2000:]
+  for part in G.PART_DEADLINES:  # every part gets rows inside the budget
+    line = next(l for l in out.splitlines() if l.startswith(f"{part}: "))
+    assert int(line.split()[1]) > 0, line
+  # The headline rows come first: flashvjp and cuDNN fwd+bwd at seq 4096, head dim 128.
+  assert "SKIP" not in next(l for l in out.splitlines()
+                            if "timing cudnn S=4096 D=128 causal=True fwd+bwd" in l)
+
+
+def test_plan_uses_current_names_and_precisions():
+  assert G.BACKEND in _dispatch.CONCRETE
+  plan = G.build_plan(False, G.ASSUMED_GPU[1])
+  for row in plan.rows:
+    if row.part == "sweep" and "launch" in row.args:
+      assert (row.args["hd"], G.SWEEP_KIND, row.args["role"]) in _config.LAUNCH_TABLE
+  for impl in G.IMPLS:  # each baseline's function builds (nothing runs)
+    assert callable(G.make_fn(impl, True, True)[0])
+  # float32 rows at each distinct precision, "highest" included; 16-bit rows at the default.
+  f32 = [r.args["precision"] for r in plan.rows
+         if r.part == "correctness" and r.args.get("dims", {}).get("dtype") == "float32"]
+  assert {"default", "highest"} <= set(f32)
+  assert len(f32) == len(set(f32)) * (len(f32) // len(set(f32)))
+  keys = [r.key for r in plan.rows]
+  assert len(keys) == len(set(keys))
+  assert any(r.args.get("mode") == "jvp" for r in plan.rows if r.part == "timing")
+
+
+def _table_file(tmp_path, entries, **top):
+  data = dict(dict(format=_config.LAUNCH_TABLE_FORMAT,
+                   machine=dict(device_kind="NVIDIA H200", jax="0.11.2"), entries=entries), **top)
+  p = tmp_path / "t.json"
+  p.write_text(json.dumps(data))
+  return str(p)
+
+
+def test_launch_table_file_loads_and_applies(tmp_path):
+  entry = dict(head_dim=128, kind="16bit", role="fwd", block_q=64, block_kv=32, num_warps=4,
+               num_stages=3, transposed=True, ms=1.0)
+  table, machine = _config.load_launch_table(_table_file(tmp_path, [entry]))
+  assert machine["device_kind"] == "NVIDIA H200"
+  assert table == {(128, "16bit", "fwd"): _config.Launch(64, 32, 4, 3, True)}
+  before = _config.default_block_sizes("pallas_triton", False, head_dim=128, dtype="bfloat16")
+  with _config.launch_overrides(table):
+    inside = _config.default_block_sizes("pallas_triton", False, head_dim=128, dtype="bfloat16")
+    assert (inside.block_q, inside.block_kv) == (64, 32)
+    assert _config.launch(128, "bfloat16", "default", "fwd").num_stages == 3
+  after = _config.default_block_sizes("pallas_triton", False, head_dim=128, dtype="bfloat16")
+  assert after == before != inside
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(role="bwd"), "not a key of LAUNCH_TABLE"),
+    (dict(head_dim=100), "not a key of LAUNCH_TABLE"),
+    (dict(num_warps=0), "num_warps must be a positive int"),
+    (dict(block_q="64"), "block_q must be a positive int"),
+    (dict(transposed=1), "transposed must be a bool"),
+])
+def test_launch_table_file_bad_entries(tmp_path, change, match):
+  entry = dict(head_dim=64, kind="16bit", role="dq", block_q=64, block_kv=64, num_warps=4,
+               num_stages=2)
+  with pytest.raises(ValueError, match=match):
+    _config.load_launch_table(_table_file(tmp_path, [dict(entry, **change)]))
+
+
+def test_launch_table_file_bad_header(tmp_path):
+  with pytest.raises(ValueError, match="format must be"):
+    _config.load_launch_table(_table_file(tmp_path, [], format="other"))
+  with pytest.raises(ValueError, match="machine must be"):
+    _config.load_launch_table(_table_file(tmp_path, [], machine={}))
+
+
+def test_best_launch_table_picks_the_fastest_against_the_table():
+  run = G.Run.__new__(G.Run)
+  run.smoke = False
+  launch = lambda bq: dataclasses.asdict(_config.Launch(bq, 64, 8, 2))
+  base = dict(part="sweep", status="timed", head_dim=128, kind="16bit", role="fwd", mode="fwd",
+              shape={})
+  run.data = dict(machine=dict(device_kind="X", jax="j", jaxlib="l", triton=None),
+                  started="now", rows=[dict(base, launch=launch(128), is_table=True, ms=2.0),
+                                       dict(base, launch=launch(64), is_table=False, ms=1.0)])
+  (e,) = G.best_launch_table(run)["entries"]
+  assert (e["block_q"], e["speedup"], e["candidates"]) == (64, 2.0, 2)
+
+
+def test_best_launch_table_keeps_the_table_within_noise():
+  run = G.Run.__new__(G.Run)
+  run.smoke = False
+  launch = lambda bq: dataclasses.asdict(_config.Launch(bq, 64, 8, 2))
+  base = dict(part="sweep", status="timed", head_dim=64, kind="16bit", role="dq", mode="fwd+bwd",
+              shape={})
+  run.data = dict(machine=dict(device_kind="X", jax="j", jaxlib="l", triton=None),
+                  started="now", rows=[dict(base, launch=launch(128), is_table=True, ms=2.0),
+                                       dict(base, launch=launch(64), is_table=False, ms=1.99)])
+  (e,) = G.best_launch_table(run)["entries"]
+  assert (e["block_q"], e["speedup"]) == (128, 1.0)
+
+
+def test_correctness_row_passes_and_fails_on_its_tolerance(monkeypatch):
+  """One smoke row end to end (interpret mode): PASS at the library's tolerance, FAIL when
+  the tolerance is tighter than the error (the row judges, it does not just run)."""
+  plan = G.build_plan(True, G.ASSUMED_GPU[1], skip=("timing", "sweep"))
+  row = next(r for r in plan.rows if r.key == "correctness plain f32 (precision default)")
+  run = G.Run.__new__(G.Run)
+  run.smoke = True
+  res = row.fn(run, row)
+  assert res["status"] == "PASS", res
+  assert res["tol"] == G._check.tolerance("float32", G.BACKEND, precision="default")
+  assert set(res["errors"]) >= {"out", "lse", "dq", "dk", "dv", "jvp out", "jvp lse"}
+  monkeypatch.setattr(G._check, "tolerance", lambda *a, **k: 1e-9)
+  assert row.fn(run, row)["status"] == "FAIL"
