@@ -102,7 +102,7 @@ def _check_window(window, name="window"):
     return None
   if not isinstance(window, (tuple, list)) or len(window) != 2:
     raise ValueError(f"{name} must be a pair (left, right) of ints or None, got {window!r}")
-  out = []
+  out: list = []
   for side, w in zip(("left", "right"), window):
     if w is None:
       out.append(None)
@@ -299,6 +299,7 @@ def _run(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
   if cfg.mask_mod is not None:
     if mod_classes is None and cfg.implementation != "naive":  # naive masks densely
       B, H = q.shape[0], q.shape[1]
+      assert cfg.mask_mod_blocks is not None  # set with mask_mod
       mod_classes = _mask_mod.classify(cfg.mask_mod, mod_consts, cfg.mask_mod_uses, B, H,
                                        cfg.seq_q, cfg.seq_kv, *cfg.mask_mod_blocks)
     mod = _mask_mod.ModInputs(mod_classes, tuple(mod_consts))

@@ -9,11 +9,14 @@ tolerances are stated; flashvjp.testing and the test suite import them from here
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+  from flashvjp.testing import Report
 
 # max |got - ref| <= TOL * max |ref|, per input dtype (float64 reference).
 TOL = {
@@ -101,7 +104,7 @@ class Row:
   tol: float
   seconds: float = 0.0  # wall time of this row (compile + run)
   skipped: Optional[str] = None  # why the implementation does not run this feature here
-  report: Optional[object] = None  # the flashvjp.testing.Report (every quantity compared)
+  report: Optional["Report"] = None  # the flashvjp.testing.Report (every quantity compared)
   error: Optional[str] = None  # what a user's function raised (the row fails)
 
   @property

@@ -139,7 +139,7 @@ def matmul_kind(dtype, precision: str) -> str:
 # Known residue: 3xTF32 ("high") spills at head dim 128 with softcap+window in dK/dV (4 B;
 # 1 stage avoids it but is not pipelined) and at head dim > 128 (dK/dV up to ~26 KB, dQ
 # ~0.5 KB) at every tile size tried down to 16x16; 16-bit and TF32 are spill-free.
-LAUNCH_TABLE = {}
+LAUNCH_TABLE: dict = {}
 
 
 def _fill(hd, kind, fwd, dkdv, dq, dbias=None):
@@ -277,23 +277,23 @@ def load_launch_table(path):
   if not isinstance(entries, list):
     raise ValueError(f"launch table {path}: entries must be a list, got {type(entries).__name__}")
   table = {}
-  for i, e in enumerate(entries):
+  for i, entry in enumerate(entries):
     where = f"launch table {path}: entries[{i}]"
-    if not isinstance(e, dict):
-      raise ValueError(f"{where} must be a dict, got {type(e).__name__}")
-    key = (e.get("head_dim"), e.get("kind"), e.get("role"))
+    if not isinstance(entry, dict):
+      raise ValueError(f"{where} must be a dict, got {type(entry).__name__}")
+    key = (entry.get("head_dim"), entry.get("kind"), entry.get("role"))
     if key not in LAUNCH_TABLE:
       raise ValueError(f"{where}: (head_dim, kind, role) = {key} is not a key of LAUNCH_TABLE")
     for name in ("block_q", "block_kv", "num_warps", "num_stages"):
-      v = e.get(name)
+      v = entry.get(name)
       if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
         raise ValueError(f"{where}: {name} must be a positive int, got {v!r}")
-    transposed = e.get("transposed", True)
+    transposed = entry.get("transposed", True)
     if not isinstance(transposed, bool):
       raise ValueError(f"{where}: transposed must be a bool, got {transposed!r}")
     if key in table:
       raise ValueError(f"{where}: {key} appears twice")
-    table[key] = Launch(e["block_q"], e["block_kv"], e["num_warps"], e["num_stages"], transposed)
+    table[key] = Launch(entry["block_q"], entry["block_kv"], entry["num_warps"], entry["num_stages"], transposed)
   return table, machine
 
 
@@ -309,7 +309,7 @@ class launch_overrides:
     if unknown:
       raise ValueError(f"entries must be keys of LAUNCH_TABLE, got unknown {unknown}")
     self._entries = dict(entries)
-    self._saved = None
+    self._saved: dict = {}
 
   def __enter__(self):
     import jax

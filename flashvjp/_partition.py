@@ -95,7 +95,7 @@ def _rule(sig: _Signature, backward: bool):
   ops, results, replicate = _mappings(sig, backward)
   rule = ", ".join(ops) + " -> " + ", ".join(results)
   # Shardy wants special factors in the order in which the factors first appear.
-  order = {}
+  order: dict = {}
   for tok in rule.replace("(", " ").replace(")", " ").replace(",", " ").split():
     order.setdefault(tok, len(order))
   replicate = sorted(set(f for f in replicate if f in order), key=order.__getitem__)
@@ -250,7 +250,7 @@ class _Wrapped:
     return dq, dk, dv, dbias, dconsts
 
 
-_WRAPPED = {}
+_WRAPPED: dict = {}
 
 
 def wrap(backend) -> _Wrapped:

@@ -335,7 +335,7 @@ def provably_elementwise(tile_jaxpr, scalar_jaxpr, num_inputs: int) -> bool:
   the same primitives as its scalar form (`scalar_jaxpr`): then the numeric check of
   `check` cannot fail and is skipped (no eager evaluation while tracing)."""
   try:
-    sig = []
+    sig: list = []
     states = [0] * num_inputs + [None] * (len(tile_jaxpr.invars) - num_inputs)
     outs = _pointwise(tile_jaxpr, states, sig)
   except _NotProvable:
@@ -396,7 +396,7 @@ def check(score_mod: Callable, target, acc_dtype):
   key = (fn, str(closed.jaxpr), tile)
   if key in _ELEMENTWISE_OK:
     return fn, consts, n_diff
-  if provably_elementwise(closed.jaxpr, fn._jaxpr, 5):  # pylint: disable=protected-access
+  if provably_elementwise(closed.jaxpr, fn._jaxpr, 5):  # type: ignore[attr-defined]  # set by convert
     _ELEMENTWISE_OK[key] = True  # by construction: nothing evaluated (no jax op)
     return fn, consts, n_diff
   # Concrete stand-ins for traced consts (closed over inside a jit): zeros of their type.

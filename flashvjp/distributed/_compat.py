@@ -26,7 +26,7 @@ def axis_size(axis_name) -> int:
 
 def varying_axes(x) -> frozenset:
   """The manual mesh axes over which `x` varies (empty outside shard_map or without checks)."""
-  aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+  aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)  # type: ignore[attr-defined]  # jax < 0.6
   mat = getattr(aval, "manual_axis_type", None)
   if mat is not None:
     return frozenset(mat.varying)

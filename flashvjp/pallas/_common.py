@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -292,7 +292,7 @@ def _portable_eval(jaxpr, consts, *args):
   """`jax.core.eval_jaxpr` with integer `sign` written as two compares (recursing into
   jit): jnp's integer floor division (``q_idx // chunk``) goes through `sign`, which
   Mosaic lowers only when it knows the TPU generation (not when exporting from a host)."""
-  env = {}
+  env: dict = {}
   read = lambda v: v.val if type(v).__name__ == "Literal" else env[v]
   for v, x in zip(jaxpr.constvars, consts):
     env[v] = x
@@ -367,6 +367,7 @@ def mod_classes(cfg: AttentionConfig, g: Geometry, mod):
   """The mask_mod's block classes resampled to the kernel's blocks (g.bq, g.bk), or None."""
   if mod is None or cfg.mask_mod is None:
     return None
+  assert cfg.mask_mod_blocks is not None  # set with mask_mod
   return _mask.resample_classes(mod.classes, *cfg.mask_mod_blocks, g.bq, g.bk, g.Sq, g.Skv,
                                 g.nq, g.nk)
 
@@ -519,8 +520,8 @@ def _dot(a, b, dims, acc, cfg):
     return lax.dot_general(a, b, dims, preferred_element_type=acc)
   if cfg.interpret:
     return _emulated_dot(a, b, dims, acc, kind)
-  precision = {"tf32": lax.Precision.DEFAULT, "tf32x3": HIGH_F32_ALGORITHM,
-               "ieee": HIGHEST_F32_ALGORITHM}[kind]
+  precision: Any = {"tf32": lax.Precision.DEFAULT, "tf32x3": HIGH_F32_ALGORITHM,
+                    "ieee": HIGHEST_F32_ALGORITHM}[kind]
   return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc)
 
 
@@ -601,11 +602,13 @@ def biased_modded(cfg: AttentionConfig, qk, t, qi, ki, consts, acc, diff_consts=
     s = s + t.bias.astype(acc)
   if cfg.score_mod is None:
     return s, None
+  score_mod = cfg.score_mod
+  assert score_mod is not None
   if diff_consts is None:
-    return _score_mod.apply(cfg.score_mod, tuple(consts), s, t.b, t.h, qi, ki), None
+    return _score_mod.apply(score_mod, tuple(consts), s, t.b, t.h, qi, ki), None
   fixed = tuple(consts)
   return jax.vjp(
-      lambda s_, c_: _score_mod.apply(cfg.score_mod, tuple(c_) + fixed, s_, t.b, t.h, qi, ki),
+      lambda s_, c_: _score_mod.apply(score_mod, tuple(c_) + fixed, s_, t.b, t.h, qi, ki),
       s, tuple(diff_consts))
 
 

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 try:  # Triton params are importable on CPU-only installs too; guard for slim builds.
   from jax.experimental.pallas import triton as _plgpu
 except ImportError:  # pragma: no cover - only on builds without the Triton module
-  _plgpu = None
+  _plgpu = None  # type: ignore[assignment]
 
 
 def program_id(axis: int):
@@ -106,7 +106,7 @@ def next_power_of_2(n: int) -> int:
 try:
   from jax.experimental.pallas import tpu as _pltpu
 except ImportError:  # pragma: no cover - only on builds without the TPU module
-  _pltpu = None
+  _pltpu = None  # type: ignore[assignment]
 
 
 def tpu_compiler_params(dimension_semantics):

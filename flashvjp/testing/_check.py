@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from typing import Callable, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +31,10 @@ def _x64():
   """A context with float64 enabled (the reference's dtype), whatever the user's setting."""
   if jax.config.jax_enable_x64:
     return contextlib.nullcontext()
-  enable = getattr(jax, "enable_x64", None)
+  enable: Any = getattr(jax, "enable_x64", None)
   if enable is None:  # jax < 0.11
-    from jax.experimental import enable_x64 as enable
+    from jax import experimental as jax_experimental
+    enable = getattr(jax_experimental, "enable_x64")
   return enable(True)
 
 
@@ -182,7 +183,7 @@ def check(fn: Optional[Callable] = None, *, query, key, value, layout: str = "BH
       raise TypeError(f"{name} must be a float jax or numpy array, got {type(x).__name__}"
                       f"{'' if not hasattr(x, 'dtype') else ' of dtype ' + str(x.dtype)}")
   dtype = jnp.dtype(query.dtype)
-  diff = {}
+  diff: dict = {}
   for n in ("bias", "sinks", "scale"):
     if n in kwargs and _is_inexact_array(kwargs[n]):
       diff[n] = kwargs[n]

@@ -76,7 +76,7 @@ def problems(draw, dtypes: Sequence = (jnp.float32,), features: Sequence[str] = 
   dtype = jnp.dtype(draw(st.sampled_from(list(dtypes))))
   rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
   arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
-  out = dict(query=arr(B, H, Sq, D), key=arr(B, Hkv, Skv, D), value=arr(B, Hkv, Skv, Dv))
+  out: dict = dict(query=arr(B, H, Sq, D), key=arr(B, Hkv, Skv, D), value=arr(B, Hkv, Skv, Dv))
   chosen = draw(st.lists(st.sampled_from(list(features)), max_size=max_features, unique=True))
   # Features that are mutually exclusive as options: one score_mod, one mask_mod, one scale.
   mods = [f for f in chosen if f in ("softcap", "alibi", "relative_position_bias")]

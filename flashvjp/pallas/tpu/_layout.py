@@ -188,7 +188,7 @@ class ConstMeta:
   H: int
 
 
-def const_arrays(split: C.HeadSplit, acc):
+def const_arrays(split: C.HeadSplit | C.ModSplit, acc):
   """Residuals [B, H, ...] -> kernel arrays (float ones in `acc`, ints in int32)."""
   arrays = []
   for c, sc in zip(split.arrays, split.scalar):

@@ -241,8 +241,9 @@ def _dq_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, nam
 def _dq(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, carrays, meta,
         acc, n_diff, diff_shapes, mod=None, marrays=(), mmeta=None):
   seg_l, lists, counts, entries = F.prepare(cfg, g, q_seg, kv_seg, mask, "q", mod)
-  ins = F.row_inputs(cfg, g, lists, q, k, v, bias, mask, *seg_l, seed, carrays, meta, marrays,
-                     mmeta)
+  q_seg_l, kv_seg_l = seg_l
+  ins = F.row_inputs(cfg, g, lists, q, k, v, bias, mask, q_seg_l, kv_seg_l, seed, carrays, meta,
+                     marrays, mmeta)
   row_map = lambda b, h, i, s, *_: (b, h, i, 0)
   ins.add("do", C.pad_seq_head(dout, g.Sqp, g.Dvp), _bs((None, None, g.bq, g.Dvp), row_map))
   add_rows(ins, g, delta_l, lse_l, lambda b, h, i, s, *_: (b, h, i))

@@ -231,8 +231,9 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   cfg, _, carrays, meta = split_consts(cfg, consts, acc, g.B, g.H, grads=False)
   cfg, marrays, mmeta = split_mod(cfg, mod, acc, g.B, g.H)
   seg_l, lists, counts, entries = prepare(cfg, g, q_seg, kv_seg, mask, "q", mod)
-  ins = row_inputs(cfg, g, lists, q, k, v, bias, mask, *seg_l, seed, carrays, meta, marrays,
-                   mmeta)
+  q_seg_l, kv_seg_l = seg_l
+  ins = row_inputs(cfg, g, lists, q, k, v, bias, mask, q_seg_l, kv_seg_l, seed, carrays, meta,
+                   marrays, mmeta)
   may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_forward_kernel, cfg=cfg, g=g, lists=lists, names=ins.names,
                              meta=meta, may_mask=may_mask, mod_meta=mmeta)

@@ -122,7 +122,8 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   consts0 = tuple(jnp.asarray(c) for c in consts0)
   cfg, split, carrays, meta = F.split_consts(cfg, consts, acc, g.B, g.H, grads=False)
   n_float = sum(1 for x in split.arrays if jnp.issubdtype(x.dtype, jnp.inexact))
-  tarrays, tmeta = (), Lo.ConstMeta((), g.H)
+  tarrays: tuple = ()
+  tmeta = Lo.ConstMeta((), g.H)
   if cfg.score_mod is not None and any(t is not None for t in tconsts):
     diff, fixed = consts0[:n_user], consts0[n_user:]
     tdiff = tuple(jnp.zeros_like(c) if t is None else t.astype(c.dtype)

@@ -466,6 +466,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   dq = dq[:, :, : g.Sq, : g.D].astype(q.dtype)
   if n_diff:
     dres = tuple(d[..., 0] if sc else d for d, sc in zip(dres, scalar))
+    assert split.to_consts is not None  # set whenever n_diff > 0
     dconsts = tuple(split.to_consts(dres))
   else:  # differentiable consts that the scores do not depend on
     dconsts = tuple(jnp.zeros(jnp.shape(c), jnp.result_type(c)) for c in user_consts[:n_user_diff])

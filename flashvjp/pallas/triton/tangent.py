@@ -164,7 +164,7 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   cfg, consts = C.hoist_score_mod(cfg, consts, acc)
   split = C.split_per_head(cfg, consts, acc, g.B, g.H, grads=False)
   n_float = sum(1 for x in split.arrays if jnp.issubdtype(x.dtype, jnp.inexact))
-  res_tangents = ()
+  res_tangents: tuple = ()
   if cfg.score_mod is not None and any(t is not None for t in tconsts):
     diff, fixed = tuple(consts[:n_user]), tuple(consts[n_user:])
     tdiff = tuple(jnp.zeros_like(c) if t is None else t.astype(c.dtype)
