@@ -58,6 +58,7 @@ print("RESULT " + json.dumps(dict(lower=t1 - t0, compile=t2 - t1, lower_cpu=c1 -
 def loss(kind):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
   import flashvjp  # pylint: disable=import-outside-toplevel
   if kind == "flashvjp":
     attn = lambda q, k, v: flashvjp.flash_attention(q, k, v, causal=True)

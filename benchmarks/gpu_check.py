@@ -53,7 +53,7 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Callable, List
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -119,14 +119,14 @@ class Row:
   key: str  # unique within the run; the results' name of the row
   shape: str  # what runs, for the plan
   est_s: float  # estimated wall seconds
-  fn: Callable[["Run", "Row"], dict]  # runs it; returns the result fields (status included)
+  fn: Callable[[Run, Row], dict]  # runs it; returns the result fields (status included)
   args: dict = dataclasses.field(default_factory=dict)
 
 
 class Plan:
   def __init__(self):
-    self.rows: List[Row] = []
-    self.not_planned: List[str] = []  # "key: why" for rows left out before any run
+    self.rows: list[Row] = []
+    self.not_planned: list[str] = []  # "key: why" for rows left out before any run
 
 
 # -- part 1: correctness
@@ -766,8 +766,8 @@ def markdown(d) -> str:
       groups.setdefault(r["key"].split(" ", 2)[2], {})[a] = r
   for g, by in groups.items():
     any_r = next(iter(by.values()))
-    cell = lambda i: (f"{by[i]['tflops']}" if i in by and "tflops" in by[i]
-                      else ("ERROR" if i in by else ""))
+    cell = lambda i, by=by: (f"{by[i]['tflops']}" if i in by and "tflops" in by[i]
+                             else ("ERROR" if i in by else ""))
     fv = by.get("flashvjp", {})
     S, D, causal, mode = g.split(" ")
     lines.append(f"| {S[2:]} | {D[2:]} | {causal[7:]} | {mode} | "

@@ -165,10 +165,12 @@ def _abstract_h100():
 def export_case(case: Case) -> str:
   """StableHLO text of jax.jit(jax.value_and_grad(loss)) exported for CUDA."""
   import contextlib
+
   import jax
   import jax.numpy as jnp
   import numpy as np
   from jax import export
+
   import flashvjp
 
   dt = dict(bf16=jnp.bfloat16, f16=jnp.float16, f32=jnp.float32)[case.dtype]
@@ -475,11 +477,13 @@ def ptxas_facts(log: str) -> dict:
 # ================================================================= compile (pip triton, own process)
 def compile_one(ttir_path: str, num_warps: int, num_stages: int) -> dict:
   """pip triton's NVIDIA stages for sm_90 + ptxas for one kernel; artifacts beside the TTIR."""
+  import triton
   from triton._C.libtriton import ir
   from triton.backends.compiler import GPUTarget
-  from triton.backends.nvidia.compiler import CUDABackend, get_ptxas, sm_arch_from_capability
+  from triton.backends.nvidia.compiler import CUDABackend
+  from triton.backends.nvidia.compiler import get_ptxas
+  from triton.backends.nvidia.compiler import sm_arch_from_capability
   from triton.compiler.compiler import Language
-  import triton
 
   base = ttir_path[:-len(".ttir")]
   res = dict(ok=False, stage="setup", error=None, triton=triton.__version__)

@@ -1,4 +1,5 @@
 """flashvjp: exact, memory-efficient, differentiable attention for JAX."""
+from flashvjp import testing  # the public gradient checks (flashvjp.testing.check)
 from flashvjp._api import explain
 from flashvjp._api import flash_attention
 from flashvjp._api import memory_efficient_attention
@@ -23,7 +24,6 @@ from flashvjp.distributed import from_zigzag
 from flashvjp.distributed import ring_attention
 from flashvjp.distributed import sharded_attention
 from flashvjp.distributed import to_zigzag
-from flashvjp import testing  # the public gradient checks (flashvjp.testing.check)
 
 __version__ = "0.2.0"  # the one place; pyproject reads it (CHANGELOG.md says what changed)
 

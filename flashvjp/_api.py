@@ -9,20 +9,21 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flashvjp import _config
 from flashvjp import _dispatch
 from flashvjp import _dropout
 from flashvjp import _mask_mod
 from flashvjp import _score_mod
 from flashvjp import _vjp
 from flashvjp import reference
-from flashvjp import _config
-from flashvjp._config import AttentionConfig, BlockSizes, default_block_sizes
+from flashvjp._config import AttentionConfig
+from flashvjp._config import BlockSizes
+from flashvjp._config import default_block_sizes
 
 _FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
@@ -336,12 +337,12 @@ def _apply_sinks(out, lse, sinks):
 
 def flash_attention(
     query, key, value, *, bias=None, mask=None, causal: bool = False,
-    window: Optional[Tuple[Optional[int], Optional[int]]] = None, segment_ids=None,
-    score_mod=None, scale: Optional[float] = None, dropout_rate: float = 0.0,
+    window: tuple[int | None, int | None] | None = None, segment_ids=None,
+    score_mod=None, scale: float | None = None, dropout_rate: float = 0.0,
     dropout_rng=None, deterministic: bool = True, return_lse: bool = False,
-    implementation: Optional[str] = None, block_q: Optional[int] = None,
-    block_kv: Optional[int] = None, interpret: Optional[bool] = None,
-    dropout_broadcast: Tuple[bool, bool] = (False, False), mask_mod=None, block_mask=None,
+    implementation: str | None = None, block_q: int | None = None,
+    block_kv: int | None = None, interpret: bool | None = None,
+    dropout_broadcast: tuple[bool, bool] = (False, False), mask_mod=None, block_mask=None,
     sinks=None):
   """Exact, memory-efficient, differentiable attention.
 

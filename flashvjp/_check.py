@@ -9,7 +9,9 @@ tolerances are stated; flashvjp.testing and the test suite import them from here
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +57,8 @@ def tolerance(dtype, implementation: str = "naive", precision=None, platform=Non
   GPU (XLA's float32 default there), at "high" XLA on a GPU (its HIGH is TF32 there);
   TOL_TF32X3 for Pallas-Triton at "high"; otherwise TOL[dtype] (README "Precision").
   """
-  from flashvjp import _config, _dispatch
+  from flashvjp import _config
+  from flashvjp import _dispatch
   dtype = jnp.dtype(dtype)
   if dtype != jnp.float32:
     return TOL[dtype]
@@ -103,9 +106,9 @@ class Row:
   errors: tuple  # out, dq, dk, dv; () when not run (see `skipped` / `error`)
   tol: float
   seconds: float = 0.0  # wall time of this row (compile + run)
-  skipped: Optional[str] = None  # why the implementation does not run this feature here
-  report: Optional["Report"] = None  # the flashvjp.testing.Report (every quantity compared)
-  error: Optional[str] = None  # what a user's function raised (the row fails)
+  skipped: str | None = None  # why the implementation does not run this feature here
+  report: Report | None = None  # the flashvjp.testing.Report (every quantity compared)
+  error: str | None = None  # what a user's function raised (the row fails)
 
   @property
   def passed(self) -> bool:
@@ -124,7 +127,7 @@ class Row:
                 report=None if self.report is None else self.report.to_dict())
 
 
-def _features(B, H, Sq) -> List[tuple]:
+def _features(B, H, Sq) -> list[tuple]:
   import flashvjp
   from flashvjp import _score_mod
   rng = np.random.default_rng(0)
@@ -153,8 +156,8 @@ FEATURES = ("plain", "causal", "window(8,4)", "segment_ids", "mask+empty row", "
 
 
 def run(implementations, dtype=jnp.float32, B=1, H=4, Hkv=2, S=70, D=32,
-        progress: Callable = lambda it: it, on_row: Optional[Callable[[Row], None]] = None,
-        features: Optional[Sequence[str]] = None, fn: Optional[Callable] = None) -> List[Row]:
+        progress: Callable = lambda it: it, on_row: Callable[[Row], None] | None = None,
+        features: Sequence[str] | None = None, fn: Callable | None = None) -> list[Row]:
   """Forward and gradients of each implementation vs naive (float64) on a few features.
 
   Each row is one `flashvjp.testing.check` (out, dq, dk, dv, and the gradients of the
@@ -194,7 +197,7 @@ def run(implementations, dtype=jnp.float32, B=1, H=4, Hkv=2, S=70, D=32,
       else:
         try:
           report = testing.check(fn, query=q, key=k, value=v, tolerance=tol, **kw, **extra)
-        except Exception as e:  # noqa: BLE001  (only a user's function: reported, the row fails)
+        except Exception as e:
           if fn is None:
             raise
           row = Row(impl, name, (), tol, error=f"{type(e).__name__}: {e}")

@@ -25,13 +25,13 @@ manual shard_map, the wrapped function simply runs the backend.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Tuple
+from typing import Any
 
 import jax
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
-
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class _Signature:
   mask_shape: Any
   has_seg: bool
   has_seed: bool
-  const_ranks: Tuple[int, ...]
+  const_ranks: tuple[int, ...]
   num_diff_consts: int
   has_dlse: bool = False
 

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import flashvjp
-
-from flashvjp._check import TOL, tolerance  # the one tolerance table, stated in the package
+from flashvjp._check import tolerance  # the one tolerance table, stated in the package
 from flashvjp.testing._compare import compare_trees  # the one comparison
 
 

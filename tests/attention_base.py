@@ -13,8 +13,8 @@ import contextlib
 import functools
 
 import jax
-import jax.test_util  # noqa: F401  (check_grads)
 import jax.numpy as jnp
+import jax.test_util
 import numpy as np
 import pytest
 

@@ -87,8 +87,8 @@ def test_check_fails_loudly(monkeypatch, capsys):
   """A row over tolerance prints FAIL, is named at the end, and the exit status is 1."""
   from flashvjp.testing import _check as testing_check
   real = testing_check.compare
-  monkeypatch.setattr(testing_check, "compare", lambda n, g, r, t: dataclasses.replace(
-      real(n, g, r, t), error=1.0 if n == "dk" else 0.0))
+  monkeypatch.setattr(testing_check, "compare", lambda n, g, r, t, *floor: dataclasses.replace(
+      real(n, g, r, t, *floor), error=1.0 if n == "dk" else 0.0))
   code = _run_main(["check", "--skip-pallas", "--feature", "plain"])
   out = capsys.readouterr().out
   assert code == 1

@@ -95,7 +95,7 @@ def test_eager_score_mod_compiles_once(counter):
 
 def test_eager_traced_scale_compiles_once(counter):
   q, k, v = _util.random_qkv(4, 1, 2, 2, 16, 16, 8)
-  counts = [counter.count(lambda: flashvjp.flash_attention(
+  counts = [counter.count(lambda i=i: flashvjp.flash_attention(
       q, k, v, scale=jnp.float32(0.1 * (i + 1)), implementation="blockwise")) for i in range(3)]
   assert counts[1:] == [0, 0], counts
 

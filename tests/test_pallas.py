@@ -401,7 +401,8 @@ def test_dkdv_both_orientations_against_naive(head_dim):
 
 def _mod_setup(mod, B, H, S, bq, bk, uses=(True, True), mod_blocks=(16, 16)):
   """(cfg with the scalar mask_mod, ModInputs at mod_blocks, dense allowed [B', H', S, S])."""
-  from flashvjp import _config, _mask_mod
+  from flashvjp import _config
+  from flashvjp import _mask_mod
   fn, consts, uses = _mask_mod.check(mod, (B, H, S, S))
   classes = _mask_mod.classify(fn, consts, uses, B, H, S, S, *mod_blocks)
   cfg = _config.AttentionConfig(

@@ -17,13 +17,17 @@ import numpy as np
 import pytest
 
 import flashvjp
-from flashvjp import _config, _dispatch, _mask
+from flashvjp import _config
+from flashvjp import _dispatch
+from flashvjp import _mask
 from flashvjp import _partition
 from flashvjp.pallas import _compat
 from flashvjp.pallas import tpu as pallas_tpu
-from flashvjp.pallas.tpu import _layout, _limits
+from flashvjp.pallas.tpu import _layout
+from flashvjp.pallas.tpu import _limits
 from tests import _util
-from tests.attention_base import AttentionTests, run_case
+from tests.attention_base import AttentionTests
+from tests.attention_base import run_case
 
 
 class TestPallasTPUInterpret(AttentionTests):

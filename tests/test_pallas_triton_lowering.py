@@ -14,14 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
+from jax._src.pallas.triton import pallas_call_registration as _registration
 
+import flashvjp
 from flashvjp import _config
 from flashvjp import _dropout
 from flashvjp import _score_mod
 from flashvjp import _vjp
-import flashvjp
-
-from jax._src.pallas.triton import pallas_call_registration as _registration
 
 # jax >= 0.11 asks gpu_info for the device; 0.10 has no such module and needs no patch.
 _NEEDS_GPU_INFO = hasattr(_registration, "gpu_info_lib")

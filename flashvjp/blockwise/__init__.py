@@ -1,4 +1,5 @@
 """Pure-JAX blockwise attention: O(seq) memory forward and hand-written backward."""
-from flashvjp.blockwise._impl import backward, forward
+from flashvjp.blockwise._impl import backward
+from flashvjp.blockwise._impl import forward
 
 __all__ = ["forward", "backward"]

@@ -21,10 +21,11 @@ Checked against jax 0.10.2, 0.11.2 and 0.12.0.1:
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 
 import jax
-import jax.extend  # noqa: F401  (jax.extend.core)
+import jax.extend
 from jax.experimental import pallas as pl
 
 try:  # Triton params are importable on CPU-only installs too; guard for slim builds.
@@ -43,7 +44,7 @@ def ds(start, size: int):
   return pl.ds(start, size)
 
 
-def block_spec(block_shape: Sequence[Optional[int]], index_map: Callable) -> pl.BlockSpec:
+def block_spec(block_shape: Sequence[int | None], index_map: Callable) -> pl.BlockSpec:
   """BlockSpec with `None` entries squeezed; `index_map(*program_ids) -> block indices`."""
   return pl.BlockSpec(block_shape=tuple(block_shape), index_map=index_map)
 
@@ -110,7 +111,7 @@ except ImportError:  # pragma: no cover - only on builds without the TPU module
 
 
 def tpu_compiler_params(dimension_semantics):
-  cls = getattr(_pltpu, "CompilerParams", None) or getattr(_pltpu, "TPUCompilerParams")
+  cls = getattr(_pltpu, "CompilerParams", None) or _pltpu.TPUCompilerParams  # type: ignore[attr-defined]  # jax < 0.6
   return cls(dimension_semantics=tuple(dimension_semantics))
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,9 @@ import numpy as np
 from flashvjp import _check as _tables
 from flashvjp import _mask_mod
 from flashvjp import _score_mod
-from flashvjp.testing._compare import SCALE_FLOOR, Report, compare
+from flashvjp.testing._compare import SCALE_FLOOR
+from flashvjp.testing._compare import Report
+from flashvjp.testing._compare import compare
 
 LAYOUTS = ("BHSD", "BSHD")
 # Arguments of the function under test that only choose how it runs: not given to the reference.
@@ -34,7 +38,7 @@ def _x64():
   enable: Any = getattr(jax, "enable_x64", None)
   if enable is None:  # jax < 0.11
     from jax import experimental as jax_experimental
-    enable = getattr(jax_experimental, "enable_x64")
+    enable = jax_experimental.enable_x64  # type: ignore[attr-defined]  # jax < 0.11
   return enable(True)
 
 
@@ -79,7 +83,7 @@ def _replace(consts, idx, new, kind):
   return tuple(consts)
 
 
-def _mod_arrays(kwargs) -> Dict[str, tuple]:
+def _mod_arrays(kwargs) -> dict[str, tuple]:
   """{"score_mod": (its inexact closed-over arrays), "mask_mod": (...)}, found by tracing."""
   found = {}
   if kwargs.get("score_mod") is not None:
@@ -124,8 +128,8 @@ def _tolerance_for(fn, dtype, kwargs, layout, query, key, value) -> float:
   return _tables.tolerance(dtype, impl or "naive")
 
 
-def check(fn: Optional[Callable] = None, *, query, key, value, layout: str = "BHSD",
-          tolerance: Union[None, float, Mapping[str, float]] = None, seed: int = 0,
+def check(fn: Callable | None = None, *, query, key, value, layout: str = "BHSD",
+          tolerance: None | float | Mapping[str, float] = None, seed: int = 0,
           jit: bool = True, **kwargs) -> Report:
   """Compare `fn` and its gradients with autodiff of naive attention in float64.
 
@@ -270,7 +274,7 @@ def check(fn: Optional[Callable] = None, *, query, key, value, layout: str = "BH
   return Report(tuple(quantities), title)
 
 
-def assert_close(fn: Optional[Callable] = None, **kwargs) -> Report:
+def assert_close(fn: Callable | None = None, **kwargs) -> Report:
   """`check(fn, **kwargs)`, raising AssertionError with the report's table when it fails.
 
   For a test suite (pytest prints the table, which names the failing quantity)::

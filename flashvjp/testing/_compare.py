@@ -21,7 +21,7 @@ must sit where the reference has the same inf (an empty row's lse = -inf).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -40,11 +40,11 @@ class Quantity:
   name: str
   error: float
   tolerance: float
-  worst_index: Tuple[int, ...]
+  worst_index: tuple[int, ...]
   got: float
   ref: float
   scale: float
-  shape: Tuple[int, ...]
+  shape: tuple[int, ...]
   note: str = ""
 
   @property
@@ -94,7 +94,7 @@ class Report:
   quantity; ``report.failed`` names the failing ones; ``str(report)`` is a table.
   """
 
-  quantities: Tuple[Quantity, ...]
+  quantities: tuple[Quantity, ...]
   title: str = ""
 
   @property
@@ -102,11 +102,11 @@ class Report:
     return all(q.passed for q in self.quantities)
 
   @property
-  def failed(self) -> Tuple[str, ...]:
+  def failed(self) -> tuple[str, ...]:
     return tuple(q.name for q in self.quantities if not q.passed)
 
   @property
-  def names(self) -> Tuple[str, ...]:
+  def names(self) -> tuple[str, ...]:
     return tuple(q.name for q in self.quantities)
 
   def __getitem__(self, name: str) -> Quantity:
@@ -145,7 +145,7 @@ class Report:
   __repr__ = __str__
 
 
-def compare_trees(got, ref, tolerance: float, names: Optional[Sequence[str]] = None,
+def compare_trees(got, ref, tolerance: float, names: Sequence[str] | None = None,
                   title: str = "") -> Report:
   """A Report comparing each leaf of `got` with the same leaf of the float64 `ref`."""
   import jax

@@ -21,7 +21,7 @@ and dropout. Arrays are drawn from a seeded numpy generator (hypothesis shrinks 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 try:
   from hypothesis import strategies as st

@@ -27,11 +27,9 @@ causal / window bounds (`static_width`), never the full kv length for local mask
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from flashvjp import _mask
@@ -242,10 +240,10 @@ class Tile:
   h: jax.Array
   i: jax.Array
   j: jax.Array
-  bias: Optional[jax.Array] = None  # [bq|1, bk|1]
-  mask: Optional[jax.Array] = None  # int8 [bq|1, bk|1]
-  q_seg: Optional[jax.Array] = None  # int32 [bq, 1]
-  kv_seg: Optional[jax.Array] = None  # int32 [1, bk]
+  bias: jax.Array | None = None  # [bq|1, bk|1]
+  mask: jax.Array | None = None  # int8 [bq|1, bk|1]
+  q_seg: jax.Array | None = None  # int32 [bq, 1]
+  kv_seg: jax.Array | None = None  # int32 [1, bk]
   mod: tuple = ()  # the mask_mod's residuals of (b, h), loaded
 
 

@@ -18,12 +18,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas import _compat
 from flashvjp.pallas.tpu import _layout as Lo
-from jax.experimental import pallas as pl
 
 PARALLEL, ARBITRARY = "parallel", "arbitrary"
 
@@ -92,7 +92,7 @@ def load_mod_consts(r, mod_meta, b, h):
 def row_inputs(cfg: AttentionConfig, g: C.Geometry, lists: Lo.Lists, q, k, v, bias, mask,
                q_seg, kv_seg, seed, const_arrays, meta, mod_arrays=(), mod_meta=None):
   """Inputs for a (batch, head, q block, step) grid (the forward and dQ kernels)."""
-  G, W = g.G, lists.W
+  G = g.G
 
   def kv_block(b, h, i, s, cnt, ent):
     return Lo.div(lists.entry(ent, b, h, i, s), 2)
