@@ -5,7 +5,7 @@ Room: configuration. Imports nothing from the API; kernels read it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Tuple
+from collections.abc import Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,10 +18,10 @@ class BlockSizes:
 
   block_q: int = 128
   block_kv: int = 128
-  block_q_dkv: Optional[int] = None
-  block_kv_dkv: Optional[int] = None
-  block_q_dq: Optional[int] = None
-  block_kv_dq: Optional[int] = None
+  block_q_dkv: int | None = None
+  block_kv_dkv: int | None = None
+  block_q_dq: int | None = None
+  block_kv_dq: int | None = None
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -32,11 +32,11 @@ class BlockSizes:
         raise ValueError(f"{f.name} must be a positive int, got {v!r}")
 
   @property
-  def dkv(self) -> Tuple[int, int]:
+  def dkv(self) -> tuple[int, int]:
     return (self.block_q_dkv or self.block_q, self.block_kv_dkv or self.block_kv)
 
   @property
-  def dq(self) -> Tuple[int, int]:
+  def dq(self) -> tuple[int, int]:
     return (self.block_q_dq or self.block_q, self.block_kv_dq or self.block_kv)
 
 
@@ -215,13 +215,13 @@ class AttentionConfig:
 
   scale: float
   causal: bool
-  window: Optional[Tuple[Optional[int], Optional[int]]]
+  window: tuple[int | None, int | None] | None
   seq_q: int
   seq_kv: int
   dropout_rate: float
   blocks: BlockSizes
   # score_mod, closure converted and traced on scalars: (s, b, h, q_idx, kv_idx, *consts) -> s.
-  score_mod: Optional[Callable] = None
+  score_mod: Callable | None = None
   num_diff_consts: int = 0  # the first num_diff_consts score_mod consts are differentiable
   interpret: bool = False
   implementation: str = "blockwise"  # one of flashvjp._dispatch.CONCRETE
@@ -230,13 +230,13 @@ class AttentionConfig:
   precision: str = "default"
   # Dropout keep-mask shared across (batch, heads) where True (Flax's broadcast_dropout):
   # the counter hash then sees b = 0 / h = 0 (flashvjp._dropout.hash_coords).
-  dropout_broadcast: Tuple[bool, bool] = (False, False)
+  dropout_broadcast: tuple[bool, bool] = (False, False)
   # mask_mod, closure converted and traced on scalars: (b, h, q_idx, kv_idx, *consts) -> bool
   # (flashvjp._mask_mod.ScalarMaskMod); its consts and block classes travel as `mod`
   # (flashvjp._mask_mod.ModInputs), the classes at blocks `mask_mod_blocks` (bq, bk).
-  mask_mod: Optional[Callable] = None
-  mask_mod_blocks: Optional[Tuple[int, int]] = None
-  mask_mod_uses: Tuple[bool, bool] = (True, True)  # whether it reads (b, h)
+  mask_mod: Callable | None = None
+  mask_mod_blocks: tuple[int, int] | None = None
+  mask_mod_uses: tuple[bool, bool] = (True, True)  # whether it reads (b, h)
   # out in the accumulation dtype (float32), its p @ v in float32: set for a traced scale
   # with low-precision inputs (flashvjp._api._fold_scale), so that the backward's
   # delta = rowsum(dO * O) is that of the backward's own float32 probabilities.

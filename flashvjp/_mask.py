@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,16 +76,16 @@ class MaskSpec:
   """The static part of the mask model."""
 
   causal: bool = False
-  window: Optional[Tuple[Optional[int], Optional[int]]] = None
+  window: tuple[int | None, int | None] | None = None
   seq_q: int = 0
   seq_kv: int = 0
 
   @property
-  def left(self) -> Optional[int]:
+  def left(self) -> int | None:
     return None if self.window is None else self.window[0]
 
   @property
-  def right(self) -> Optional[int]:
+  def right(self) -> int | None:
     if self.causal:
       r = 0 if self.window is None or self.window[1] is None else min(0, self.window[1])
       return r

@@ -16,7 +16,9 @@ elementwise mask only on PARTIAL ones. `make_block_mask` returns that table as a
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple, Optional, Protocol, Tuple
+from collections.abc import Callable
+from typing import NamedTuple
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +75,7 @@ def _traced(what, fn, *args):
                             argnames="(b, h, q_idx, kv_idx)")
 
 
-def convert(mask_mod: Callable) -> Tuple[ScalarMaskMod, tuple]:
+def convert(mask_mod: Callable) -> tuple[ScalarMaskMod, tuple]:
   """Trace `mask_mod` on scalar int32 indices; every array it reads becomes an input."""
   i = jax.ShapeDtypeStruct((), jnp.int32)
   closed = _traced("on scalar indices", jax.make_jaxpr(mask_mod), i, i, i, i)
@@ -91,7 +93,7 @@ def convert(mask_mod: Callable) -> Tuple[ScalarMaskMod, tuple]:
 _ELEMENTWISE_OK: dict = {}
 
 
-def check(mask_mod: Callable, target) -> Tuple[ScalarMaskMod, tuple, Tuple[bool, bool]]:
+def check(mask_mod: Callable, target) -> tuple[ScalarMaskMod, tuple, tuple[bool, bool]]:
   """Validate `mask_mod` for scores of shape `target` = (B, H, Sq, Skv).
 
   Returns (fn, consts, (uses_b, uses_h)). Raises TypeError / ValueError naming mask_mod

@@ -38,6 +38,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
 # Importing Pallas (and its interpret mode) defines jax config states that are part of
 # jit's cache key. Imported lazily, inside the first traced call, they would change that
 # key after the caller's jit computed it, so a jitted Pallas call retraced on its second
@@ -53,9 +54,9 @@ def _backend(name: str):
   if name == "blockwise":
     from flashvjp import blockwise as backend
   elif name == "pallas_triton":
-    from flashvjp.pallas import triton as backend
+    from flashvjp.pallas import triton as backend  # type: ignore[no-redef]
   elif name == "pallas_tpu":
-    from flashvjp.pallas import tpu as backend
+    from flashvjp.pallas import tpu as backend  # type: ignore[no-redef]
   else:
     raise ValueError(f"no custom_vjp backend named {name!r}")
   # Under jit with inputs sharded over batch/heads, each device runs the backend on its
@@ -335,7 +336,7 @@ def _tangent_jvp_impl(*flat, cfg, tree, present, dpresent, levels):
 def _abstract_eval(*avals, tree, levels, **_):
   n_p = tree.num_leaves
   sizes = []
-  for li, lv in enumerate(levels):
+  for li in range(len(levels)):
     for a, lv_a in zip(avals, zip(*levels)):
       if lv_a[li]:
         sizes.append(a.shape[sum(lv_a[:li])])

@@ -14,7 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import flashvjp
 from tests import _util
@@ -216,7 +218,7 @@ def test_ring_memory_per_device_shrinks_with_devices():
   temps = {}
   for n in (2, 8):
     mesh = _mesh((n,), ("sp",))
-    def arg(shape, dtype=jnp.float32):
+    def arg(shape, dtype=jnp.float32, mesh=mesh):
       spec = P(None, "sp") if len(shape) == 2 else P(None, None, "sp", *([None] * (len(shape) - 3)))
       return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
     args = [arg((1, 1, seq, d))] * 4 + [arg((1, 1, seq))] + [arg((1, seq), jnp.int32)] * 2

@@ -18,7 +18,7 @@ from flax import nnx  # noqa: E402
 
 import flashvjp  # noqa: E402
 import flashvjp.flax  # noqa: E402
-from tests._util import TOL  # noqa: E402
+from flashvjp._check import tolerance  # noqa: E402
 from tests._util import assert_close  # noqa: E402
 
 F32, F64 = jnp.float32, jnp.float64
@@ -41,8 +41,8 @@ def _assert_grads_close(got, ref, dtype, what):
   softmax ignores a per-row constant) is checked against the tree's largest gradient."""
   scale = max(float(jnp.abs(r).max()) for r in jax.tree_util.tree_leaves(ref))
   for n, (g, r) in enumerate(zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref))):
-    if float(jnp.abs(r).max()) < 1e3 * TOL[jnp.dtype(dtype)] * scale:
-      assert float(jnp.abs(g).max()) <= 1e3 * TOL[jnp.dtype(dtype)] * scale, f"{what} leaf {n}"
+    if float(jnp.abs(r).max()) < 1e3 * tolerance(dtype) * scale:
+      assert float(jnp.abs(g).max()) <= 1e3 * tolerance(dtype) * scale, f"{what} leaf {n}"
     else:
       assert_close(g, r, dtype, f"{what} leaf {n}")
 

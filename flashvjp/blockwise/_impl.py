@@ -87,7 +87,9 @@ class _Layout:
     """The mask_mod's block classes at this layout's blocks (None without a mask_mod)."""
     if mod is None:
       return None
-    return _mask.resample_classes(mod.classes, *self.cfg.mask_mod_blocks, self.bq, self.bk,
+    assert self.cfg.mask_mod_blocks is not None  # set with every mask_mod
+    src_bq, src_bk = self.cfg.mask_mod_blocks
+    return _mask.resample_classes(mod.classes, src_bq, src_bk, self.bq, self.bk,
                                   self.Sq, self.Skv, self.nq, self.nk)
 
   def needs_mask(self, elementwise):
@@ -433,12 +435,12 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     s = L.scores_t(q_blk, k_blk, bias5, i, j)
     if masked:
       ok = L.allowed(i, j, q_seg, kv_seg, mask5, mod, t=True)
-    if cfg.score_mod is not None:
+    if (sm_fn := cfg.score_mod) is not None:
       if masked:  # a masked q k may be inf / NaN (any finite K there): keep it out of
         s = jnp.where(ok, s, 0.0)  # the score_mod's derivative (0 * f'(inf) = NaN)
       idx = L.indices(i, j, t=True)
       s, sm_vjp = jax.vjp(
-          lambda s_, c_: _score_mod.apply(cfg.score_mod, c_ + fixed_consts, s_, *idx),
+          lambda s_, c_: _score_mod.apply(sm_fn, c_ + fixed_consts, s_, *idx),
           s, diff_consts)
     if masked:
       s = jnp.where(ok, s, -jnp.inf)

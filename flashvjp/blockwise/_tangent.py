@@ -27,7 +27,11 @@ from jax import lax
 from flashvjp import _score_mod
 from flashvjp._config import AttentionConfig
 from flashvjp.blockwise import _impl
-from flashvjp.blockwise._impl import _Layout, _carry_zero, _pairs, _put_rows, _rows
+from flashvjp.blockwise._impl import _carry_zero
+from flashvjp.blockwise._impl import _Layout
+from flashvjp.blockwise._impl import _pairs
+from flashvjp.blockwise._impl import _put_rows
+from flashvjp.blockwise._impl import _rows
 
 
 def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,

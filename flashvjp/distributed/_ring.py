@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Hashable, Optional
+from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
@@ -293,10 +293,10 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # ---- public API ----------------------------------------------------------------------
 
 def ring_attention(query, key, value, *, axis_name, causal: bool = False, segment_ids=None,
-                   bias=None, scale: Optional[float] = None, layout: str = "contiguous",
-                   return_lse: bool = False, implementation: Optional[str] = None,
-                   block_q: Optional[int] = None, block_kv: Optional[int] = None,
-                   interpret: Optional[bool] = None):
+                   bias=None, scale: float | None = None, layout: str = "contiguous",
+                   return_lse: bool = False, implementation: str | None = None,
+                   block_q: int | None = None, block_kv: int | None = None,
+                   interpret: bool | None = None):
   """Exact attention with the sequence sharded over a mesh axis; call inside shard_map.
 
   Same semantics as `flashvjp.flash_attention` on the global (unsharded) sequence,

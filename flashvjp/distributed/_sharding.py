@@ -7,10 +7,11 @@ _partition.py). Sequence sharding runs `ring_attention` over the sequence axis.
 """
 from __future__ import annotations
 
-from typing import Hashable, Optional
+from collections.abc import Hashable
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec
 
 from flashvjp import _api
 from flashvjp.distributed import _compat
@@ -35,8 +36,8 @@ def _axis_size(mesh: Mesh, name, arg):
   return size
 
 
-def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Optional[Hashable] = None,
-                      head_axis: Optional[Hashable] = None, seq_axis: Optional[Hashable] = None,
+def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Hashable | None = None,
+                      head_axis: Hashable | None = None, seq_axis: Hashable | None = None,
                       segment_ids=None, return_lse: bool = False, **kwargs):
   """Attention on global arrays, sharded over `mesh` by batch, heads and/or sequence.
 
@@ -99,6 +100,7 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Optional[Has
   lse_spec = PartitionSpec(batch_axis, head_axis, seq_axis)
   seg_spec = PartitionSpec(batch_axis, seq_axis)
   pair = isinstance(segment_ids, (tuple, list))
+  seg_specs: PartitionSpec | tuple[PartitionSpec, PartitionSpec] | None
   if segment_ids is None:
     seg_in, seg_specs = None, None
   elif pair:

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from flashvjp import _config
 from flashvjp import _dropout
 from flashvjp import _mask
 from flashvjp import _mask_mod
 from flashvjp import _score_mod
-from flashvjp import _config
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _compat
 
@@ -203,7 +204,7 @@ class HeadSplit:
   arrays: tuple = ()
   scalar: tuple = ()
   n_diff: int = 0
-  to_consts: Optional[Callable] = None
+  to_consts: Callable | None = None
 
 
 def split_score_mod_jaxprs(fn, consts, acc):
@@ -490,7 +491,7 @@ def pad_operand(cfg: AttentionConfig, x, seq, head):
   return pad_seq_head(x, seq, head)
 
 
-def dot_kind(cfg: Optional[AttentionConfig], dtype) -> str:
+def dot_kind(cfg: AttentionConfig | None, dtype) -> str:
   """How a dot on `dtype` operands runs: "native" (16-bit / float64 / no config), "tf32"
   ("default"), "tf32x3" ("high") or "ieee" ("highest") for float32 operands."""
   if cfg is None or jnp.dtype(dtype) != jnp.float32:
@@ -525,17 +526,17 @@ def _dot(a, b, dims, acc, cfg):
   return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc)
 
 
-def dot_nt(a, b, acc, cfg: Optional[AttentionConfig] = None):
+def dot_nt(a, b, acc, cfg: AttentionConfig | None = None):
   """a [m, d] @ b[n, d]^T -> [m, n] in `acc`; float32 operands at cfg.precision."""
   return _dot(a, b, (((1,), (1,)), ((), ())), acc, cfg)
 
 
-def dot_nn(a, b, acc, cfg: Optional[AttentionConfig] = None):
+def dot_nn(a, b, acc, cfg: AttentionConfig | None = None):
   """a [m, k] @ b [k, n] -> [m, n] in `acc`; float32 operands at cfg.precision."""
   return _dot(a, b, (((1,), (0,)), ((), ())), acc, cfg)
 
 
-def dot_tn(a, b, acc, cfg: Optional[AttentionConfig] = None):
+def dot_tn(a, b, acc, cfg: AttentionConfig | None = None):
   """a [k, m]^T @ b [k, n] -> [m, n] in `acc`; float32 operands at cfg.precision."""
   return _dot(a, b, (((0,), (0,)), ((), ())), acc, cfg)
 
@@ -576,10 +577,10 @@ class TileInputs:
   h: jax.Array  # scalar int32 query head index
   i: jax.Array  # q block index
   j: jax.Array  # kv block index
-  bias: Optional[jax.Array] = None  # [bq|1, bk|1] ([bk|1, bq|1] for a transposed tile)
-  mask: Optional[jax.Array] = None  # int8 [bq|1, bk|1] ([bk|1, bq|1] for a transposed tile)
-  q_seg: Optional[jax.Array] = None  # int32 [bq]
-  kv_seg: Optional[jax.Array] = None  # int32 [bk]
+  bias: jax.Array | None = None  # [bq|1, bk|1] ([bk|1, bq|1] for a transposed tile)
+  mask: jax.Array | None = None  # int8 [bq|1, bk|1] ([bk|1, bq|1] for a transposed tile)
+  q_seg: jax.Array | None = None  # int32 [bq]
+  kv_seg: jax.Array | None = None  # int32 [bk]
   mod: tuple = ()  # the mask_mod's residuals of (b, h), loaded (`ModSplit`)
 
 
