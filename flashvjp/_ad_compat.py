@@ -68,3 +68,93 @@ def instantiate(t):
   if isinstance(t, SymbolicZero):
     return jax.numpy.zeros(t.shape, t.dtype)
   return t
+
+
+# ---- shard_map's varying-manual-axes types (check_vma) -------------------------------
+# The set is ``aval.manual_axis_type.varying`` on some releases and ``aval.vma`` on others.
+
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes over which `x` varies (empty outside shard_map or without checks)."""
+  if not isinstance(x, jax.Array) and not hasattr(x, "aval"):
+    return frozenset()  # a Python / numpy constant
+  aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)  # type: ignore[attr-defined]  # jax < 0.6
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def match_varying(x, ref):
+  """`x`, marked as varying over every manual axis over which `ref` varies.
+
+  Loop carries and switch branches must agree on their varying axes under shard_map's
+  check_vma; fresh constants (zeros, -inf) are invariant until marked.
+  """
+  missing = varying_axes(ref) - varying_axes(x)
+  if not missing:
+    return x
+  return jax.lax.pcast(x, tuple(missing), to="varying")
+
+
+def unify_varying(*xs):
+  """Every array of `xs` varying over the union of their varying axes (None stays None).
+
+  A user function traced outside shard_map (a score_mod / mask_mod jaxpr) is evaluated
+  with primitives bound directly, which do not insert the casts jnp does: its inputs
+  must agree first.
+  """
+  axes = frozenset().union(*(varying_axes(x) for x in xs if x is not None))
+  if not axes:
+    return xs
+  out = []
+  for x in xs:
+    missing = () if x is None else tuple(axes - varying_axes(x))
+    out.append(jax.lax.pcast(jax.numpy.asarray(x), missing, to="varying") if missing else x)
+  return tuple(out)
+
+
+# Call-like primitives whose body `eval_jaxpr_varying` inlines: (param holding the body).
+_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+           "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
+           "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
+           "remat": "jaxpr", "checkpoint": "jaxpr"}
+
+
+def eval_jaxpr_varying(jaxpr, consts, *args):
+  """`jax.core.eval_jaxpr`, for a jaxpr traced outside shard_map evaluated inside it.
+
+  With check_vma every primitive's operands must agree on their varying axes, and a
+  stored jaxpr's literals and constants are invariant: each equation's operands are
+  unified first (`unify_varying`), and call-like equations (jit, custom_jvp / custom_vjp
+  calls) are inlined so that their bodies get the same treatment (a custom rule's body is
+  then differentiated by JAX directly). Without any varying operand this is eval_jaxpr.
+  """
+  from jax.extend import core as ext_core
+  if not any(varying_axes(x) for x in (*consts, *args)):
+    return jax.core.eval_jaxpr(jaxpr, consts, *args)
+  env: dict = {}
+
+  def read(v):
+    return v.val if isinstance(v, ext_core.Literal) else env[v]
+
+  for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), [*consts, *args]):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    if name in _INLINE and _INLINE[name] in eqn.params:
+      body = eqn.params[_INLINE[name]]
+      inner = getattr(body, "jaxpr", body)
+      inner_consts = list(getattr(body, "consts", ()))
+      ans = eval_jaxpr_varying(inner, inner_consts, *invals)
+    else:
+      invals = list(unify_varying(*invals))
+      bp = eqn.primitive.get_bind_params(eqn.params)
+      subfuns, bp = bp if isinstance(bp, tuple) else ((), bp)  # jax < 0.11: (subfuns, params)
+      ans = eqn.primitive.bind(*subfuns, *invals, **bp)
+    if eqn.primitive.multiple_results or name in _INLINE:
+      for v, x in zip(eqn.outvars, ans):
+        env[v] = x
+    else:
+      env[eqn.outvars[0]] = ans
+  return [read(v) for v in jaxpr.outvars]

@@ -291,6 +291,18 @@ def _run(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
   unless a BlockMask brought them; sinks are applied to (out, lse) after the op
   (`_apply_sinks`).
   """
+  out, lse = attend(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scale_array,
+                    mod_consts, mod_classes, sinks)
+  return (out, lse) if return_lse else (out, None)
+
+
+def attend(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scale_array,
+           mod_consts=(), mod_classes=None, sinks=None):
+  """(out, lse): `_run`'s body, unjitted (the ring calls it inside shard_map).
+
+  A ring call (cfg.ring) gets no mask_mod classes: each chunk pair masks elementwise
+  and its static hint (`flashvjp.ring._schedule`) skips whole pairs.
+  """
   if scale_array is not None:
     # A traced scale: pre-scale the query in the accumulation dtype (rounded once to the
     # query's dtype, e.g. bfloat16), kernels run with scale 1.0; autodiff differentiates it.
@@ -298,7 +310,7 @@ def _run(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
     q = (q.astype(acc) * scale_array.astype(acc)).astype(q.dtype)
   mod = None
   if cfg.mask_mod is not None:
-    if mod_classes is None and cfg.implementation != "naive":  # naive masks densely
+    if mod_classes is None and cfg.implementation not in ("naive", "ring"):  # naive: dense
       B, H = q.shape[0], q.shape[1]
       assert cfg.mask_mod_blocks is not None  # set with mask_mod
       mod_classes = _mask_mod.classify(cfg.mask_mod, mod_consts, cfg.mask_mod_uses, B, H,
@@ -313,7 +325,7 @@ def _run(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
   if sinks is not None:
     out, lse = _apply_sinks(out, lse, sinks)
   out = out.astype(q.dtype)  # cfg.out_f32: the op's float32 out, rounded once here
-  return (out, lse) if return_lse else (out, None)
+  return out, lse
 
 
 def _apply_sinks(out, lse, sinks):

@@ -241,6 +241,11 @@ class AttentionConfig:
   # with low-precision inputs (flashvjp._api._fold_scale), so that the backward's
   # delta = rowsum(dO * O) is that of the backward's own float32 probabilities.
   out_f32: bool = False
+  # The sequence sharded over a mesh axis (implementation "ring"): a
+  # flashvjp.ring.RingSpec (axis, layout, the per-pair backend); seq_q / seq_kv are then
+  # the local lengths and causal / window / score_mod / mask_mod / dropout keep their
+  # global meaning. None for a one-device call.
+  ring: object = None
 
   @property
   def dropout_active(self) -> bool:

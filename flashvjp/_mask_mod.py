@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from flashvjp import _ad_compat as _ac
 from flashvjp import _mask
 from flashvjp import _score_mod
 
@@ -62,7 +63,7 @@ class ScalarMaskMod:
     self._key = key
 
   def __call__(self, b, h, q, kv, *consts):
-    (out,) = jax.core.eval_jaxpr(self._jaxpr, list(consts), b, h, q, kv)
+    (out,) = _ac.eval_jaxpr_varying(self._jaxpr, list(consts), b, h, q, kv)
     return out
 
   __eq__ = _score_mod.keyed_eq
@@ -178,9 +179,12 @@ def check(mask_mod: Callable, target) -> tuple[ScalarMaskMod, tuple, tuple[bool,
 
 def apply(fn: Callable, consts, b, h, q_idx, kv_idx):
   """The scalar mask_mod `fn` applied elementwise to broadcasting index arrays (bool)."""
-  vec = jnp.vectorize(lambda b_, h_, q_, k_: fn(b_, h_, q_, k_, *consts))
   i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
-  return vec(i32(b), i32(h), i32(q_idx), i32(kv_idx))
+  # under shard_map: the traced mask_mod's operands agree on their varying axes
+  b, h, q_idx, kv_idx, *consts = _ac.unify_varying(i32(b), i32(h), i32(q_idx), i32(kv_idx),
+                                                   *consts)
+  vec = jnp.vectorize(lambda b_, h_, q_, k_: fn(b_, h_, q_, k_, *consts))
+  return vec(b, h, q_idx, kv_idx)
 
 
 def tile_allowed(fn, consts, b, h, q_idx, kv_idx, seq_q: int, seq_kv: int):

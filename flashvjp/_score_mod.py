@@ -19,6 +19,8 @@ import jax.extend  # jax.extend.core.Literal
 import jax.numpy as jnp
 import numpy as np
 
+from flashvjp import _ad_compat as _ac
+
 
 class ScoreMod(Protocol):
   """The callable type of `score_mod`."""
@@ -115,7 +117,7 @@ class ScalarScoreMod:
     orig = [None] * len(consts)
     for new_i, old_i in enumerate(self._perm):
       orig[old_i] = consts[new_i]
-    (out,) = jax.core.eval_jaxpr(self._jaxpr, orig, s, b, h, q, kv)
+    (out,) = _ac.eval_jaxpr_varying(self._jaxpr, orig, s, b, h, q, kv)
     return out
 
   __eq__, __hash__, __repr__ = keyed_eq, keyed_hash, keyed_repr
@@ -431,6 +433,8 @@ def check(score_mod: Callable, target, acc_dtype):
 
 def apply(fn: Callable, consts, scores, b, h, q_idx, kv_idx):
   """Apply the scalar score_mod `fn` elementwise to a tile, broadcasting the indices."""
+  # under shard_map: the traced score_mod's operands agree on their varying axes
+  scores, b, h, q_idx, kv_idx, *consts = _ac.unify_varying(scores, b, h, q_idx, kv_idx, *consts)
   vec = jnp.vectorize(lambda s, b_, h_, q_, k_: fn(s, b_, h_, q_, k_, *consts))
   out = vec(scores, b, h, q_idx, kv_idx)
   return jnp.broadcast_to(out, scores.shape).astype(scores.dtype)

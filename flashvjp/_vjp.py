@@ -51,6 +51,9 @@ from flashvjp._config import AttentionConfig
 
 
 def _backend(name: str):
+  if name == "ring":  # inside shard_map: the ring calls its per-pair backend directly
+    from flashvjp import ring
+    return ring
   if name == "blockwise":
     from flashvjp import blockwise as backend
   elif name == "pallas_triton":
@@ -74,6 +77,10 @@ def _backend(name: str):
 def _tangent_kernel(implementation: str):
   """The fused tangent pass of a backend: (function, description)."""
   from flashvjp.blockwise import _tangent
+  if implementation == "ring":
+    from flashvjp import ring
+    return ring.tangent, ("ring of per-pair fused tangent passes against the global (out, lse),"
+                          " summed")
   if implementation == "blockwise":
     return _tangent.tangent, "blockwise fused tangent pass (pure JAX, O(seq) memory)"
   if implementation == "pallas_triton":
@@ -203,17 +210,29 @@ def _backward_jvp(cfg, primals, tangents):
   return res, jax.tree_util.tree_unflatten(rtree, list(t_out))
 
 
-def _backward_jvp_base(*flat, cfg, ptree, ttree):
+def _pure_jax(cfg: AttentionConfig):
+  """(cfg, backward, tangent) of the pure-JAX path that forward-mode autodiff differentiates
+  (second order): the blockwise backend, or the ring with blockwise pairs."""
+  if cfg.ring is not None:
+    from flashvjp import ring
+    return (dataclasses.replace(cfg, ring=dataclasses.replace(cfg.ring, inner="blockwise")),
+            ring.backward, ring.tangent)
   from flashvjp.blockwise import _impl as blockwise
+  from flashvjp.blockwise import _tangent as blockwise_tangent
+  return dataclasses.replace(cfg, implementation="blockwise"), blockwise.backward, \
+      blockwise_tangent.tangent
+
+
+def _backward_jvp_base(*flat, cfg, ptree, ttree):
   n_p = ptree.num_leaves
   primals = jax.tree_util.tree_unflatten(ptree, list(flat[:n_p]))
   ts = jax.tree_util.tree_unflatten(ttree, list(flat[n_p:]))
   q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse, mod = primals
   n = cfg.num_diff_consts
-  cfg_b = dataclasses.replace(cfg, implementation="blockwise")
+  cfg_b, backward_b, _ = _pure_jax(cfg)
 
   def f(q, k, v, bias, dc, out, lse, dout, dlse):
-    dq, dk, dv, dbias, dconsts = blockwise.backward(
+    dq, dk, dv, dbias, dconsts = backward_b(
         cfg_b, q, k, v, bias, mask, q_seg, kv_seg, seed, tuple(dc) + tuple(consts[n:]), out, lse,
         dout, dlse, mod)
     return dq, dk, dv, dbias, tuple(dconsts)
@@ -316,7 +335,7 @@ def _tangent_impl(*flat, cfg, tree, present, levels):
 
 
 def _tangent_jvp_impl(*flat, cfg, tree, present, dpresent, levels):
-  from flashvjp.blockwise import _tangent as blockwise_tangent
+  cfg_b, _, tangent_b = _pure_jax(cfg)
 
   def base(*f):
     primal, ts, dps = _split(f, tree, present)
@@ -327,8 +346,7 @@ def _tangent_jvp_impl(*flat, cfg, tree, present, dpresent, levels):
       new = list(leaves)
       for n, x in zip(idx, xs):
         new[n] = x
-      return _run_tangent(cfg, jax.tree_util.tree_unflatten(tree, new), ts,
-                          fn=blockwise_tangent.tangent)
+      return _run_tangent(cfg_b, jax.tree_util.tree_unflatten(tree, new), ts, fn=tangent_b)
     return jax.jvp(g, [leaves[n] for n in idx], dps)[1]
   return list(_over_levels(base, levels, flat))
 
@@ -446,8 +464,7 @@ def _tangent_jvp_transpose_rule(cts, *flat, cfg, tree, present, dpresent, levels
   prim = flat[:n_p + sum(present)]
   if any(isinstance(x, _ac.UndefinedPrimal) for x in prim):
     raise NotImplementedError("flashvjp_tangent_jvp is linear in its last operands only")
-  from flashvjp.blockwise import _impl as blockwise
-  cfg_b = dataclasses.replace(cfg, implementation="blockwise")
+  cfg_b, backward_b, _ = _pure_jax(cfg)
   dout = _ac.instantiate(ct_out)
   has_dlse = type(ct_lse) is not _ac.Zero
   n = cfg.num_diff_consts
@@ -462,7 +479,7 @@ def _tangent_jvp_transpose_rule(cts, *flat, cfg, tree, present, dpresent, levels
     dc = tuple(consts[:n])
 
     def bwd(q, k, v, bias, dc, out, lse):
-      dq, dk, dv, dbias, dconsts = blockwise.backward(
+      dq, dk, dv, dbias, dconsts = backward_b(
           cfg_b, q, k, v, bias, mask, q_seg, kv_seg, seed, tuple(dc) + tuple(consts[n:]), out,
           lse, dout_, dlse_, mod)
       return dq, dk, dv, dbias, tuple(dconsts)

@@ -216,7 +216,7 @@ def test_ring_memory_per_device_shrinks_with_devices():
   """Per-device compiled temp memory of ring fwd+bwd falls ~ 1/devices at fixed global seq."""
   seq, d = 2048, 16
   temps = {}
-  for n in (2, 8):
+  for n in (2, 4, 8):
     mesh = _mesh((n,), ("sp",))
     def arg(shape, dtype=jnp.float32, mesh=mesh):
       spec = P(None, "sp") if len(shape) == 2 else P(None, None, "sp", *([None] * (len(shape) - 3)))
@@ -224,9 +224,12 @@ def test_ring_memory_per_device_shrinks_with_devices():
     args = [arg((1, 1, seq, d))] * 4 + [arg((1, 1, seq))] + [arg((1, seq), jnp.int32)] * 2
     prog = _ring_program(mesh, causal=True, layout="contiguous", pair=False, has_seg=False)
     temps[n] = prog.lower(*args).compile().memory_analysis().temp_size_in_bytes
-  # Blocks of 8 x 8 keep the kernels' own temps tiny: what is left is O(local seq), so 4x
-  # the devices gives ~1/4 the temp memory. (With 1 device XLA drops the ring's buffers.)
-  assert temps[8] <= 0.35 * temps[2], temps
+  # Blocks of 8 x 8 keep the kernels' own temps tiny: what is left is O(local seq), so
+  # twice the devices gives ~1/2 the temp memory. (Measured 2026-12-04, seq 2048 / 8192:
+  # 2 devices ~6 local-chunk buffers, 4 and 8 devices ~8.4: the ring's per-step buffers are
+  # a constant number of chunks; with 1 device XLA drops the ring's buffers.)
+  assert temps[8] <= 0.55 * temps[4], temps
+  assert temps[4] <= 0.75 * temps[2], temps
 
 
 # ---- batch / head sharding -------------------------------------------------------------
@@ -396,8 +399,8 @@ def test_sharded_attention_errors():
   q = jnp.zeros((2, 4, 8, 4))
   with pytest.raises(TypeError, match="score_mod"):
     flashvjp.sharded_attention(q, q, q, mesh=mesh, batch_axis="b", score_mod=flashvjp.softcap(5.0))
-  with pytest.raises(TypeError, match="mask"):
-    flashvjp.sharded_attention(q, q, q, mesh=mesh, seq_axis="h", mask=jnp.ones((8, 8), bool))
+  with pytest.raises(TypeError, match="block_mask"):  # the ring takes every other argument
+    flashvjp.sharded_attention(q, q, q, mesh=mesh, seq_axis="h", block_mask=object())
   with pytest.raises(ValueError, match="num_kv_heads \\(2\\) must be divisible"):
     flashvjp.sharded_attention(q, q[:, :2], q[:, :2], mesh=mesh, head_axis="h")
   with pytest.raises(ValueError, match="not an axis of the mesh"):

@@ -29,8 +29,13 @@ from flashvjp._config import AttentionConfig
 class _Layout:
   """Shapes, padding and tile access shared by the forward and the backward."""
 
-  def __init__(self, cfg: AttentionConfig, q, k, v, block_q, block_kv):
+  def __init__(self, cfg: AttentionConfig, q, k, v, block_q, block_kv, offsets=None):
     self.cfg = cfg
+    # Global (b, h, q, kv) positions of this call's first element (ints or traced int32
+    # scalars; None: 0): a chunk pair of a sharded sequence (flashvjp.ring) sees its global
+    # indices in score_mod, mask_mod and dropout. The static mask (causal, window) is local:
+    # the ring hands each pair its window relative to the pair's own origin.
+    self.off = (0, 0, 0, 0) if offsets is None else tuple(offsets)
     self.B, self.H, self.Sq, self.D = q.shape
     self.Hkv, self.Skv, self.Dv = k.shape[1], k.shape[2], v.shape[3]
     self.G = self.H // self.Hkv
@@ -85,7 +90,7 @@ class _Layout:
 
   def mod_classes(self, mod):
     """The mask_mod's block classes at this layout's blocks (None without a mask_mod)."""
-    if mod is None:
+    if mod is None or mod.classes is None:  # no classes (a ring's chunk pair): all PARTIAL
       return None
     assert self.cfg.mask_mod_blocks is not None  # set with every mask_mod
     src_bq, src_bk = self.cfg.mask_mod_blocks
@@ -114,8 +119,8 @@ class _Layout:
       x5 = lax.dynamic_slice_in_dim(x5, j * self.bk, self.bk, axis=4)
     return x5
 
-  def indices(self, i, j, t=False):
-    """Global (b, h, q, kv) index tiles, broadcastable to the tile layout.
+  def local_indices(self, i, j, t=False):
+    """This call's own (b, h, q, kv) index tiles, broadcastable to the tile layout.
 
     The layout is [B, Hkv, G, bq, bk], or with t=True the backward's transposed
     [B, Hkv, bk, G, bq] (`_t`).
@@ -126,8 +131,17 @@ class _Layout:
     ki = (j * self.bk + jnp.arange(self.bk, dtype=jnp.int32)).reshape(1, 1, 1, 1, self.bk)
     return tuple(map(_t, (b, h, qi, ki))) if t else (b, h, qi, ki)
 
+  def _global(self, idx):
+    return tuple(x if isinstance(o, int) and o == 0 else x + jnp.asarray(o, jnp.int32)
+                 for x, o in zip(idx, self.off))
+
+  def indices(self, i, j, t=False):
+    """Global (b, h, q, kv) index tiles (`local_indices` + the offsets): what score_mod,
+    mask_mod and dropout's counter hash see."""
+    return self._global(self.local_indices(i, j, t))
+
   def allowed(self, i, j, q_seg, kv_seg, mask5, mod=None, t=False):
-    b, h, qi, ki = self.indices(i, j, t)
+    b, h, qi, ki = self.local_indices(i, j, t)
     qs = ks = None
     if q_seg is not None:
       qs = lax.dynamic_slice_in_dim(q_seg, i * self.bq, self.bq, 1)[:, None, None, :, None]
@@ -138,7 +152,10 @@ class _Layout:
     if t and dense is not None:
       dense = _t(dense)
     if mod is not None:
-      ok = _mask_mod.tile_allowed(self.cfg.mask_mod, mod.consts, b, h, qi, ki, self.Sq, self.Skv)
+      # clamped into the real sequence locally, then made global
+      gb, gh, gq, gk = self._global((b, h, jnp.minimum(qi, self.Sq - 1),
+                                     jnp.minimum(ki, self.Skv - 1)))
+      ok = _mask_mod.apply(self.cfg.mask_mod, mod.consts, gb, gh, gq, gk)
       dense = ok if dense is None else (dense & ok)
     ok = self.spec.allowed(qi, ki, q_seg=qs, kv_seg=ks, dense=dense)
     # Materialised once per tile (it broadcasts over batch and heads unless segment ids,
@@ -332,9 +349,13 @@ def _put_rows(x5, t, i, n, axis=3):
   return lax.dynamic_update_slice_in_dim(x5, t, i * n, axis=axis)
 
 
-def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
-  """Returns (out [B, H, Sq, Dv] q.dtype, lse [B, H, Sq] float32 (or wider))."""
-  L = _Layout(cfg, q, k, v, cfg.blocks.block_q, cfg.blocks.block_kv)
+def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None,
+            offsets=None):
+  """Returns (out [B, H, Sq, Dv] q.dtype, lse [B, H, Sq] float32 (or wider)).
+
+  offsets: None, or the global (b, h, q, kv) position of element 0 (see `_Layout`).
+  """
+  L = _Layout(cfg, q, k, v, cfg.blocks.block_q, cfg.blocks.block_kv, offsets)
   q5 = L.q5(q)
   kp, vp = L.kv(k), L.kv(v)
   mask_p = L.pad_pair(mask)
@@ -388,7 +409,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
 
 
 def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
-             out, lse, dout, dlse, mod=None):
+             out, lse, dout, dlse, mod=None, offsets=None):
   """Hand-written backward. Returns (dq, dk, dv, dbias or None, dconsts (differentiable ones)).
 
   Tiles are kv-major ([B, Hkv, bk, G, bq]: s^T = k q^T), so that all five products are
@@ -398,7 +419,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   2-2.5x slower in float32 and 8-10x in bfloat16 (benchmarks/results/cpu_roofline.md).
   """
   bq, bk = cfg.blocks.dkv
-  L = _Layout(cfg, q, k, v, bq, bk)
+  L = _Layout(cfg, q, k, v, bq, bk, offsets)
   acc = L.acc
   q5, do5 = L.q5(q), L.q5(dout)
   kp, vp = L.kv(k), L.kv(v)

@@ -35,13 +35,13 @@ from flashvjp.blockwise._impl import _rows
 
 
 def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
-            tq, tk, tv, tbias, tconsts, mod=None):
+            tq, tk, tv, tbias, tconsts, mod=None, offsets=None):
   """(t_out [B, H, Sq, Dv] in out's dtype, t_lse [B, H, Sq] in lse's dtype).
 
   `tq`, `tk`, `tv`, `tbias`: tangents shaped like their primals, or None (zero).
   `tconsts`: one tangent (or None) per differentiable score_mod const.
   """
-  L = _Layout(cfg, q, k, v, cfg.blocks.block_q, cfg.blocks.block_kv)
+  L = _Layout(cfg, q, k, v, cfg.blocks.block_q, cfg.blocks.block_kv, offsets)
   acc = L.acc
   n_diff = cfg.num_diff_consts
   diff_consts, fixed_consts = tuple(consts[:n_diff]), tuple(consts[n_diff:])

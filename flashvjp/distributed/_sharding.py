@@ -20,8 +20,10 @@ from flashvjp.distributed import _ring
 # flash_attention arguments whose meaning does not depend on where a slice sits.
 _LOCAL_KWARGS = ("causal", "window", "scale", "bias", "mask", "implementation", "block_q",
                  "block_kv", "interpret")
-_RING_KWARGS = ("causal", "scale", "bias", "layout", "implementation", "block_q", "block_kv",
-                "interpret")
+# With seq_axis: every flash_attention argument (the ring is the same op), and the layout.
+_RING_KWARGS = ("causal", "window", "scale", "bias", "mask", "layout", "implementation",
+                "block_q", "block_kv", "interpret", "score_mod", "dropout_rate", "dropout_rng",
+                "deterministic", "dropout_broadcast", "mask_mod", "sinks")
 
 
 def _axis_size(mesh: Mesh, name, arg):
@@ -62,10 +64,11 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Hashable | N
       zigzag-permuted like the sequence.
     return_lse: also return lse [batch, num_heads, seq_q].
     **kwargs: without seq_axis: causal, window, scale, bias, mask, implementation, block_q,
-      block_kv, interpret. With seq_axis: causal, scale, bias, layout ("contiguous" or
-      "zigzag"; the arrays, bias included, must already be in that order, see
-      `to_zigzag`), implementation, block_q, block_kv, interpret. bias and mask are
-      broadcastable to [batch, num_heads, seq_q, seq_kv] and sharded like the queries.
+      block_kv, interpret. With seq_axis: every argument of `flash_attention` (window,
+      mask, score_mod, mask_mod, sinks, dropout, a traced scale: see `ring_attention`)
+      and layout ("contiguous" or "zigzag"; the arrays, bias and mask included, must
+      already be in that order, see `to_zigzag`). bias and mask are broadcastable to
+      [batch, num_heads, seq_q, seq_kv] and sharded like the queries.
 
   Returns:
     out [batch, num_heads, seq_q, head_dim_v] (global, sharded as above), or (out, lse).
@@ -125,7 +128,7 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Hashable | N
     if seq_axis is None:
       return _api.flash_attention(q, k, v, segment_ids=seg, return_lse=True, **kw)
     return _ring.ring_attention(q, k, v, axis_name=seq_axis, segment_ids=seg, return_lse=True,
-                                **kw)
+                                batch_axis=batch_axis, head_axis=head_axis, **kw)
 
   in_specs = (qkv_spec, qkv_spec, qkv_spec, seg_specs) + tuple(pairs[n][1] for n in names)
   # The Pallas kernels do not yet declare how their outputs vary over manual mesh axes,

@@ -1,0 +1,321 @@
+"""Ring attention as a backend: forward, hand-written backward and tangent pass of a call
+whose sequence is sharded over a mesh axis (run inside shard_map).
+
+Room: ring / backend. The same three functions as every backend (flashvjp.blockwise,
+flashvjp.pallas), so `flashvjp._vjp.attention` differentiates a sharded call exactly as a
+one-device call: jax.grad runs `backward`, jax.jvp / jax.linearize run `forward` +
+`tangent`, forward-over-reverse runs forward-mode autodiff of `backward` with the
+blockwise backend per pair. Per (q piece, kv piece) pair each function calls the per-pair
+backend (`RingSpec.inner`) with the pair's own mask (`_schedule.pair_window`) and its
+global offsets (score_mod, mask_mod and dropout see global positions); nothing of the
+mask model lives here.
+
+Forward: per taken step the K/V chunk in hand moves on by the distance to the next taken
+step (`lax.ppermute`; steps no device needs are never taken), each pair's partial
+(out, lse) merges through logsumexp. Backward: the one-device backward per pair against
+the GLOBAL (out, lse) (p = exp(s - lse) is then the global probability), dQ stays home,
+the dK/dV accumulators travel with their chunk and return to its owner after the last
+step. Tangent: with the global (out, lse) the fused tangent pass is additive over kv, so
+the per-pair tangents (a_p - mu_p out, mu_p) simply sum. Sinks are applied after the op
+(`flashvjp._api`), once, never per step.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from flashvjp._config import AttentionConfig
+from flashvjp.ring import _compat
+from flashvjp.ring import _schedule
+
+
+def _inner(name: str):
+  """The per-pair backend module (called directly: no partitioning wrapper in shard_map)."""
+  if name == "blockwise":
+    from flashvjp import blockwise
+    return blockwise
+  if name == "pallas_triton":
+    from flashvjp.pallas import triton
+    return triton
+  if name == "pallas_tpu":
+    from flashvjp.pallas import tpu
+    return tpu
+  raise ValueError(f"the ring has no per-pair backend named {name!r}")
+
+
+def _inner_tangent(name: str):
+  if name == "blockwise":
+    from flashvjp.blockwise import _tangent
+    return _tangent.tangent
+  if name == "pallas_triton":
+    from flashvjp.pallas.triton import tangent
+    return tangent.tangent
+  from flashvjp.pallas.tpu import tangent as tpu_tangent
+  return tpu_tangent.tangent
+
+
+def uses_offsets(cfg: AttentionConfig) -> bool:
+  """Whether a pair's result depends on its global position beyond the static mask."""
+  return cfg.score_mod is not None or cfg.mask_mod is not None or cfg.dropout_active
+
+
+class _Ctx:
+  """Per-device view of one ring call: pieces, slicing, offsets."""
+
+  def __init__(self, cfg: AttentionConfig, q, k):
+    self.cfg = cfg
+    self.R = R = cfg.ring
+    self.n = R.axis_size
+    self.i = lax.axis_index(R.axis_name)
+    self.Sq, self.Skv = q.shape[2], k.shape[2]
+    self.B, self.H = q.shape[0], q.shape[1]
+    self.acc = jnp.promote_types(q.dtype, jnp.float32)
+    self.steps = R.steps(cfg.causal, cfg.window, self.Sq, self.Skv)
+    self.qp = _schedule.pieces(R.layout, 0, self.n, self.Sq)
+    self.kp = _schedule.pieces(R.layout, 0, self.n, self.Skv)
+    self.offsets_needed = uses_offsets(cfg) and R.inner == "blockwise"
+
+  def next_chunk(self, chunk, t):
+    """The chunk (a pytree) moved on to where step t + 1 needs it (after the last step:
+    unchanged, nothing sent). With the optimization barrier after each step's compute,
+    at most one transfer is in flight: O(local seq) memory, never every chunk at once."""
+    if t + 1 >= len(self.steps):
+      return chunk
+    return _shift(chunk, self.R, self.steps[t + 1].shift - self.steps[t].shift)
+
+  def pair_cfg(self, mask, a, b):
+    lq, lk = self.qp[a].length, self.kp[b].length
+    window = None if mask == ("full",) else mask[1]
+    return dataclasses.replace(self.cfg, implementation=self.R.inner, ring=None, seq_q=lq,
+                               seq_kv=lk, causal=False, window=window)
+
+  # global starts (traced int32) of q piece a on this device and kv piece b of chunk j
+  def _start(self, dev, piece, local_len):
+    h = local_len // 2
+    if self.R.layout == "contiguous":
+      return dev * local_len
+    return dev * h if piece == 0 else (2 * self.n - 1 - dev) * h
+
+  def offsets(self, a, b, j):
+    if not self.offsets_needed:
+      return None
+    R = self.R
+    b0 = 0 if R.batch_axis is None else lax.axis_index(R.batch_axis) * self.B
+    h0 = 0 if R.head_axis is None else lax.axis_index(R.head_axis) * self.H
+    return (b0, h0, self._start(self.i, a, self.Sq), self._start(j, b, self.Skv))
+
+  def q_piece(self, x, a, axis=2):
+    """Rows of q piece a (None stays None; a broadcast dim of 1 stays)."""
+    if x is None or x.shape[axis] == 1:
+      return x
+    p = self.qp[a]
+    if p.length == x.shape[axis]:
+      return x
+    return lax.slice_in_dim(x, p.local, p.local + p.length, axis=axis)
+
+  def kv_piece(self, x, b, axis=2):
+    if x is None:
+      return None
+    p = self.kp[b]
+    if p.length == x.shape[axis]:
+      return x
+    return lax.slice_in_dim(x, p.local, p.local + p.length, axis=axis)
+
+  def cols(self, x, b, j):
+    """Columns (global kv dim, in the sequence's layout) of kv piece b of chunk j."""
+    if x is None or x.shape[3] == 1:
+      return x
+    p = self.kp[b]
+    return lax.dynamic_slice_in_dim(x, j * self.Skv + p.local, p.length, axis=3)
+
+  def pair_block(self, x, a, b, j):
+    return self.cols(self.q_piece(x, a), b, j)
+
+  def switch(self, index, branches, fn, ref, *ops):
+    """fn(mask, *ops) for this device's branch; outputs marked varying like `ref`."""
+    def make(mask):
+      def run(*o):
+        outs = fn(mask, *o)
+        return jax.tree_util.tree_map(lambda x: _compat.match_varying(x, ref), outs)
+      return run
+    if len(branches) == 1:
+      return make(branches[0])(*ops)
+    idx = jnp.asarray(np.asarray(index, np.int32))[self.i]
+    return lax.switch(idx, [make(m) for m in branches], *ops)
+
+
+def _shift(tree, R, by: int):
+  """Every leaf from device d to device d + by on the ring (None leaves stay None)."""
+  n = R.axis_size
+  by %= n
+  if by == 0:
+    return tree
+  perm = [(d, (d + by) % n) for d in range(n)]
+  return jax.tree_util.tree_map(lambda x: lax.ppermute(x, R.axis_name, perm), tree)
+
+
+def _merge(o, lse, o_c, lse_c):
+  """Combine two partial softmax results over disjoint kv sets through their lse."""
+  new = jnp.logaddexp(lse, lse_c)
+  safe = jnp.where(new == -jnp.inf, 0.0, new)
+  w, w_c = jnp.exp(lse - safe), jnp.exp(lse_c - safe)
+  return o * w[..., None] + o_c * w_c[..., None], new
+
+
+def _zeros(x, dtype, ref):
+  return None if x is None else _compat.match_varying(jnp.zeros(x.shape, dtype), ref)
+
+
+def _add_rows(x, piece, d, axis=2):
+  """x with d added at the rows of `piece` (the whole of x when it has one piece)."""
+  if d.shape[axis] == x.shape[axis]:
+    return x + d.astype(x.dtype)
+  cur = lax.slice_in_dim(x, piece.local, piece.local + piece.length, axis=axis)
+  return lax.dynamic_update_slice_in_dim(x, cur + d.astype(x.dtype), piece.local, axis=axis)
+
+
+# ---- forward ------------------------------------------------------------------------
+
+def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
+  """(out [B, H, Sl, Dv], lse [B, H, Sl]) of the local queries against the whole sequence."""
+  C = _Ctx(cfg, q, k)
+  inner = _inner(C.R.inner)
+  acc = C.acc
+  outs = [_compat.match_varying(jnp.zeros(q.shape[:2] + (p.length, v.shape[3]), acc), q)
+          for p in C.qp]
+  lses = [_compat.match_varying(jnp.full(q.shape[:2] + (p.length,), -jnp.inf, acc), q)
+          for p in C.qp]
+  chunk = _shift((k, v, kv_seg), C.R, C.steps[0].shift if C.steps else 0)
+  for t, st in enumerate(C.steps):
+    nxt = C.next_chunk(chunk, t)  # issued before this step's compute: they overlap
+    kc, vc, ksc = chunk
+    j = (C.i - st.shift) % C.n
+    for a, b, branches, index in st.pairs:
+      def fn(m, qa, kb, vb, bias_ab, mask_ab, qs, ks, a=a, b=b, j=j):
+        if m == ("skip",):
+          return (jnp.zeros(qa.shape[:3] + (vb.shape[3],), acc),
+                  jnp.full(qa.shape[:3], -jnp.inf, acc))
+        kw = {} if not C.offsets_needed else {"offsets": C.offsets(a, b, j)}
+        o, lse = inner.forward(C.pair_cfg(m, a, b), qa, kb, vb, bias_ab, mask_ab, qs, ks, seed,
+                               consts, mod, **kw)
+        return o.astype(acc), lse.astype(acc)
+      o_c, lse_c = C.switch(
+          index, branches, fn, q, C.q_piece(q, a), C.kv_piece(kc, b), C.kv_piece(vc, b),
+          C.pair_block(bias, a, b, j), C.pair_block(mask, a, b, j), C.q_piece(q_seg, a, 1),
+          C.kv_piece(ksc, b, 1))
+      outs[a], lses[a] = _merge(outs[a], lses[a], o_c, lse_c)
+    chunk, outs, lses = lax.optimization_barrier((nxt, outs, lses))
+  out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
+  lse = lses[0] if len(lses) == 1 else jnp.concatenate(lses, axis=2)
+  return out.astype(acc if cfg.out_f32 else q.dtype), lse
+
+
+# ---- backward -----------------------------------------------------------------------
+
+def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
+             dout, dlse, mod=None):
+  """(dq, dk, dv, dbias or None, dconsts) of the local shards (the backend contract)."""
+  C = _Ctx(cfg, q, k)
+  inner = _inner(C.R.inner)
+  acc = C.acc
+  n_diff = cfg.num_diff_consts
+  dq = _zeros(q, acc, q)
+  dbias = _zeros(bias, acc, q)
+  dconsts = [_compat.match_varying(jnp.zeros(jnp.shape(c), jnp.promote_types(
+      jnp.result_type(c), acc)), q) for c in consts[:n_diff]]
+  first = C.steps[0].shift if C.steps else 0
+  chunk = _shift((k, v, kv_seg), C.R, first)
+  dk_c, dv_c = _zeros(k, acc, q), _zeros(v, acc, q)  # the accumulators of the chunk in hand
+  for t, st in enumerate(C.steps):
+    nxt = C.next_chunk(chunk, t)
+    kc, vc, ksc = chunk
+    j = (C.i - st.shift) % C.n
+    for a, b, branches, index in st.pairs:
+      def fn(m, qa, kb, vb, bias_ab, mask_ab, qs, ks, oa, la, doa, dla, a=a, b=b, j=j):
+        if m == ("skip",):
+          z = lambda x: None if x is None else jnp.zeros(x.shape, acc)
+          return (z(qa), z(kb), z(vb), z(bias_ab),
+                  [jnp.zeros(jnp.shape(c), d.dtype) for c, d in zip(consts, dconsts)])
+        kw = {} if not C.offsets_needed else {"offsets": C.offsets(a, b, j)}
+        g = inner.backward(C.pair_cfg(m, a, b), qa, kb, vb, bias_ab, mask_ab, qs, ks, seed,
+                           consts, oa, la, doa, dla, mod, **kw)
+        gq, gk, gv, gb, gc = g
+        return (gq.astype(acc), gk.astype(acc), gv.astype(acc),
+                None if gb is None else gb.astype(acc),
+                [x.astype(d.dtype) for x, d in zip(gc, dconsts)])
+      bias_ab = C.pair_block(bias, a, b, j)
+      gq, gk, gv, gb, gc = C.switch(
+          index, branches, fn, q, C.q_piece(q, a), C.kv_piece(kc, b), C.kv_piece(vc, b), bias_ab,
+          C.pair_block(mask, a, b, j), C.q_piece(q_seg, a, 1), C.kv_piece(ksc, b, 1),
+          C.q_piece(out, a), C.q_piece(lse, a), C.q_piece(dout, a), C.q_piece(dlse, a))
+      dq = _add_rows(dq, C.qp[a], gq)
+      dk_c = _add_rows(dk_c, C.kp[b], gk)
+      dv_c = _add_rows(dv_c, C.kp[b], gv)
+      dconsts = [x + y for x, y in zip(dconsts, gc)]
+      if dbias is not None:
+        dbias = _add_bias(C, dbias, gb, a, b, j)
+    # dK/dV travel on with their chunk (after this step's compute, which updates them)
+    dk_c, dv_c = C.next_chunk((dk_c, dv_c), t)
+    chunk, dk_c, dv_c, dq, dbias, dconsts = lax.optimization_barrier(
+        (nxt, dk_c, dv_c, dq, dbias, dconsts))
+  last = C.steps[-1].shift if C.steps else 0
+  dk, dv = _shift((dk_c, dv_c), C.R, -last if C.steps else 0)  # back to their chunk's owner
+  sm = _compat.sum_to_match
+  dq, dk, dv = (sm(g, x).astype(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
+  if dbias is not None:
+    dbias = sm(dbias, bias).astype(bias.dtype)
+  dconsts = [sm(d, c).astype(jnp.result_type(c)) for d, c in zip(dconsts, consts)]
+  return dq, dk, dv, dbias, tuple(dconsts)
+
+
+def _add_bias(C: _Ctx, dbias, gb, a, b, j):
+  """dbias (local rows, global columns) with the pair's gradient block added."""
+  row = C.qp[a].local if dbias.shape[2] != 1 and gb.shape[2] != dbias.shape[2] else 0
+  if dbias.shape[3] == 1:
+    col = jnp.zeros((), jnp.int32)
+  else:
+    col = (j * C.Skv + C.kp[b].local).astype(jnp.int32)
+  z = jnp.zeros((), jnp.int32)
+  starts = (z, z, jnp.asarray(row, jnp.int32), col)
+  cur = lax.dynamic_slice(dbias, starts, gb.shape)
+  return lax.dynamic_update_slice(dbias, cur + gb.astype(dbias.dtype), starts)
+
+
+# ---- tangent (forward mode) -----------------------------------------------------------
+
+def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
+            tq, tk, tv, tbias, tconsts, mod=None):
+  """(t_out, t_lse) of the local queries: the per-pair tangent passes against the global
+  (out, lse), summed (the pass is additive over kv given the exact lse)."""
+  C = _Ctx(cfg, q, k)
+  fn_t = _inner_tangent(C.R.inner)
+  acc = C.acc
+  t_out = _compat.match_varying(jnp.zeros(out.shape, acc), q)
+  t_lse = _compat.match_varying(jnp.zeros(lse.shape, acc), q)
+  chunk = _shift((k, v, kv_seg, tk, tv), C.R, C.steps[0].shift if C.steps else 0)
+  for t, st in enumerate(C.steps):
+    nxt = C.next_chunk(chunk, t)
+    kc, vc, ksc, tkc, tvc = chunk
+    j = (C.i - st.shift) % C.n
+    for a, b, branches, index in st.pairs:
+      def fn(m, qa, kb, vb, bias_ab, mask_ab, qs, ks, oa, la, tqa, tkb, tvb, tb_ab, a=a, b=b,
+             j=j):
+        if m == ("skip",):
+          return jnp.zeros(oa.shape, acc), jnp.zeros(la.shape, acc)
+        kw = {} if not C.offsets_needed else {"offsets": C.offsets(a, b, j)}
+        to, tl = fn_t(C.pair_cfg(m, a, b), qa, kb, vb, bias_ab, mask_ab, qs, ks, seed, consts,
+                      oa, la, tqa, tkb, tvb, tb_ab, tconsts, mod, **kw)
+        return to.astype(acc), tl.astype(acc)
+      to, tl = C.switch(
+          index, branches, fn, q, C.q_piece(q, a), C.kv_piece(kc, b), C.kv_piece(vc, b),
+          C.pair_block(bias, a, b, j), C.pair_block(mask, a, b, j), C.q_piece(q_seg, a, 1),
+          C.kv_piece(ksc, b, 1), C.q_piece(out, a), C.q_piece(lse, a), C.q_piece(tq, a),
+          C.kv_piece(tkc, b), C.kv_piece(tvc, b), C.pair_block(tbias, a, b, j))
+      t_out = _add_rows(t_out, C.qp[a], to)
+      t_lse = _add_rows(t_lse, C.qp[a], tl)
+    chunk, t_out, t_lse = lax.optimization_barrier((nxt, t_out, t_lse))
+  return t_out.astype(out.dtype), t_lse.astype(lse.dtype)
