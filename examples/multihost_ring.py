@@ -42,6 +42,8 @@ def main():
   p.add_argument("--local_devices", type=int, default=4)
   p.add_argument("--causal", type=int, default=1)
   p.add_argument("--layout", default="zigzag", choices=("contiguous", "zigzag"))
+  p.add_argument("--chunk", type=int, default=0,
+                 help="> 0: mask_mod=flashvjp.chunked(chunk) (global positions) instead of causal")
   p.add_argument("--out", default=None, help="process 0 writes the results here (.npz)")
   args = p.parse_args()
 
@@ -75,8 +77,10 @@ def main():
   arrays = {k: global_array(x) for k, x in data.items()}
 
   def local(q, k, v, dout, dlse):
+    mask = ({"mask_mod": flashvjp.chunked(args.chunk)} if args.chunk > 0
+            else {"causal": bool(args.causal)})
     f = lambda q, k, v: flashvjp.ring_attention(
-        q, k, v, axis_name="sp", causal=bool(args.causal), layout=args.layout, return_lse=True)
+        q, k, v, axis_name="sp", layout=args.layout, return_lse=True, **mask)
     (out, lse), vjp = jax.vjp(f, q, k, v)
     return (out, lse) + tuple(vjp((dout, dlse)))
 

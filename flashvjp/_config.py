@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +246,7 @@ class AttentionConfig:
   # flashvjp.ring.RingSpec (axis, layout, the per-pair backend); seq_q / seq_kv are then
   # the local lengths and causal / window / score_mod / mask_mod / dropout keep their
   # global meaning. None for a one-device call.
-  ring: object = None
+  ring: Any = None
 
   @property
   def dropout_active(self) -> bool:

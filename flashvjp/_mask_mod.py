@@ -353,14 +353,34 @@ def prefix_lm(prefix_lengths) -> MaskMod:
   """
   if isinstance(prefix_lengths, (int, np.integer)) and not isinstance(prefix_lengths, bool):
     n = int(prefix_lengths)
-    return lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < n)
+    mod_int = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < n)
+    return _with_hint(mod_int, lambda lo, hi: [(0, max(hi, n))])
+  concrete = _concrete_max(prefix_lengths)
   lengths = _int_array("prefix_lengths", prefix_lengths, 1)
 
   def mod(b, h, q_idx, kv_idx):
     del h
     return (kv_idx <= q_idx) | (kv_idx < lengths[b])
 
+  if concrete is None:  # traced lengths: no static hint (every ring pair is computed)
+    return mod
+  return _with_hint(mod, lambda lo, hi: [(0, max(hi, concrete))])
+
+
+def _with_hint(mod, kv_intervals):
+  """Attach a static hint: kv_intervals(q_lo, q_hi) -> [(kv_lo, kv_hi), ...], the kv
+  positions any query in [q_lo, q_hi) may attend (a superset; Python ints). The ring
+  (`flashvjp.ring._schedule`) skips chunk pairs outside it, so K/V move only where needed."""
+  mod.kv_intervals = kv_intervals
   return mod
+
+
+def _concrete_max(x):
+  """max(x) as a Python int when x is concrete (numpy, a committed jax array), else None."""
+  try:
+    return int(np.max(np.asarray(x)))
+  except Exception:  # a tracer: no static value
+    return None
 
 
 def chunked(chunk_size: int, causal: bool = True) -> MaskMod:
@@ -373,7 +393,8 @@ def chunked(chunk_size: int, causal: bool = True) -> MaskMod:
     same = (q_idx // chunk) == (kv_idx // chunk)
     return same & (kv_idx <= q_idx) if causal else same
 
-  return mod
+  return _with_hint(mod, lambda lo, hi: [(lo // chunk * chunk,
+                                          hi if causal else -(-hi // chunk) * chunk)])
 
 
 def sliding_window_with_global(window: int, num_global: int, causal: bool = True) -> MaskMod:
@@ -396,7 +417,12 @@ def sliding_window_with_global(window: int, num_global: int, causal: bool = True
     ok = near | glob
     return ok & (kv_idx <= q_idx) if causal else ok
 
-  return mod
+  def hint(lo, hi):
+    if lo < g:  # global queries see everything allowed by causality
+      return [(0, hi if causal else 1 << 62)]
+    return [(0, g), (lo - window + 1, hi if causal else hi + window - 1)]
+
+  return _with_hint(mod, hint)
 
 
 def document_causal(doc_ids) -> MaskMod:

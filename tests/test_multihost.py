@@ -36,8 +36,10 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("layout", ["zigzag"])
-def test_two_process_ring_matches_naive(tmp_path, layout):
+@pytest.mark.parametrize("layout,chunk", [("zigzag", 0), ("contiguous", 24)])
+def test_two_process_ring_matches_naive(tmp_path, layout, chunk):
+  """Causal zigzag, and a mask_mod at global positions (chunked(24): chunks straddle the
+  devices' chunk boundaries)."""
   out_file = tmp_path / "ring.npz"
   port = _free_port()
   env = dict(os.environ)
@@ -47,7 +49,7 @@ def test_two_process_ring_matches_naive(tmp_path, layout):
   for pid in range(2):
     cmd = [sys.executable, str(EXAMPLE), "--process_id", str(pid), "--num_processes", "2",
            "--coordinator", f"127.0.0.1:{port}", "--local_devices", "4", "--causal", "1",
-           "--layout", layout]
+           "--layout", layout, "--chunk", str(chunk)]
     if pid == 0:
       cmd += ["--out", str(out_file)]
     procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -67,8 +69,10 @@ def test_two_process_ring_matches_naive(tmp_path, layout):
   got = dict(jnp.load(out_file))
   data = _load_example().make_inputs()
 
+  mask = {"mask_mod": flashvjp.chunked(chunk)} if chunk else {"causal": True}
+
   def f(q, k, v):
-    return flashvjp.flash_attention(q, k, v, causal=True, return_lse=True, implementation="naive")
+    return flashvjp.flash_attention(q, k, v, return_lse=True, implementation="naive", **mask)
   q, k, v, dout, dlse = _util.as64(tuple(jnp.asarray(data[n]) for n in ("q", "k", "v", "dout", "dlse")))
   (out, lse), vjp = jax.vjp(f, q, k, v)
   ref = dict(zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + tuple(vjp((dout, dlse)))))

@@ -155,6 +155,7 @@ class _Layout:
       # clamped into the real sequence locally, then made global
       gb, gh, gq, gk = self._global((b, h, jnp.minimum(qi, self.Sq - 1),
                                      jnp.minimum(ki, self.Skv - 1)))
+      assert self.cfg.mask_mod is not None  # mod comes with a mask_mod
       ok = _mask_mod.apply(self.cfg.mask_mod, mod.consts, gb, gh, gq, gk)
       dense = ok if dense is None else (dense & ok)
     ok = self.spec.allowed(qi, ki, q_seg=qs, kv_seg=ks, dense=dense)

@@ -67,6 +67,7 @@ class _Ctx:
   """Per-device view of one ring call: pieces, slicing, offsets."""
 
   def __init__(self, cfg: AttentionConfig, q, k):
+    self.q = q
     self.cfg = cfg
     self.R = R = cfg.ring
     self.n = R.axis_size
@@ -78,6 +79,14 @@ class _Ctx:
     self.qp = _schedule.pieces(R.layout, 0, self.n, self.Sq)
     self.kp = _schedule.pieces(R.layout, 0, self.n, self.Skv)
     self.offsets_needed = uses_offsets(cfg) and R.inner == "blockwise"
+
+  def varying(self, xs):
+    """Arrays made varying like q before any branch: a device-dependent switch branch must
+    hold no collective, and the transpose of an implicit cast to varying (inside a score_mod's
+    autodiff) is a psum; their cotangents are summed once, after the last step."""
+    if xs is None:
+      return None
+    return type(xs)(_compat.match_varying(x, self.q) if x is not None else None for x in xs)
 
   def next_chunk(self, chunk, t):
     """The chunk (a pytree) moved on to where step t + 1 needs it (after the last step:
@@ -148,6 +157,12 @@ class _Ctx:
     return lax.switch(idx, [make(m) for m in branches], *ops)
 
 
+def _varying_mod(C: _Ctx, mod):
+  if mod is None:
+    return None
+  return mod._replace(consts=C.varying(tuple(mod.consts)))
+
+
 def _shift(tree, R, by: int):
   """Every leaf from device d to device d + by on the ring (None leaves stay None)."""
   n = R.axis_size
@@ -185,6 +200,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   C = _Ctx(cfg, q, k)
   inner = _inner(C.R.inner)
   acc = C.acc
+  consts, mod = C.varying(tuple(consts)), _varying_mod(C, mod)
   outs = [_compat.match_varying(jnp.zeros(q.shape[:2] + (p.length, v.shape[3]), acc), q)
           for p in C.qp]
   lses = [_compat.match_varying(jnp.full(q.shape[:2] + (p.length,), -jnp.inf, acc), q)
@@ -223,6 +239,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   inner = _inner(C.R.inner)
   acc = C.acc
   n_diff = cfg.num_diff_consts
+  orig_consts = tuple(consts)
+  consts, mod = C.varying(tuple(consts)), _varying_mod(C, mod)
   dq = _zeros(q, acc, q)
   dbias = _zeros(bias, acc, q)
   dconsts = [_compat.match_varying(jnp.zeros(jnp.shape(c), jnp.promote_types(
@@ -235,18 +253,19 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     kc, vc, ksc = chunk
     j = (C.i - st.shift) % C.n
     for a, b, branches, index in st.pairs:
-      def fn(m, qa, kb, vb, bias_ab, mask_ab, qs, ks, oa, la, doa, dla, a=a, b=b, j=j):
+      def fn(m, qa, kb, vb, bias_ab, mask_ab, qs, ks, oa, la, doa, dla, a=a, b=b, j=j,
+             dtypes=tuple(d.dtype for d in dconsts)):
         if m == ("skip",):
           z = lambda x: None if x is None else jnp.zeros(x.shape, acc)
           return (z(qa), z(kb), z(vb), z(bias_ab),
-                  [jnp.zeros(jnp.shape(c), d.dtype) for c, d in zip(consts, dconsts)])
+                  [jnp.zeros(jnp.shape(c), dt) for c, dt in zip(consts, dtypes)])
         kw = {} if not C.offsets_needed else {"offsets": C.offsets(a, b, j)}
         g = inner.backward(C.pair_cfg(m, a, b), qa, kb, vb, bias_ab, mask_ab, qs, ks, seed,
                            consts, oa, la, doa, dla, mod, **kw)
         gq, gk, gv, gb, gc = g
         return (gq.astype(acc), gk.astype(acc), gv.astype(acc),
                 None if gb is None else gb.astype(acc),
-                [x.astype(d.dtype) for x, d in zip(gc, dconsts)])
+                [x.astype(dt) for x, dt in zip(gc, dtypes)])
       bias_ab = C.pair_block(bias, a, b, j)
       gq, gk, gv, gb, gc = C.switch(
           index, branches, fn, q, C.q_piece(q, a), C.kv_piece(kc, b), C.kv_piece(vc, b), bias_ab,
@@ -268,7 +287,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   dq, dk, dv = (sm(g, x).astype(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
   if dbias is not None:
     dbias = sm(dbias, bias).astype(bias.dtype)
-  dconsts = [sm(d, c).astype(jnp.result_type(c)) for d, c in zip(dconsts, consts)]
+  dconsts = [sm(d, c).astype(jnp.result_type(c)) for d, c in zip(dconsts, orig_consts)]
   return dq, dk, dv, dbias, tuple(dconsts)
 
 
@@ -294,6 +313,8 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   C = _Ctx(cfg, q, k)
   fn_t = _inner_tangent(C.R.inner)
   acc = C.acc
+  consts, mod = C.varying(tuple(consts)), _varying_mod(C, mod)
+  tconsts = C.varying(tuple(tconsts)) if tconsts is not None else None
   t_out = _compat.match_varying(jnp.zeros(out.shape, acc), q)
   t_lse = _compat.match_varying(jnp.zeros(lse.shape, acc), q)
   chunk = _shift((k, v, kv_seg, tk, tv), C.R, C.steps[0].shift if C.steps else 0)

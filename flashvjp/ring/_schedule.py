@@ -30,8 +30,6 @@ import functools
 from collections.abc import Callable
 from collections.abc import Hashable
 
-import numpy as np
-
 from flashvjp import _mask
 
 LAYOUTS = ("contiguous", "zigzag")

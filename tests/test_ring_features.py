@@ -1,0 +1,305 @@
+"""A sharded sequence is the same op: every flash_attention feature through the ring.
+
+8 virtual CPU devices (conftest sets --xla_force_host_platform_device_count=8). Each case
+runs `sharded_attention(..., seq_axis="sp")` under jit and value_and_grad and compares out,
+lse and the gradient of every differentiable input (q, k, v, bias, sinks, a traced scale,
+score_mod's closed-over arrays) with one-device `flash_attention` on the same float32
+inputs: the ring re-associates the same sums, so the float32 tolerance is RING_TOL of the
+largest magnitude (the issue's bound). Forward mode (jvp) and forward-over-reverse go
+through the same op. The communication schedule is checked from the compiled HLO.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flashvjp
+from flashvjp.distributed._ring import ring_schedule
+
+N = 8
+B, H, HKV, S, D = 2, 4, 2, 256, 16
+BLOCK = 16
+RING_TOL = 2e-5  # float32, ring vs one device, relative to the largest magnitude
+
+
+def _mesh(n=N):
+  if jax.device_count() < n:
+    pytest.skip(f"needs {n} devices")
+  return Mesh(np.asarray(jax.devices()[:n]), ("sp",))
+
+
+def _inputs(seed=0):
+  ks = jax.random.split(jax.random.key(seed), 8)
+  r = lambda i, shape: jax.random.normal(ks[i], shape, jnp.float32)
+  return dict(q=r(0, (B, H, S, D)), k=r(1, (B, HKV, S, D)), v=r(2, (B, HKV, S, D)),
+              w_out=r(3, (B, H, S, D)), w_lse=r(4, (B, H, S)))
+
+
+def _zz(x, axis=2, n=N):
+  return flashvjp.to_zigzag(x, n, axis) if x.shape[axis] != 1 else x
+
+
+def _unzz(x, axis=2, n=N):
+  return flashvjp.from_zigzag(x, n, axis) if x.shape[axis] != 1 else x
+
+
+def _run(fn, diff, x, kw):
+  """(out, lse, grads of (q, k, v, *diff)) of loss = <out, w_out> + <lse, w_lse>."""
+  def loss(q, k, v, *d):
+    out, lse = fn(q, k, v, *d, **kw)
+    return jnp.sum(out * x["w_out"]) + jnp.sum(jnp.where(jnp.isinf(lse), 0.0, lse) * x["w_lse"]), (
+        out, lse)
+  args = (x["q"], x["k"], x["v"]) + tuple(diff)
+  (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))),
+                                                      has_aux=True))(*args)
+  return out, lse, grads
+
+
+def _check(name, got, ref, tol=RING_TOL):
+  got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+  assert np.all(np.isfinite(got) == np.isfinite(ref)), f"{name}: non-finite entries differ"
+  fin = np.isfinite(ref)
+  scale = max(float(np.abs(ref[fin]).max()) if fin.any() else 0.0, 1e-30)
+  err = float(np.abs(np.where(fin, got - ref, 0.0)).max()) if fin.any() else 0.0
+  assert err <= tol * scale, f"{name}: max error {err:.3g} > {tol} * {scale:.3g}"
+
+
+def _compare(make_kw, diff=(), layout="contiguous", impl="blockwise", extra=None, tol=RING_TOL,
+             n=N):
+  """make_kw(*diff) -> flash_attention kwargs (closures over the differentiable arrays)."""
+  x = _inputs()
+  mesh = _mesh(n)
+  extra = extra or {}
+  # dense pair arrays (bias / mask) travel as explicit kwargs (global [.., S, S] arrays)
+  def one(q, k, v, *d, **kw):
+    return flashvjp.flash_attention(q, k, v, return_lse=True, implementation="blockwise",
+                                    block_q=BLOCK, block_kv=BLOCK, **make_kw(*d), **kw)
+  ref = _run(one, diff, x, extra)
+
+  zz = layout == "zigzag"
+  xr = dict(x)
+  if zz:
+    xr = {k: _zz(val) for k, val in x.items()}
+  extra_r = dict(extra)
+  for name in ("bias", "mask"):
+    if name in extra_r and zz:
+      extra_r[name] = _zz(_zz(extra_r[name], 2), 3)
+  if "segment_ids" in extra_r and zz:
+    extra_r["segment_ids"] = _zz(extra_r["segment_ids"], 1)
+
+  def ring(q, k, v, *d, **kw):
+    return flashvjp.sharded_attention(
+        q, k, v, mesh=mesh, seq_axis="sp", layout=layout, return_lse=True,
+        implementation=impl, block_q=BLOCK, block_kv=BLOCK, **make_kw(*d), **kw)
+  # a rank-4 differentiable array is a bias: laid out like the sequence on both seq axes
+  pair = lambda f, x_: f(f(x_, 2), 3) if zz and jnp.ndim(x_) == 4 else x_
+  out, lse, grads = _run(ring, tuple(pair(_zz, d) for d in diff), xr, extra_r)
+  if zz:
+    out, lse = _unzz(out), _unzz(lse)
+    grads = tuple(_unzz(g) for g in grads[:3]) + tuple(pair(_unzz, g) for g in grads[3:])
+  _check("out", out, ref[0], tol)
+  _check("lse", lse, ref[1], tol)
+  for i, (g, r) in enumerate(zip(grads, ref[2])):
+    _check(f"grad {('q', 'k', 'v')[i] if i < 3 else f'diff[{i - 3}]'}", g, r, tol)
+
+
+# ---- every feature, blockwise pairs -----------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("kw", [
+    dict(causal=True),
+    dict(window=(20, 0)),  # one-sided, shorter than a device chunk (32)
+    dict(window=(9, 40)),  # both sides, reaching into the next chunk
+    dict(causal=True, window=(45, None)),
+], ids=["causal", "window-left", "window-both", "causal-window"])
+def test_positional_masks(kw, layout):
+  _compare(lambda: kw, layout=layout)
+
+
+def test_dense_mask_and_bias_with_gradient():
+  rng = np.random.default_rng(0)
+  mask = jnp.asarray(rng.random((B, 1, S, S)) > 0.3)
+  bias = jnp.asarray(rng.standard_normal((1, H, S, S)), jnp.float32)
+  _compare(lambda b: {"bias": b}, diff=(bias,), extra={"mask": mask})
+
+
+def test_bias_zigzag_with_causal():
+  bias = jnp.asarray(np.random.default_rng(1).standard_normal((B, H, S, S)), jnp.float32)
+  _compare(lambda b: {"bias": b, "causal": True}, diff=(bias,), layout="zigzag")
+
+
+def test_score_mod_global_positions_and_gradient_to_its_array():
+  slopes = flashvjp.alibi_slopes(H)
+  _compare(lambda s: {"score_mod": flashvjp.alibi(s), "causal": True}, diff=(slopes,))
+
+
+def test_score_mod_zigzag():
+  _compare(lambda: {"score_mod": flashvjp.softcap(3.0), "window": (30, 30)}, layout="zigzag")
+
+
+@pytest.mark.parametrize("mod", ["prefix_lm", "chunked", "sliding_global"])
+def test_mask_mod_global_positions(mod):
+  m = {"prefix_lm": lambda: flashvjp.prefix_lm(jnp.array([40, 100])),
+       "chunked": lambda: flashvjp.chunked(48),
+       "sliding_global": lambda: flashvjp.sliding_window_with_global(24, 8)}[mod]()
+  _compare(lambda: {"mask_mod": m})
+
+
+def test_mask_mod_zigzag():
+  _compare(lambda: {"mask_mod": flashvjp.chunked(40)}, layout="zigzag")
+
+
+def test_sinks_once_with_gradient():
+  sinks = jnp.array([0.5, -1.0, 2.0, 0.0], jnp.float32)
+  _compare(lambda s: {"sinks": s, "causal": True}, diff=(sinks,))
+
+
+def test_traced_scale_with_gradient():
+  _compare(lambda sc: {"scale": sc, "window": (40, 0)}, diff=(jnp.float32(0.3),))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_dropout_draws_the_one_device_keep_mask(layout):
+  key = jax.random.key(7)
+  _compare(lambda: {"dropout_rate": 0.25, "dropout_rng": key, "deterministic": False,
+                    "causal": True}, layout=layout)
+
+
+def test_segments_with_window():
+  seg = jnp.asarray(np.repeat(np.array([[0] * 70 + [1] * 120 + [2] * 66]), B, 0), jnp.int32)
+  _compare(lambda: {"window": (50, 10)}, extra={"segment_ids": seg})
+
+
+# ---- forward mode ----------------------------------------------------------------------
+
+def _jvp_case(layout, kw):
+  x = _inputs(1)
+  mesh = _mesh()
+  t = _inputs(2)
+  zz = layout == "zigzag"
+  f1 = lambda q, k, v: flashvjp.flash_attention(q, k, v, return_lse=True, block_q=BLOCK,
+                                                block_kv=BLOCK, implementation="blockwise", **kw)
+  fr = lambda q, k, v: flashvjp.sharded_attention(q, k, v, mesh=mesh, seq_axis="sp",
+                                                  layout=layout, return_lse=True,
+                                                  block_q=BLOCK, block_kv=BLOCK,
+                                                  implementation="blockwise", **kw)
+  prim = (x["q"], x["k"], x["v"])
+  tan = (t["q"], t["k"][:, :HKV], t["w_out"][:, :HKV] * 0 + t["k"][:, :HKV])
+  ref = jax.jit(lambda p, t_: jax.jvp(f1, p, t_))(prim, tan)
+  cv = (lambda xs: tuple(_zz(a) for a in xs)) if zz else (lambda xs: xs)
+  got = jax.jit(lambda p, t_: jax.jvp(fr, p, t_))(cv(prim), cv(tan))
+  back = _unzz if zz else (lambda a: a)
+  for name, g, r in zip(("out", "lse", "t_out", "t_lse"), (*got[0], *got[1]), (*ref[0], *ref[1])):
+    _check(f"jvp {name}", back(g), r)
+
+
+@pytest.mark.parametrize("layout,kw", [
+    ("contiguous", dict(causal=True, score_mod=flashvjp.softcap(4.0))),
+    ("zigzag", dict(window=(25, 5))),
+])
+def test_jvp_through_the_ring(layout, kw):
+  _jvp_case(layout, kw)
+
+
+def test_hvp_forward_over_reverse():
+  x = _inputs(3)
+  mesh = _mesh()
+  loss1 = lambda q: jnp.sum(jnp.sin(flashvjp.flash_attention(
+      q, x["k"], x["v"], causal=True, implementation="blockwise", block_q=BLOCK,
+      block_kv=BLOCK)))
+  lossr = lambda q: jnp.sum(jnp.sin(flashvjp.sharded_attention(
+      q, x["k"], x["v"], mesh=mesh, seq_axis="sp", causal=True, implementation="blockwise",
+      block_q=BLOCK, block_kv=BLOCK)))
+  hvp = lambda f: jax.jit(lambda q, t: jax.jvp(jax.grad(f), (q,), (t,))[1])
+  _check("hvp", hvp(lossr)(x["q"], x["w_out"]), hvp(loss1)(x["q"], x["w_out"]), 1e-4)
+
+
+# ---- Pallas families (interpret mode), a representative subset --------------------------
+
+@pytest.mark.parametrize("kw", [dict(causal=True, window=(12, None)),
+                                dict(window=(10, 10), sinks=jnp.array([0.1, 0.2, 0.3, 0.4]))],
+                         ids=["causal-window", "window-sinks"])
+def test_pallas_triton_interpret_pairs(kw):
+  from flashvjp import _check as check_mod
+  tol = max(RING_TOL, 4 * check_mod.tolerance(jnp.float32, "pallas_triton"))
+  # the ring with Pallas pairs vs one-device blockwise: Pallas' own (TF32-emulated) accuracy
+  x = _inputs()
+  mesh = _mesh(4)
+  one = lambda q, k, v: flashvjp.flash_attention(q, k, v, return_lse=True,
+                                                 implementation="blockwise", **kw)
+  ring = lambda q, k, v: flashvjp.sharded_attention(
+      q, k, v, mesh=mesh, seq_axis="sp", return_lse=True, implementation="pallas",
+      interpret=True, block_q=BLOCK, block_kv=BLOCK, **kw)
+  ro, rl = jax.jit(one)(x["q"], x["k"], x["v"])
+  go, gl = jax.jit(ring)(x["q"], x["k"], x["v"])
+  _check("pallas out", go, ro, tol)
+  _check("pallas lse", gl, rl, tol)
+
+
+def test_pallas_refuses_offset_features_clearly():
+  mesh = _mesh(2)
+  q = jnp.zeros((1, 2, 32, 16))
+  with pytest.raises(ValueError, match="score_mod.*blockwise"):
+    flashvjp.sharded_attention(q, q, q, mesh=mesh, seq_axis="sp", implementation="pallas",
+                               interpret=True, score_mod=flashvjp.softcap(2.0))
+
+
+# ---- communication follows the mask ---------------------------------------------------
+
+def _permute_bytes(compiled) -> tuple[int, int]:
+  """(collective-permutes, their result bytes) in a compiled program's HLO."""
+  count = total = 0
+  sizes = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "f64": 8, "pred": 1}
+  for line in compiled.as_text().splitlines():
+    m = re.search(r"= \(?(\w+)\[([\d,]*)\][^=]*collective-permute(-start)?\(", line)
+    if not m:
+      continue
+    count += 1
+    dims = [int(d) for d in m.group(2).split(",") if d]
+    total += sizes.get(m.group(1), 4) * int(np.prod(dims or [1]))
+  return count, total
+
+
+def _ring_hlo(kw, seq=512):
+  mesh = _mesh()
+  spec = NamedSharding(mesh, P(None, None, "sp", None))
+  arg = jax.ShapeDtypeStruct((1, 2, seq, 16), jnp.float32, sharding=spec)
+
+  def f(q, k, v):
+    return jnp.sum(flashvjp.sharded_attention(q, k, v, mesh=mesh, seq_axis="sp",
+                                              implementation="blockwise", block_q=32,
+                                              block_kv=32, **kw))
+  return jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(arg, arg, arg).compile()
+
+
+def test_window_shorter_than_a_chunk_moves_a_third_of_causal():
+  causal = _permute_bytes(_ring_hlo(dict(causal=True)))
+  window = _permute_bytes(_ring_hlo(dict(causal=True, window=(16, 0))))  # chunk = 64
+  assert causal[0] > 0 and window[0] > 0
+  assert window[1] <= causal[1] / 3, (window, causal)
+  # and no step is taken that no device needs: the schedule says which
+  assert [s["shift"] for s in ring_schedule(N, 64, causal=True, window=(16, 0))] == [0, 1]
+
+
+def test_chunked_mask_mod_skips_the_steps_nobody_needs():
+  sched = ring_schedule(N, 64, mask_mod=flashvjp.chunked(64))
+  assert [s["shift"] for s in sched] == [0]
+  sched = ring_schedule(N, 64, mask_mod=flashvjp.chunked(128))
+  assert [s["shift"] for s in sched] == [0, 1]
+  # without a static hint (traced prefix lengths) every step is kept
+  assert len(ring_schedule(N, 64, mask_mod=lambda b, h, q, kv: kv <= q)) == N
+
+
+def test_schedule_zigzag_causal_is_balanced():
+  sched = ring_schedule(4, 32, layout="zigzag", causal=True)
+  assert [s["shift"] for s in sched] == [0, 1, 2, 3]
+  for st in sched[1:]:  # after the diagonal step every device does the same work
+    work = [sum(p["masks"][d] != "skip" for p in st["pairs"]) for d in range(4)]
+    assert len(set(work)) == 1, work
