@@ -22,6 +22,7 @@ from flashvjp._score_mod import relative_position_bias
 from flashvjp._score_mod import softcap
 from flashvjp.distributed import from_zigzag
 from flashvjp.distributed import ring_attention
+from flashvjp.distributed import ring_schedule
 from flashvjp.distributed import sharded_attention
 from flashvjp.distributed import to_zigzag
 
@@ -33,5 +34,5 @@ __all__ = [
     "make_block_mask", "prefix_lm", "sliding_window_with_global",
     "flash_attention", "memory_efficient_attention", "pallas_flash_attention",
     "relative_position_bias", "softcap",
-    "from_zigzag", "ring_attention", "sharded_attention", "to_zigzag", "testing",
+    "from_zigzag", "ring_attention", "ring_schedule", "sharded_attention", "to_zigzag", "testing",
 ]

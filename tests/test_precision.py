@@ -83,7 +83,9 @@ def test_high_is_3xtf32(reference, name):
   assert max(errs) <= _check.TOL_TF32X3, errs
   ieee = _run("pallas", "highest", block_q=16, block_kv=16)
   assert max(_errors(got, ieee)) > 1e-7, "high computed the IEEE float32 dots"
-  assert max(_errors(ieee, reference)) < max(errs), "3xTF32 no worse than IEEE?"
+  # (Not asserted: that IEEE is closer to float64 than 3xTF32. Both are float32-level, and
+  # which is closer depends on the host's summation order: on a 2026-12-04 CI host IEEE's
+  # error was 5.6e-7 and 3xTF32's 3.8e-7. TF32 would exceed TOL_TF32X3 above.)
 
 
 def test_high_saturates_to_the_tf32_range():
