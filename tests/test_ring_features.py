@@ -223,22 +223,33 @@ def test_hvp_forward_over_reverse():
 
 # ---- Pallas families (interpret mode), a representative subset --------------------------
 
-@pytest.mark.parametrize("kw", [dict(causal=True, window=(12, None)),
-                                dict(window=(10, 10), sinks=jnp.array([0.1, 0.2, 0.3, 0.4]))],
-                         ids=["causal-window", "window-sinks"])
-def test_pallas_triton_interpret_pairs(kw):
+@pytest.mark.parametrize("kw,grads", [
+    (dict(causal=True, window=(12, None)), True),
+    (dict(window=(10, 10), sinks=jnp.array([0.1, 0.2])), False),
+], ids=["causal-window+grads", "window-sinks"])
+def test_pallas_triton_interpret_pairs(kw, grads):
+  """The ring with Pallas-Triton pairs (interpret mode) vs one-device blockwise, at Pallas'
+  own (TF32-emulated) accuracy. Small (interpret mode is slow): 2 devices, seq 64."""
   from flashvjp import _check as check_mod
   tol = max(RING_TOL, 4 * check_mod.tolerance(jnp.float32, "pallas_triton"))
-  # the ring with Pallas pairs vs one-device blockwise: Pallas' own (TF32-emulated) accuracy
-  x = _inputs()
-  mesh = _mesh(4)
+  ks = jax.random.split(jax.random.key(5), 5)
+  r = lambda i, shape: jax.random.normal(ks[i], shape, jnp.float32)
+  x = dict(q=r(0, (1, 2, 64, 16)), k=r(1, (1, 1, 64, 16)), v=r(2, (1, 1, 64, 16)),
+           w_out=r(3, (1, 2, 64, 16)), w_lse=r(4, (1, 2, 64)))
+  mesh = _mesh(2)
   one = lambda q, k, v: flashvjp.flash_attention(q, k, v, return_lse=True,
                                                  implementation="blockwise", **kw)
   ring = lambda q, k, v: flashvjp.sharded_attention(
       q, k, v, mesh=mesh, seq_axis="sp", return_lse=True, implementation="pallas",
       interpret=True, block_q=BLOCK, block_kv=BLOCK, **kw)
-  ro, rl = jax.jit(one)(x["q"], x["k"], x["v"])
-  go, gl = jax.jit(ring)(x["q"], x["k"], x["v"])
+  if grads:
+    ro, rl, rg = _run(one, (), x, {})
+    go, gl, gg = _run(ring, (), x, {})
+    for name, g, r_ in zip("qkv", gg, rg):  # the Pallas hand-written backward per chunk pair
+      _check(f"pallas d{name}", g, r_, tol)
+  else:
+    ro, rl = jax.jit(one)(x["q"], x["k"], x["v"])
+    go, gl = jax.jit(ring)(x["q"], x["k"], x["v"])
   _check("pallas out", go, ro, tol)
   _check("pallas lse", gl, rl, tol)
 
