@@ -78,7 +78,8 @@ def compare(name: str, got, ref, tolerance: float, floor: float = 0.0) -> Quanti
                     tuple(r.shape), note=note)
   if not fin.any():
     return Quantity(name, 0.0, tolerance, (), float("nan"), float("nan"), 0.0, tuple(r.shape))
-  diff = np.where(fin, np.abs(g - r), 0.0)
+  with np.errstate(invalid="ignore"):  # inf - inf where both are inf: masked out below
+    diff = np.where(fin, np.abs(g - r), 0.0)
   err = diff / (max(scale, floor, 1e-30) + np.where(fin, np.abs(r), 0.0))
   flat = int(np.argmax(err))
   idx = tuple(int(i) for i in np.unravel_index(flat, r.shape)) if r.ndim else ()
