@@ -51,6 +51,11 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
 
   Positions are global: causal / window / score_mod / mask_mod / dropout see the
   (q, kv) positions of the unsharded sequence (dropout draws the one-device keep-mask).
+  The arguments not listed below (causal, window, score_mod, scale, dropout_rate,
+  dropout_rng, deterministic, return_lse, block_q, block_kv, interpret, dropout_broadcast,
+  mask_mod, sinks) are `flash_attention`'s, on the global sequence: causal is top-left
+  and needs equal local q / kv lengths, window is in global positions, sinks are added
+  once, after the merge.
 
   Args:
     query: local [batch, num_heads, seq_local, head_dim].
@@ -66,8 +71,7 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
     segment_ids: local int [batch, seq_local], or a pair (q_ids, kv_ids), in the layout.
     batch_axis, head_axis: the mesh axes batch / heads are sharded over inside the same
       shard_map, if any (so that dropout, score_mod and mask_mod see global b / h).
-    Everything else: as `flash_attention` (causal is top-left on the global sequence and
-    needs equal local q / kv lengths; window in global positions; sinks added once).
+    block_mask: refused (its classes are for the whole sequence on one device).
     implementation: None (choose), "blockwise" or "pallas"; "naive" is refused (it has
       no hand-written backward). The Pallas families take causal, window, segment_ids,
       bias, mask and sinks in a ring; score_mod, mask_mod and dropout need the global
