@@ -377,10 +377,9 @@ def _with_hint(mod, kv_intervals):
 
 def _concrete_max(x):
   """max(x) as a Python int when x is concrete (numpy, a committed jax array), else None."""
-  try:
-    return int(np.max(np.asarray(x)))
-  except Exception:  # a tracer: no static value
+  if isinstance(x, jax.core.Tracer):  # traced: no static value
     return None
+  return int(np.max(np.asarray(x)))
 
 
 def chunked(chunk_size: int, causal: bool = True) -> MaskMod:

@@ -136,7 +136,3 @@ def _steps(n: int, layout: str, causal: bool, window, len_q: int, len_kv: int, h
       out.append(Step(s, tuple(pairs)))
   return tuple(out)
 
-
-def collective_permutes(steps) -> int:
-  """K/V transfers the forward makes (each moves one local K/V chunk per device)."""
-  return sum(1 for st in steps if st.shift != 0)
