@@ -6,6 +6,7 @@ what was given. Kernels never import this module.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -18,7 +19,9 @@ from flashvjp import _config
 from flashvjp import _dispatch
 from flashvjp import _dropout
 from flashvjp import _mask_mod
+from flashvjp import _partition
 from flashvjp import _score_mod
+from flashvjp import _strategy
 from flashvjp import _vjp
 from flashvjp import reference
 from flashvjp._config import AttentionConfig
@@ -143,7 +146,7 @@ def _check_sinks(sinks, H):
 def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, score_mod, scale,
              dropout_rate, dropout_rng, deterministic, implementation, block_q, block_kv,
              interpret, dropout_broadcast=(False, False), mask_mod=None, block_mask=None,
-             sinks=None, allow_shapes=False, fold_scale=False):
+             sinks=None, allow_shapes=False, fold_scale=False, context_parallel="auto"):
   """Validate everything; return (decision, cfg, arrays) without tracing any kernel.
 
   fold_scale: an array (traced) scale with low-precision inputs and no bias becomes the
@@ -196,6 +199,11 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
   if block_mask is not None:
     _mask_mod.check_block_mask(block_mask, target)
   sinks = _check_sinks(sinks, H)
+  if context_parallel is None:
+    context_parallel = "auto"
+  if not isinstance(context_parallel, str) or context_parallel not in _strategy.REQUESTS:
+    raise ValueError(f"context_parallel must be one of {_strategy.REQUESTS}, got"
+                     f" {context_parallel!r}")
 
   decision = _dispatch.decide(
       implementation, interpret=interpret, query_shape=query.shape, key_shape=key.shape,
@@ -227,7 +235,11 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       implementation=decision.implementation, precision=precision,
       dropout_broadcast=dropout_broadcast if dropout_active else (False, False),
       mask_mod=mm_fn, mask_mod_blocks=mm_blocks, mask_mod_uses=mm_uses,
-      out_f32=bool(out_f32) and decision.implementation != "naive")
+      out_f32=bool(out_f32) and decision.implementation != "naive",
+      context_parallel=context_parallel,
+      # the hint only matters when a mesh can shard the sequence; on one device it would
+      # only make the config (and the compile cache) depend on the mask_mod object
+      mask_mod_hint=getattr(mask_mod, "kv_intervals", None) if jax.device_count() > 1 else None)
   seed = _dropout.seed_from_key(dropout_rng) if dropout_active else None
   if not allow_shapes:
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
@@ -310,7 +322,10 @@ def attend(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, const
     q = (q.astype(acc) * scale_array.astype(acc)).astype(q.dtype)
   mod = None
   if cfg.mask_mod is not None:
-    if mod_classes is None and cfg.implementation not in ("naive", "ring"):  # naive: dense
+    # naive: dense; ring: elementwise per pair; with more than one device the partitioning
+    # rule classifies each device's own slice (flashvjp._partition)
+    if mod_classes is None and cfg.implementation not in ("naive", "ring") and \
+        jax.device_count() == 1:
       B, H = q.shape[0], q.shape[1]
       assert cfg.mask_mod_blocks is not None  # set with mask_mod
       mod_classes = _mask_mod.classify(cfg.mask_mod, mod_consts, cfg.mask_mod_uses, B, H,
@@ -355,7 +370,7 @@ def flash_attention(
     implementation: str | None = None, block_q: int | None = None,
     block_kv: int | None = None, interpret: bool | None = None,
     dropout_broadcast: tuple[bool, bool] = (False, False), mask_mod=None, block_mask=None,
-    sinks=None):
+    sinks=None, context_parallel: str = "auto"):
   """Exact, memory-efficient, differentiable attention.
 
   Semantics, in order: ``s = scale * q @ k^T``; ``s += bias``;
@@ -415,6 +430,14 @@ def flash_attention(
       "pallas_tpu", "blockwise" or "naive". See `explain`.
     block_q, block_kv: block sizes (None: tuned defaults); any positive size works.
     interpret: Pallas interpret mode; None means exactly when the platform is CPU.
+    context_parallel: under ``jax.jit`` with query / key / value sharded along the
+      sequence (a NamedSharding), the context-parallel strategy run inside the
+      partition: "auto" (default: the ring or Ulysses, whichever moves fewer bytes; never
+      a gather of the whole sequence), "ring" (K/V chunks passed around with ppermute),
+      "ulysses" (all-to-all sequence <-> heads; num_heads and num_kv_heads divisible by
+      the sequence shards) or "all_gather" (K/V gathered once, O(seq) memory for K/V).
+      `explain` on sharded inputs says which runs and why. Ignored when the sequence is
+      not sharded.
 
   Returns:
     out [batch, num_heads, seq_q, head_dim_v] in query's dtype, or (out, lse).
@@ -425,7 +448,7 @@ def flash_attention(
       dropout_rng=dropout_rng, deterministic=deterministic, implementation=implementation,
       block_q=block_q, block_kv=block_kv, interpret=interpret,
       dropout_broadcast=dropout_broadcast, mask_mod=mask_mod, block_mask=block_mask,
-      sinks=sinks, fold_scale=True)
+      sinks=sinks, fold_scale=True, context_parallel=context_parallel)
   _dispatch.log(decision)
   out, lse = _run(cfg, *arrays, return_lse=bool(return_lse))
   return (out, lse) if return_lse else out
@@ -435,19 +458,34 @@ def explain(query, key, value, **kwargs) -> _dispatch.Decision:
   """Which implementation `flash_attention(query, key, value, **kwargs)` would run, and why.
 
   Takes the same arguments (arrays or jax.ShapeDtypeStruct for query/key/value are
-  fine for shapes-only questions); runs no kernel.
+  fine for shapes-only questions); runs no kernel. When `query` carries a NamedSharding
+  that splits the sequence (a sharded array, or
+  ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``), the decision's
+  `context_parallel` is the strategy `jax.jit` runs for it (`flashvjp._strategy`:
+  which, why, the bytes each device moves, what it holds), as the partitioning rule
+  computes it; otherwise None.
   """
   kwargs.pop("return_lse", None)
   params = dict(bias=None, mask=None, causal=False, window=None, segment_ids=None,
                 score_mod=None, scale=None, dropout_rate=0.0, dropout_rng=None,
                 deterministic=True, implementation=None, block_q=None, block_kv=None,
                 interpret=None, dropout_broadcast=(False, False), mask_mod=None,
-                block_mask=None, sinks=None)
+                block_mask=None, sinks=None, context_parallel="auto")
   unknown = set(kwargs) - set(params)
   if unknown:
     raise TypeError(f"explain() got unexpected arguments {sorted(unknown)}")
   params.update(kwargs)
-  decision, _, _ = _prepare(query, key, value, **params, allow_shapes=True)
+  decision, cfg, arrays = _prepare(query, key, value, **params, allow_shapes=True)
+  sharding = getattr(query, "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is not None and cfg.implementation != "naive":
+    bias, mask, q_seg = arrays[3], arrays[4], arrays[5]
+    pairs = {n: (tuple(x.shape), x.dtype) for n, x in (("bias", bias), ("mask", mask))
+             if x is not None}
+    strategy = _partition.strategy_for(
+        cfg, sharding.mesh, spec, tuple(query.shape), tuple(key.shape), tuple(value.shape),
+        jnp.dtype(query.dtype).itemsize, pairs, q_seg is not None)
+    decision = dataclasses.replace(decision, context_parallel=strategy)
   return decision
 
 

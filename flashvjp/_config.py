@@ -247,6 +247,12 @@ class AttentionConfig:
   # the local lengths and causal / window / score_mod / mask_mod / dropout keep their
   # global meaning. None for a one-device call.
   ring: Any = None
+  # Under jit with the sequence sharded (flashvjp._partition): the context-parallel strategy
+  # asked for ("auto", "ring", "ulysses", "all_gather"; flashvjp._strategy) and the
+  # mask_mod's static hint (`kv_intervals`: which pairs of chunks can meet), set when more
+  # than one device exists.
+  context_parallel: str = "auto"
+  mask_mod_hint: Callable | None = None
 
   @property
   def dropout_active(self) -> bool:

@@ -14,6 +14,7 @@ compiled kernels, e.g. for ``jax.export(..., platforms=["cuda"])`` on a CPU host
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 from absl import logging
@@ -32,6 +33,9 @@ class Decision:
   implementation: str  # one of CONCRETE
   interpret: bool  # Pallas interpret mode
   reason: str
+  # Under jit with the sequence sharded: the context-parallel strategy
+  # (flashvjp._strategy.Strategy) the partitioning rule runs; None when not sharded.
+  context_parallel: Any = None
 
   @property
   def is_pallas(self) -> bool:
@@ -50,7 +54,8 @@ class Decision:
 
   def __str__(self) -> str:
     mode = " (interpret mode)" if self.is_pallas and self.interpret else ""
-    return f"{self.implementation}{mode}: {self.reason}"
+    cp = "" if self.context_parallel is None else f"; sequence sharded: {self.context_parallel}"
+    return f"{self.implementation}{mode}: {self.reason}{cp}"
 
 
 def platform() -> str:

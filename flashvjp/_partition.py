@@ -1,26 +1,37 @@
-"""Batch/head partitioning of a backend's forward and backward under jit (custom_partitioning).
+"""The backends' partitioning rule under jit: batch, heads AND the sequence (custom_partitioning).
 
-Room: partitioning (below _vjp; distributed/ holds the user-facing ring and mesh helpers). XLA cannot partition a `pallas_call`: given inputs
-sharded over batch or heads it would all-gather them and run the whole kernel on every
-device. Wrapping the backend's `forward` / `backward` in `jax.custom_partitioning` with a
-Shardy sharding rule tells the partitioner that batch and heads are independent (each
-device runs the kernel on its own slice, no collective) while the sequence and feature
-dims must be whole on a device. Heads stay sharded when the head axes divide both
-num_heads and num_kv_heads (whole GQA groups per device); otherwise they are gathered. The same wrapper makes the blockwise
-path's block-skip table per device (under plain SPMD it is reduced over the batch, an
-all-reduce).
+Room: partitioning (below _vjp; flashvjp.distributed holds the user-facing ring and mesh
+helpers). XLA cannot partition a `pallas_call`, and partitions the blockwise loops only by
+gathering what it cannot split: given q / k / v sharded along the sequence it would
+all-gather them and run the whole op on every device. Wrapping each backend's `forward`,
+`backward` and `tangent` in `jax.custom_partitioning` with a Shardy sharding rule lets the
+partition run per device:
 
-`wrap(backend)` returns an object with the backend interface::
+* batch and heads: each device runs the backend on its own slice, no collective (heads
+  stay sharded when the head axes divide both num_heads and num_kv_heads: whole GQA
+  groups per device); score_mod, mask_mod and dropout get the slice's global (b, h)
+  offsets;
+* the sequence (any mesh axis or axes, alone or with batch / head axes): a context-parallel
+  strategy runs inside the partition, chosen by `flashvjp._strategy` from static facts
+  (mesh, heads, shapes, the mask's ring schedule) unless `context_parallel=` names one:
+  the ring (`flashvjp.ring`, ppermute, O(S/P) memory; the default), Ulysses (all_to_all
+  sequence <-> heads around the one-device backend), or all-gather of K/V (only when
+  asked). The strategies call the same backends with global offsets: no second mask model.
 
-    forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts) -> (out, lse)
-    backward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse)
+The choice is logged (absl, debug level; a warning for a visible gather) and
+`flashvjp.explain` computes the same choice from a sharded query (`strategy_for`).
+
+`wrap(name, backend, tangent)` returns an object with the backend interface::
+
+    forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod) -> (out, lse)
+    backward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse, mod)
         -> (dq, dk, dv, dbias, dconsts)
+    tangent(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, tq, tk, tv,
+            tbias, tconsts, mod) -> (t_out, t_lse)
 
-A score_mod or dropout sees global (b, h) indices: calls with either are left to XLA's own
-partitioning (correct for the blockwise path, whose indices are iotas of the global
-program; a pallas_call is gathered). Under vmap the plain backend is vmapped
-(custom_partitioning has no batching rule). Outside jit, on one device, or inside a fully
-manual shard_map, the wrapped function simply runs the backend.
+Under vmap the plain backend is vmapped (custom_partitioning has no batching rule).
+Outside jit, on one device, or inside a fully manual shard_map, the wrapped function
+simply runs the backend.
 """
 from __future__ import annotations
 
@@ -28,233 +39,452 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from absl import logging
+from jax import lax
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
+from flashvjp import _mask_mod
+from flashvjp import _strategy
+from flashvjp import ring
+from flashvjp._config import AttentionConfig
+
+# Dim tags: b batch, h query heads, k kv heads, q query positions, s kv positions,
+# d / e head dims (always whole); None: a dim of its own (broadcast or a constant), whole.
+_Q = ("b", "h", "q", "d")
+_K = ("b", "k", "s", "d")
+_V = ("b", "k", "s", "e")
+_O = ("b", "h", "q", "e")
+_L = ("b", "h", "q")
+
+# The backends whose forward / backward / tangent take `offsets=(b, h, q, kv)` (global
+# positions for score_mod, mask_mod and dropout).
+OFFSET_BACKENDS = ("blockwise",)
+
+
+def _pair_tags(shape, rows=True):
+  """Tags of a rank-4 [B, H, Sq, Skv] pair array (bias, mask, mask_mod classes): full dims
+  follow the attention dims (columns always whole), size-1 dims are their own."""
+  full = ("b", "h", "q" if rows else None, None)
+  return tuple(t if n != 1 else None for t, n in zip(full, shape))
+
 
 @dataclasses.dataclass(frozen=True)
-class _Signature:
-  """Which optional operands are present, and the shapes that shape the sharding rule."""
+class _Sig:
+  """The operands of one partitioned call: names, dim tags, results (hashable, static)."""
 
-  backend: Any  # the backend module (hashable)
-  groups: int  # num_heads // num_kv_heads
-  bias_shape: Any  # None or rank-4 tuple (dims 1 or full)
-  mask_shape: Any
-  has_seg: bool
-  has_seed: bool
-  const_ranks: tuple[int, ...]
-  num_diff_consts: int
-  has_dlse: bool = False
-
-
-def _pair_factors(shape, tag):
-  """Factors of a rank-4 bias/mask: full dims share the attention factors, size-1 dims get their own."""
-  full = ("b", "h", "q", "s")
-  return " ".join(f if n != 1 else f"{tag}{i}" for i, (f, n) in enumerate(zip(full, shape)))
+  kind: str  # "forward" | "backward" | "tangent"
+  backend: str
+  names: tuple
+  tags: tuple
+  results: tuple
+  result_tags: tuple
+  n_consts: int
+  has_mod: bool
+  n_mod_consts: int
+  groups: int
 
 
-def _operand_factors(sig: _Signature):
-  ops = ["b h q d", "b k s d", "b k s e"]
-  if sig.bias_shape is not None:
-    ops.append(_pair_factors(sig.bias_shape, "x"))
-  if sig.mask_shape is not None:
-    ops.append(_pair_factors(sig.mask_shape, "y"))
-  if sig.has_seg:
-    ops += ["b q", "b s"]
-  extra = []
-  if sig.has_seed:
-    ops.append("z")
-    extra.append("z")
-  for n, r in enumerate(sig.const_ranks):
-    names = [f"c{n}r{i}" for i in range(r)]
-    ops.append(" ".join(names))
-    extra += names
-  return ops, extra
+def _operands(kind, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra):
+  items = [("q", q, _Q), ("k", k, _K), ("v", v, _V)]
+  if bias is not None:
+    items.append(("bias", bias, _pair_tags(bias.shape)))
+  if mask is not None:
+    items.append(("mask", mask, _pair_tags(mask.shape)))
+  if q_seg is not None:
+    items += [("q_seg", q_seg, ("b", "q")), ("kv_seg", kv_seg, ("b", "s"))]
+  if seed is not None:
+    items.append(("seed", seed, (None,) * jnp.ndim(seed)))
+  items += [(f"c{i}", c, (None,) * jnp.ndim(c)) for i, c in enumerate(consts)]
+  if mod is not None:
+    if mod.classes is not None:
+      items.append(("classes", mod.classes, _pair_tags(mod.classes.shape, rows=False)))
+    items += [(f"m{i}", c, (None,) * jnp.ndim(c)) for i, c in enumerate(mod.consts)]
+  items += [it for it in extra if it[1] is not None]
+  return items
 
 
-def _mappings(sig: _Signature, backward: bool):
-  """(operand factor strings, result factor strings, factors that must stay whole)."""
-  ops, extra = _operand_factors(sig)
-  if backward:
-    fwd_ops = list(ops)
-    ops = ops + ["b h q e", "b h q", "b h q e"] + (["b h q"] if sig.has_dlse else [])
-    results = fwd_ops[:3]
-    if sig.bias_shape is not None:
-      results.append(fwd_ops[3])
-    if sig.const_ranks:
-      results += fwd_ops[len(fwd_ops) - len(sig.const_ranks):][: sig.num_diff_consts]
-  else:
-    results = ["b h q e", "b h q"]
-  return ops, results, ["q", "s", "d", "e"] + extra
+def _sig(kind, name, cfg, items, results, n_consts, mod):
+  q, k = items[0][1], items[1][1]
+  return _Sig(kind=kind, backend=name, names=tuple(i[0] for i in items),
+              tags=tuple(i[2] for i in items), results=tuple(r[0] for r in results),
+              result_tags=tuple(r[1] for r in results), n_consts=n_consts,
+              has_mod=mod is not None, n_mod_consts=0 if mod is None else len(mod.consts),
+              groups=q.shape[1] // k.shape[1])
 
 
-def _rule(sig: _Signature, backward: bool):
-  """The Shardy sharding rule: batch and heads are independent, the rest stays whole."""
-  ops, results, replicate = _mappings(sig, backward)
-  rule = ", ".join(ops) + " -> " + ", ".join(results)
-  # Shardy wants special factors in the order in which the factors first appear.
-  order: dict = {}
-  for tok in rule.replace("(", " ").replace(")", " ").replace(",", " ").split():
-    order.setdefault(tok, len(order))
-  replicate = sorted(set(f for f in replicate if f in order), key=order.__getitem__)
-  return rule, dict(need_replication_factors=tuple(replicate))
+# ---- the plan of one partition --------------------------------------------------------
+
+def _axes_tuple(a) -> tuple:
+  if a is None:
+    return ()
+  return tuple(a) if isinstance(a, (tuple, list)) else (a,)
 
 
-def _dims(factors: str):
-  return factors.split()
-
-
-def _axes_size(mesh, axes):
-  if axes is None:
-    return 1
+def _size(mesh, axes) -> int:
   n = 1
-  for a in (axes if isinstance(axes, tuple) else (axes,)):
+  for a in _axes_tuple(axes):
     n *= mesh.shape[a]
   return n
 
 
-def _shardings(sig: _Signature, backward: bool, mesh, q_sharding, q_shape):
-  """Operand and result NamedShardings: q's batch and head axes, everything else whole.
+def _norm(a):
+  """A PartitionSpec entry as None, one name, or a tuple of names."""
+  t = _axes_tuple(a)
+  return None if not t else t[0] if len(t) == 1 else t
 
-  Heads stay sharded only when the head axes divide num_kv_heads too (each device then
-  holds whole GQA groups); otherwise they are replicated.
-  """
-  spec = tuple(getattr(q_sharding, "spec", ())) + (None,) * 4
-  bax, hax = spec[0], spec[1]
-  if q_shape[0] % _axes_size(mesh, bax):
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  bax: Any  # mesh axes of batch / heads / sequence (None: whole)
+  hax: Any
+  sax: Any
+  strategy: Any  # a flashvjp._strategy.Strategy, or None (the sequence is whole)
+  local: tuple  # (B, H, Sq, Skv) per device, before the strategy
+
+  def axis(self, tag):
+    return {"b": self.bax, "h": self.hax, "k": self.hax, "q": self.sax, "s": self.sax}.get(tag)
+
+  @property
+  def all_axes(self) -> tuple:
+    return _axes_tuple(self.bax) + _axes_tuple(self.hax) + _axes_tuple(self.sax)
+
+
+def uses_offsets(cfg: AttentionConfig) -> bool:
+  return ring.uses_offsets(cfg)
+
+
+def _plan(cfg: AttentionConfig, backend: str, mesh, q_spec, q_shape, k_shape, v_shape,
+          itemsize: int, pair_shapes: dict, has_seg: bool) -> _Plan:
+  """Which mesh axes this call is split over, and the sequence strategy (static)."""
+  spec = tuple(q_spec or ()) + (None,) * 4
+  bax, hax, sax = (_norm(a) for a in spec[:3])
+  B, H, Sq, D = q_shape
+  Hk, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
+  if bax is not None and B % _size(mesh, bax):
     bax = None
-  n_h = _axes_size(mesh, hax)
-  if q_shape[1] % n_h or (q_shape[1] // sig.groups) % n_h:
+  if hax is not None and (H % _size(mesh, hax) or Hk % _size(mesh, hax)):
     hax = None
-  pick = lambda d: bax if d == "b" else hax if d in ("h", "k") else None
-  named = lambda f: NamedSharding(mesh, PartitionSpec(*[pick(d) for d in _dims(f)]))
-  ops, results, _ = _mappings(sig, backward)
-  return [named(f) for f in ops], [named(f) for f in results]
+  if sax is not None and _size(mesh, sax) == 1:
+    sax = None
+  if uses_offsets(cfg) and backend not in OFFSET_BACKENDS and (bax or hax or sax):
+    logging.warning(
+        "flashvjp: %s takes no global offsets yet, so a call with score_mod / mask_mod /"
+        " dropout is gathered over batch, heads and sequence (every device runs the whole"
+        " call); implementation='blockwise' partitions it", backend)
+    return _Plan(None, None, None, None, (B, H, Sq, Skv))
+  B_l, H_l = B // _size(mesh, bax), H // _size(mesh, hax)
+  if sax is None:
+    return _Plan(bax, hax, None, None, (B_l, H_l, Sq, Skv))
+  n = _size(mesh, sax)
+  if Sq % n or Skv % n:
+    raise ValueError(
+        f"flashvjp: the sequence is sharded over {_axes_tuple(sax)} ({n} devices) but seq_q"
+        f" ({Sq}) and seq_kv ({Skv}) must both be divisible by {n} for context parallelism;"
+        " pad the sequence or shard it over fewer devices")
+  rows, rows_no_heads, pair_bytes = [], [], 0
+  for name, shape_dtype in pair_shapes.items():
+    shape, dtype = shape_dtype
+    if shape[2] != 1:
+      rows.append(name)
+      if shape[1] == 1:
+        rows_no_heads.append(name)
+      local = list(shape)
+      local[0] = shape[0] // _size(mesh, bax) if shape[0] != 1 else 1
+      local[1] = shape[1] // _size(mesh, hax) if shape[1] != 1 else 1
+      local[2] = shape[2] // n
+      pair_bytes += _strategy.bytes_of(local, dtype)
+  problem = _strategy.Problem(
+      num_shards=n, batch=B_l, heads=H_l, kv_heads=Hk // _size(mesh, hax), seq_q=Sq,
+      seq_kv=Skv, head_dim=D, head_dim_v=Dv, itemsize=itemsize, causal=cfg.causal, window=cfg.window,
+      mask_mod_hint=cfg.mask_mod_hint, pair_rows=tuple(rows),
+      pair_rows_without_heads=tuple(rows_no_heads), pair_bytes=pair_bytes,
+      has_segments=has_seg)
+  strategy = _strategy.choose(cfg.context_parallel, problem, _axes_tuple(sax))
+  return _Plan(bax, hax, sax, strategy, (B_l, H_l, Sq, Skv))
 
 
-def _make_op(backward: bool):
-  def run(cfg, sig, *arrays):
-    fn = sig.backend.backward if backward else sig.backend.forward
-    return fn(cfg, *_unflatten(sig, arrays, backward))
+def strategy_for(cfg: AttentionConfig, mesh, q_spec, q_shape, k_shape, v_shape, itemsize,
+                 pair_shapes, has_seg):
+  """The Strategy a call with this sharding of the query would run (None: sequence whole).
+
+  pair_shapes: {"bias" / "mask": (shape, dtype)} of the rank-4 pair arrays present.
+  """
+  return _plan(cfg, cfg.implementation, mesh, q_spec, q_shape, k_shape, v_shape, itemsize,
+               pair_shapes, has_seg).strategy
+
+
+# ---- running one partition ------------------------------------------------------------
+
+_BACKENDS: dict = {}  # name -> (forward, backward, tangent), filled by `wrap`
+
+
+def _call_backend(name, kind, cfg, base, extra, mod, kw):
+  fwd, bwd, tan = (ring.forward, ring.backward, ring.tangent) if name == "ring" \
+      else _BACKENDS[name]
+  fn = {"forward": fwd, "backward": bwd, "tangent": tan}[kind]
+  return fn(cfg, *base, *extra, mod, **kw)
+
+
+def _parts(cfg, sig, arrays):
+  """(base operands, extra operands, mod) of a flat operand list."""
+  d = dict(zip(sig.names, arrays))
+  consts = tuple(d[f"c{i}"] for i in range(sig.n_consts))
+  mod = None
+  if sig.has_mod:
+    mod = _mask_mod.ModInputs(d.get("classes"),
+                              tuple(d[f"m{i}"] for i in range(sig.n_mod_consts)))
+  base = (d["q"], d["k"], d["v"], d.get("bias"), d.get("mask"), d.get("q_seg"),
+          d.get("kv_seg"), d.get("seed"), consts)
+  if sig.kind == "forward":
+    extra = ()
+  elif sig.kind == "backward":
+    extra = (d["out"], d["lse"], d["dout"], d.get("dlse"))
+  else:
+    extra = (d["out"], d["lse"], d.get("tq"), d.get("tk"), d.get("tv"), d.get("tbias"),
+             tuple(d.get(f"tc{i}") for i in range(cfg.num_diff_consts)))
+  return base, extra, mod
+
+
+def _flat(sig, res):
+  if sig.kind != "backward":
+    return list(res)
+  dq, dk, dv, dbias, dconsts = res
+  return [dq, dk, dv] + ([dbias] if "dbias" in sig.results else []) + list(dconsts)
+
+
+def _classify(cfg, mod, B, H, seq_q, seq_kv, offsets=None):
+  """The mask_mod's block classes of this device's slice (global b / h through offsets)."""
+  fn = cfg.mask_mod
+  if offsets is not None:
+    b0, h0 = offsets[0], offsets[1]
+    user = fn
+    fn = lambda b, h, qi, ki, *c: user(b + b0, h + h0, qi, ki, *c)
+  return _mask_mod.classify(fn, mod.consts, cfg.mask_mod_uses, B, H, seq_q, seq_kv,
+                            *cfg.mask_mod_blocks)
+
+
+def _with_classes(cfg, mod, B, H, seq_q, seq_kv, offsets=None):
+  if mod is None or mod.classes is not None or cfg.mask_mod_blocks is None:
+    return mod
+  return mod._replace(classes=_classify(cfg, mod, B, H, seq_q, seq_kv, offsets))
+
+
+def _bh_offsets(plan: _Plan, B_l, H_l, h_extra=0):
+  b0 = 0 if plan.bax is None else lax.axis_index(plan.bax) * B_l
+  h0 = 0 if plan.hax is None else lax.axis_index(plan.hax) * H_l
+  return (b0, h0 + h_extra, 0, 0)
+
+
+def _run_partition(cfg, sig, plan: _Plan, arrays):
+  """One device's part of the call, per `plan`; results in the partition's layout."""
+  base, extra, mod = _parts(cfg, sig, arrays)
+  st = plan.strategy
+  B_l, H_l, Sq, Skv = plan.local
+  if st is None:  # the sequence is whole: the backend on this batch / head slice
+    offsets = _bh_offsets(plan, B_l, H_l) if plan.bax or plan.hax else None
+    kw = {"offsets": offsets} if offsets is not None and uses_offsets(cfg) else {}
+    mod = _with_classes(cfg, mod, B_l, H_l, Sq, Skv, offsets)
+    res = _flat(sig, _call_backend(sig.backend, sig.kind, cfg, base, extra, mod, kw))
+  elif st.name in ("ring", "all_gather"):
+    n = st.num_shards
+    spec = ring.RingSpec(axis_name=plan.sax, axis_size=n, layout="contiguous",
+                         inner=sig.backend, batch_axis=plan.bax, head_axis=plan.hax,
+                         mask_mod_hint=cfg.mask_mod_hint, gather=st.name == "all_gather")
+    cfg_r = dataclasses.replace(cfg, implementation="ring", ring=spec, seq_q=Sq // n,
+                                seq_kv=Skv // n)
+    mod = None if mod is None else mod._replace(classes=None)
+    res = _flat(sig, _call_backend("ring", sig.kind, cfg_r, base, extra, mod, {}))
+  else:
+    res = _ulysses(cfg, sig, plan, base, extra, mod)
+  return _reduce(cfg, sig, plan, res, base)
+
+
+def _reduce(cfg, sig, plan: _Plan, res, base):
+  """Gradients of operands replicated over a split dim summed over its axes (dconsts over
+  every split axis; dbias over the axes of its broadcast dims)."""
+  if sig.kind != "backward":
+    return res
+  axes = plan.all_axes
+  n_fixed = 4 if "dbias" in sig.results else 3
+  res = list(res)
+  if axes:
+    res[n_fixed:] = [lax.psum(g, axes) for g in res[n_fixed:]]
+  if "dbias" in sig.results:
+    bias = base[3]
+    bax = tuple(a for i, t in enumerate(("b", "h", "q")) if bias.shape[i] == 1
+                for a in _axes_tuple(plan.axis(t)))
+    if bax:
+      res[3] = lax.psum(res[3], bax)
+  return res
+
+
+def _ulysses(cfg, sig, plan: _Plan, base, extra, mod):
+  """All-to-all the sequence for heads, run the one-device backend on the whole sequence
+  for H / P heads (global offsets), all-to-all back."""
+  st, sax = plan.strategy, plan.sax
+  n = st.num_shards
+  B_l, H_l, Sq, Skv = plan.local
+  to_heads = lambda x: None if x is None else lax.all_to_all(
+      x, sax, split_axis=1, concat_axis=2, tiled=True)
+  to_seq = lambda x: None if x is None else lax.all_to_all(
+      x, sax, split_axis=2, concat_axis=1, tiled=True)
+  whole = lambda x: None if x is None else lax.all_gather(x, sax, axis=1, tiled=True)
+  i = lax.axis_index(sax)
+  offsets = _bh_offsets(plan, B_l, H_l, h_extra=i * (H_l // n))
+
+  def heads(x):  # a [B, H, Sq, Skv]-like pair array: its heads split, its rows whole
+    if x is None or x.shape[1] == 1:
+      return x
+    if x.shape[2] != 1:
+      return to_heads(x)
+    return lax.dynamic_slice_in_dim(x, i * (x.shape[1] // n), x.shape[1] // n, axis=1)
+
+  q, k, v, bias, mask, q_seg, kv_seg, seed, consts = base
+  base = (to_heads(q), to_heads(k), to_heads(v), heads(bias), heads(mask), whole(q_seg),
+          whole(kv_seg), seed, consts)
+  if sig.kind == "backward":
+    out, lse, dout, dlse = extra
+    extra = (to_heads(out), to_heads(lse), to_heads(dout), to_heads(dlse))
+  elif sig.kind == "tangent":
+    out, lse, tq, tk, tv, tbias, tconsts = extra
+    extra = (to_heads(out), to_heads(lse), to_heads(tq), to_heads(tk), to_heads(tv),
+             heads(tbias), tconsts)
+  if mod is not None:
+    classes = mod.classes
+    if classes is not None and classes.shape[1] != 1:
+      classes = lax.dynamic_slice_in_dim(classes, i * (classes.shape[1] // n),
+                                         classes.shape[1] // n, axis=1)
+    mod = _with_classes(cfg, mod._replace(classes=classes), B_l, H_l // n, Sq, Skv, offsets)
+  kw = {"offsets": offsets} if uses_offsets(cfg) else {}
+  res = _flat(sig, _call_backend(sig.backend, sig.kind, cfg, base, extra, mod, kw))
+  if sig.kind != "backward":
+    return [to_seq(x) for x in res]
+  out = [to_seq(x) for x in res[:3]]
+  if "dbias" in sig.results:
+    out.append(to_seq(res[3]))  # Ulysses takes a bias with full heads and rows only
+  return out + list(res[len(out):])
+
+
+# ---- the custom_partitioning ops --------------------------------------------------------
+
+def _rule(sig: _Sig):
+  """The Shardy sharding rule: batch, heads and the sequence may be split; the rest whole."""
+  count = iter(range(1 << 30))
+  fs = lambda tags: " ".join(t if t else f"u{next(count)}" for t in tags)
+  rule = ", ".join(fs(t) for t in sig.tags) + " -> " + ", ".join(fs(t) for t in sig.result_tags)
+  # Shardy wants special factors in the order in which the factors first appear.
+  order: dict = {}
+  for tok in rule.replace(",", " ").replace("->", " ").split():
+    order.setdefault(tok, len(order))
+  replicate = tuple(f for f in order if f not in ("b", "h", "k", "q", "s"))
+  return rule, dict(need_replication_factors=replicate)
+
+
+def _plan_from_shapes(cfg, sig: _Sig, mesh, arg_shapes) -> _Plan:
+  shapes = dict(zip(sig.names, arg_shapes))
+  q = shapes["q"]
+  pair = {n: (tuple(shapes[n].shape), shapes[n].dtype) for n in ("bias", "mask") if n in shapes}
+  return _plan(cfg, sig.backend, mesh, getattr(q.sharding, "spec", ()), tuple(q.shape),
+               tuple(shapes["k"].shape), tuple(shapes["v"].shape),
+               jnp.dtype(q.dtype).itemsize, pair, "q_seg" in shapes)
+
+
+def _make_op(kind: str):
+  def run(cfg, sig, *arrays):  # unpartitioned (one partition): the backend as is
+    base, extra, mod = _parts(cfg, sig, arrays)
+    mod = _with_classes(cfg, mod, base[0].shape[0], base[0].shape[1], cfg.seq_q, cfg.seq_kv)
+    return _flat(sig, _call_backend(sig.backend, kind, cfg, base, extra, mod, {}))
 
   op = custom_partitioning(run, static_argnums=(0, 1))
 
   def partition(cfg, sig, mesh, arg_shapes, result_shape):
-    arg_shardings, result_shardings = _shardings(
-        sig, backward, mesh, arg_shapes[0].sharding, arg_shapes[0].shape)
-    result_shardings = jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(result_shape), result_shardings)
+    plan = _plan_from_shapes(cfg, sig, mesh, arg_shapes)
+    if plan.strategy is not None:
+      logging.debug("flashvjp %s: sequence sharded, %s", kind, plan.strategy)
+    named = lambda tags: NamedSharding(mesh, PartitionSpec(*[plan.axis(t) for t in tags]))
+    results = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(result_shape),
+                                           [named(t) for t in sig.result_tags])
 
     def lower_fn(*arrays):
-      return run(cfg, sig, *arrays)
+      return _run_partition(cfg, sig, plan, arrays)
 
-    return mesh, lower_fn, result_shardings, tuple(arg_shardings)
+    return mesh, lower_fn, results, tuple(named(t) for t in sig.tags)
 
   op.def_partition(partition=partition,
-                   sharding_rule=lambda cfg, sig, mesh, vt, rt: _rule(sig, backward))
+                   sharding_rule=lambda cfg, sig, mesh, vt, rt: _rule(sig))
   return op
 
 
-def _flatten(bias, mask, q_seg, kv_seg, seed, consts):
-  out = []
-  if bias is not None:
-    out.append(bias)
-  if mask is not None:
-    out.append(mask)
-  if q_seg is not None:
-    out += [q_seg, kv_seg]
-  if seed is not None:
-    out.append(seed)
-  return out + list(consts)
-
-
-def _unflatten(sig: _Signature, arrays, backward):
-  arrays = list(arrays)
-  q, k, v = arrays[:3]
-  rest = arrays[3:]
-  take = lambda present: rest.pop(0) if present else None
-  bias = take(sig.bias_shape is not None)
-  mask = take(sig.mask_shape is not None)
-  q_seg = take(sig.has_seg)
-  kv_seg = take(sig.has_seg)
-  seed = take(sig.has_seed)
-  consts = tuple(rest.pop(0) for _ in sig.const_ranks)
-  args = [q, k, v, bias, mask, q_seg, kv_seg, seed, consts]
-  if backward:
-    out, lse, dout = rest[:3]
-    dlse = rest[3] if sig.has_dlse else None
-    args += [out, lse, dout, dlse]
-  return args
-
-
 class _Wrapped:
-  """A backend whose forward and backward carry a batch/head partitioning rule."""
+  """A backend whose forward, backward and tangent carry the partitioning rule."""
 
-  def __init__(self, backend):
-    self.backend = backend
-    self._fwd = _make_op(backward=False)
-    self._bwd = _make_op(backward=True)
+  def __init__(self, name: str, backend, tangent):
+    _BACKENDS[name] = (backend.forward, backend.backward, tangent)
+    self.name = name
+    self._ops = {k: _make_op(k) for k in ("forward", "backward", "tangent")}
 
-  def _sig(self, cfg, q, k, bias, mask, q_seg, seed, consts, has_dlse=False):
-    return _Signature(
-        backend=self.backend, groups=q.shape[1] // k.shape[1],
-        bias_shape=None if bias is None else tuple(bias.shape),
-        mask_shape=None if mask is None else tuple(mask.shape), has_seg=q_seg is not None,
-        has_seed=seed is not None, const_ranks=tuple(len(c.shape) for c in consts),
-        num_diff_consts=cfg.num_diff_consts, has_dlse=has_dlse)
-
-  def _call(self, op, backward, cfg, sig, arrays):
-    """op(cfg, sig, *arrays), vmapped (if ever) as the plain backend: custom_partitioning
-    has no batching rule, and a vmapped call is not a batch/head-sharded one."""
+  def _go(self, kind, cfg, items, results, n_consts, mod):
+    sig = _sig(kind, self.name, cfg, items, results, n_consts, mod)
+    op = self._ops[kind]
     fn = custom_vmap(lambda *a: op(cfg, sig, *a))
 
     @fn.def_vmap
-    def _rule(axis_size, in_batched, *a):
+    def _vmap_rule(axis_size, in_batched, *a):
+      """Vmapped as the plain backend: custom_partitioning has no batching rule, and a
+      vmapped call is not a sharded one."""
       del axis_size
-      raw = self.backend.backward if backward else self.backend.forward
-      plain = lambda *x: raw(cfg, *_unflatten(sig, x, backward))
+
+      def plain(*x):
+        base, extra, m = _parts(cfg, sig, x)
+        return _flat(sig, _call_backend(sig.backend, kind, cfg, base, extra, m, {}))
+
       out = jax.vmap(plain, in_axes=[0 if b else None for b in in_batched])(*a)
       return out, jax.tree_util.tree_map(lambda _: True, out)
 
-    return fn(*arrays)
-
-  @staticmethod
-  def _global_indices(cfg):
-    """score_mod, mask_mod and dropout read global (b, h) indices: leave those calls to
-    XLA's own partitioning (correct for the blockwise path; a pallas_call is then gathered)."""
-    return cfg.score_mod is not None or cfg.dropout_active
+    return fn(*[i[1] for i in items])
 
   def forward(self, cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
-    if self._global_indices(cfg) or mod is not None:
-      return self.backend.forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod)
-    sig = self._sig(cfg, q, k, bias, mask, q_seg, seed, consts)
-    out, lse = self._call(self._fwd, False, cfg, sig,
-                          (q, k, v, *_flatten(bias, mask, q_seg, kv_seg, seed, consts)))
+    items = _operands("forward", q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, ())
+    out, lse = self._go("forward", cfg, items, [("out", _O), ("lse", _L)], len(consts), mod)
     return out, lse
 
-  def backward(self, cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse,
-               mod=None):
-    if self._global_indices(cfg) or mod is not None:
-      return self.backend.backward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out,
-                                   lse, dout, dlse, mod)
-    sig = self._sig(cfg, q, k, bias, mask, q_seg, seed, consts, has_dlse=dlse is not None)
-    extra = [out, lse, dout] + ([dlse] if dlse is not None else [])
-    res = self._call(self._bwd, True, cfg, sig,
-                     (q, k, v, *_flatten(bias, mask, q_seg, kv_seg, seed, consts), *extra))
-    res = jax.tree_util.tree_leaves(res)
+  def backward(self, cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout,
+               dlse, mod=None):
+    extra = [("out", out, _O), ("lse", lse, _L), ("dout", dout, _O), ("dlse", dlse, _L)]
+    items = _operands("backward", q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra)
+    results = [("dq", _Q), ("dk", _K), ("dv", _V)]
+    if bias is not None:
+      results.append(("dbias", _pair_tags(bias.shape)))
+    results += [(f"dc{i}", (None,) * jnp.ndim(c))
+                for i, c in enumerate(consts[:cfg.num_diff_consts])]
+    res = list(self._go("backward", cfg, items, results, len(consts), mod))
     dq, dk, dv = res[:3]
     dbias = res[3] if bias is not None else None
-    dconsts = tuple(res[4 if bias is not None else 3:])
-    return dq, dk, dv, dbias, dconsts
+    return dq, dk, dv, dbias, tuple(res[4 if bias is not None else 3:])
+
+  def tangent(self, cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, tq, tk,
+              tv, tbias, tconsts, mod=None):
+    extra = [("out", out, _O), ("lse", lse, _L), ("tq", tq, _Q), ("tk", tk, _K),
+             ("tv", tv, _V)]
+    if bias is not None:
+      extra.append(("tbias", tbias, _pair_tags(bias.shape)))
+    extra += [(f"tc{i}", t, (None,) * jnp.ndim(t)) for i, t in enumerate(tconsts)
+              if t is not None]
+    items = _operands("tangent", q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra)
+    t_out, t_lse = self._go("tangent", cfg, items, [("t_out", _O), ("t_lse", _L)], len(consts),
+                            mod)
+    return t_out, t_lse
 
 
 _WRAPPED: dict = {}
 
 
-def wrap(backend) -> _Wrapped:
-  """The batch/head-partitioned version of a backend module (cached per backend)."""
-  if backend not in _WRAPPED:
-    _WRAPPED[backend] = _Wrapped(backend)
-  return _WRAPPED[backend]
+def wrap(name: str, backend, tangent) -> _Wrapped:
+  """The partitioned version of a backend (cached per backend name)."""
+  if name not in _WRAPPED:
+    _WRAPPED[name] = _Wrapped(name, backend, tangent)
+  return _WRAPPED[name]

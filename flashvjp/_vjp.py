@@ -62,14 +62,14 @@ def _backend(name: str):
     from flashvjp.pallas import tpu as backend  # type: ignore[no-redef]
   else:
     raise ValueError(f"no custom_vjp backend named {name!r}")
-  # Under jit with inputs sharded over batch/heads, each device runs the backend on its
-  # own slice, with no collective (a custom_partitioning rule). With one device there is
+  # Under jit with inputs sharded over batch / heads / the sequence, each device runs its
+  # part (a custom_partitioning rule; the sequence by a context-parallel strategy). With one device there is
   # nothing to partition: the rule would only trace and lower the backend a second time
   # (about a third of jit(grad)'s trace+lower time; benchmarks/results/compile_time.md).
   if jax.device_count() == 1:
     return backend
   from flashvjp import _partition
-  return _partition.wrap(backend)
+  return _partition.wrap(name, backend, _tangent_kernel(name)[0])
 
 
 # ---- what forward mode runs, per implementation (explain() and docs/forward_mode.md) ----
@@ -322,7 +322,12 @@ def _split(flat, tree, present):
 def _run_tangent(cfg, primal, ts, fn=None):
   q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, out, lse = primal
   tq, tk, tv, tbias, *tc = ts
-  fn = fn or _tangent_kernel(cfg.implementation)[0]
+  if fn is None:
+    if cfg.implementation in ("blockwise", "pallas_triton", "pallas_tpu") and \
+        jax.device_count() > 1:
+      fn = _backend(cfg.implementation).tangent  # partitioned under jit like the backward
+    else:
+      fn = _tangent_kernel(cfg.implementation)[0]
   return fn(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, tq, tk, tv, tbias,
             tuple(tc), mod)
 

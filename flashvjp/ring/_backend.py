@@ -88,12 +88,31 @@ class _Ctx:
       return None
     return type(xs)(_compat.match_varying(x, self.q) if x is not None else None for x in xs)
 
+  def first_chunk(self, chunk):
+    """The chunk (a pytree) in hand at the first step. With `RingSpec.gather`, every
+    device's chunk is all-gathered here once and each step slices its own."""
+    if self.R.gather and self.steps:
+      self.full = jax.tree_util.tree_map(
+          lambda x: lax.all_gather(x, self.R.axis_name, axis=_seq_axis(x), tiled=True), chunk)
+      return self.take(0)
+    return _shift(chunk, self.R, self.steps[0].shift if self.steps else 0)
+
+  def take(self, t):
+    """(gather) The chunk of step t, sliced from the gathered sequence."""
+    j = (self.i - self.steps[t].shift) % self.n
+    return jax.tree_util.tree_map(
+        lambda x: lax.dynamic_slice_in_dim(x, j * (x.shape[_seq_axis(x)] // self.n),
+                                           x.shape[_seq_axis(x)] // self.n, _seq_axis(x)),
+        self.full)
+
   def next_chunk(self, chunk, t):
     """The chunk (a pytree) moved on to where step t + 1 needs it (after the last step:
     unchanged, nothing sent). With the optimization barrier after each step's compute,
     at most one transfer is in flight: O(local seq) memory, never every chunk at once."""
     if t + 1 >= len(self.steps):
       return chunk
+    if self.R.gather:
+      return self.take(t + 1)
     return _shift(chunk, self.R, self.steps[t + 1].shift - self.steps[t].shift)
 
   def pair_cfg(self, mask, a, b):
@@ -163,6 +182,10 @@ def _varying_mod(C: _Ctx, mod):
   return mod._replace(consts=C.varying(tuple(mod.consts)))
 
 
+def _seq_axis(x) -> int:
+  return 2 if x.ndim == 4 else 1  # K/V [B, Hk, S, D]; segment ids [B, S]
+
+
 def _shift(tree, R, by: int):
   """Every leaf from device d to device d + by on the ring (None leaves stay None)."""
   n = R.axis_size
@@ -205,7 +228,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
           for p in C.qp]
   lses = [_compat.match_varying(jnp.full(q.shape[:2] + (p.length,), -jnp.inf, acc), q)
           for p in C.qp]
-  chunk = _shift((k, v, kv_seg), C.R, C.steps[0].shift if C.steps else 0)
+  chunk = C.first_chunk((k, v, kv_seg))
   for t, st in enumerate(C.steps):
     nxt = C.next_chunk(chunk, t)  # issued before this step's compute: they overlap
     kc, vc, ksc = chunk
@@ -245,9 +268,11 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   dbias = _zeros(bias, acc, q)
   dconsts = [_compat.match_varying(jnp.zeros(jnp.shape(c), jnp.promote_types(
       jnp.result_type(c), acc)), q) for c in consts[:n_diff]]
-  first = C.steps[0].shift if C.steps else 0
-  chunk = _shift((k, v, kv_seg), C.R, first)
+  chunk = C.first_chunk((k, v, kv_seg))
   dk_c, dv_c = _zeros(k, acc, q), _zeros(v, acc, q)  # the accumulators of the chunk in hand
+  if C.R.gather:  # dK/dV of every chunk, reduce-scattered to their owners at the end
+    dk_all, dv_all = (_compat.match_varying(
+        jnp.zeros(x.shape[:2] + (C.n * x.shape[2],) + x.shape[3:], acc), q) for x in (k, v))
   for t, st in enumerate(C.steps):
     nxt = C.next_chunk(chunk, t)
     kc, vc, ksc = chunk
@@ -277,12 +302,24 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
       dconsts = [x + y for x, y in zip(dconsts, gc)]
       if dbias is not None:
         dbias = _add_bias(C, dbias, gb, a, b, j)
+    if C.R.gather:  # into the gathered gradient at the chunk's place
+      dk_all, dv_all = (lax.dynamic_update_slice_in_dim(
+          full, lax.dynamic_slice_in_dim(full, j * d.shape[2], d.shape[2], 2) + d, j * d.shape[2],
+          2) for full, d in ((dk_all, dk_c), (dv_all, dv_c)))
+      dk_c, dv_c = jnp.zeros_like(dk_c), jnp.zeros_like(dv_c)
+      chunk, dk_all, dv_all, dq, dbias, dconsts = lax.optimization_barrier(
+          (nxt, dk_all, dv_all, dq, dbias, dconsts))
+      continue
     # dK/dV travel on with their chunk (after this step's compute, which updates them)
     dk_c, dv_c = C.next_chunk((dk_c, dv_c), t)
     chunk, dk_c, dv_c, dq, dbias, dconsts = lax.optimization_barrier(
         (nxt, dk_c, dv_c, dq, dbias, dconsts))
-  last = C.steps[-1].shift if C.steps else 0
-  dk, dv = _shift((dk_c, dv_c), C.R, -last if C.steps else 0)  # back to their chunk's owner
+  if C.R.gather:
+    dk, dv = (lax.psum_scatter(x, C.R.axis_name, scatter_dimension=2, tiled=True)
+              for x in (dk_all, dv_all))
+  else:
+    last = C.steps[-1].shift if C.steps else 0
+    dk, dv = _shift((dk_c, dv_c), C.R, -last if C.steps else 0)  # back to their chunk's owner
   sm = _compat.sum_to_match
   dq, dk, dv = (sm(g, x).astype(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
   if dbias is not None:
@@ -317,7 +354,7 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   tconsts = C.varying(tuple(tconsts)) if tconsts is not None else None
   t_out = _compat.match_varying(jnp.zeros(out.shape, acc), q)
   t_lse = _compat.match_varying(jnp.zeros(lse.shape, acc), q)
-  chunk = _shift((k, v, kv_seg, tk, tv), C.R, C.steps[0].shift if C.steps else 0)
+  chunk = C.first_chunk((k, v, kv_seg, tk, tv))
   for t, st in enumerate(C.steps):
     nxt = C.next_chunk(chunk, t)
     kc, vc, ksc, tkc, tvc = chunk

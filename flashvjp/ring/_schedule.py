@@ -106,6 +106,9 @@ class RingSpec:
   batch_axis: Hashable | None = None  # mesh axes batch / heads are sharded over, if any:
   head_axis: Hashable | None = None  # the global (b, h) of dropout and score/mask_mod
   mask_mod_hint: Callable | None = None  # `kv_intervals` of the mask_mod (see module doc)
+  # K/V all-gathered once and dK/dV reduce-scattered (Llama 3 style, O(seq) memory for
+  # K/V) instead of passed around: the same schedule, the chunk in hand sliced locally.
+  gather: bool = False
 
   def steps(self, causal: bool, window, len_q: int, len_kv: int) -> tuple[Step, ...]:
     return _steps(self.axis_size, self.layout, causal, window, len_q, len_kv,
