@@ -107,8 +107,10 @@ def costs(p: Problem) -> dict:
   dkv_chunk = p.batch * p.kv_heads * p.local_kv * (p.head_dim + p.head_dim_v) * acc
   out = {}
   fwd_moves, bwd_moves = ring_moves(p)
+  # backward: K/V (and ids) move as in the forward; the dK/dV accumulators (float32)
+  # travel with them and return to their owner after the last step
   out["ring"] = (fwd_moves * (kv_chunk + seg_chunk),
-                 bwd_moves * (kv_chunk + seg_chunk) + bwd_moves * dkv_chunk)
+                 fwd_moves * (kv_chunk + seg_chunk) + bwd_moves * dkv_chunk)
   if p.causal and p.seq_q != p.seq_kv:
     out["ring"] = "causal with seq_q != seq_kv: the chunks of q and kv differ"
   # Ulysses: every all_to_all keeps 1/n of its operand and sends the rest.
@@ -120,7 +122,7 @@ def costs(p: Problem) -> dict:
   seg_b = (n - 1) * p.batch * (p.local_q + p.local_kv) * 4 if p.has_segments else 0
   fwd = share * (q_b + kv_b + o_b + lse_b + p.pair_bytes) + seg_b
   bwd = share * (q_b + kv_b + 2 * o_b + 2 * lse_b + p.pair_bytes  # q k v out dO lse dlse
-                 + (q_b + kv_b) * acc / it + p.pair_bytes) + seg_b  # dq dk dv (dbias)
+                 + q_b + kv_b + p.pair_bytes) + seg_b  # dq dk dv (dbias), the inputs' dtype
   if p.heads % n or p.kv_heads % n:
     out["ulysses"] = (f"num_heads ({p.heads}) and num_kv_heads ({p.kv_heads}) per device must"
                       f" be divisible by the {n} sequence shards")
@@ -176,8 +178,8 @@ def choose(request: str | None, p: Problem, seq_axes: tuple) -> Strategy:
     return make("ulysses", f"moves {total['ulysses'] / max(total['ring'], 1):.2f}x the ring's"
                            " bytes")
   ratio = total["ring"] / max(total["ulysses"], 1)
-  return make("ring", f"moves {ratio:.2f}x Ulysses' bytes (the mask's schedule skips"
-                      " steps)" if ratio < 1 else "fewest bytes (tie: the ring)")
+  return make("ring", f"moves {ratio:.2f}x Ulysses' bytes" if ratio < 1
+              else "as few bytes as Ulysses (a tie goes to the ring)")
 
 
 def bytes_of(shape, dtype) -> int:

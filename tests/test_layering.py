@@ -24,7 +24,7 @@ FLOORS = {
     "_config": 0, "_mask": 0, "_score_mod": 0, "_mask_mod": 0, "_dropout": 0,
     "_ad_compat": 0, "reference": 0,
     "blockwise": 1, "pallas": 1,
-    "_partition": 2, "ring": 2,
+    "_partition": 2, "_strategy": 2, "ring": 2,
     "_vjp": 3, "_dispatch": 3,
     "_api": 4,
     "distributed": 5, "_jax_nn": 5, "flax": 5, "_check": 5, "testing": 5,

@@ -1,0 +1,307 @@
+"""Sequence sharding under plain jax.jit: a context-parallel strategy, never a whole-sequence gather.
+
+8 virtual CPU devices (conftest). q / k / v [B, H, S, D] are placed with
+NamedSharding(mesh, P(..., "sp", ...)) and `jax.jit(jax.value_and_grad(loss))` runs around
+plain `flash_attention`: the custom_partitioning rule (flashvjp/_partition.py) runs the
+strategy chosen by flashvjp/_strategy.py inside the partition. Each case compares out, lse
+and every gradient with the same call on unsharded inputs (one device; float32, RING_TOL of
+the largest magnitude) and parses the compiled HLO: no all-gather whose result holds the
+whole sequence of an attention array.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flashvjp
+from flashvjp import _strategy
+
+B, H, HKV, S, D = 2, 4, 2, 256, 16
+BLOCK = 32
+RING_TOL = 2e-5  # float32, sharded vs one device, relative to the largest magnitude
+
+
+def _mesh(shape=(8,), names=("sp",)):
+  n = int(np.prod(shape))
+  if jax.device_count() < n:
+    pytest.skip(f"needs {n} devices")
+  return Mesh(np.asarray(jax.devices()[:n]).reshape(shape), names)
+
+
+def _inputs(h=H, hkv=HKV, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 6)
+  r = lambda i, shape: jax.random.normal(ks[i], shape, jnp.float32)
+  return dict(q=r(0, (B, h, S, D)), k=r(1, (B, hkv, S, D)), v=r(2, (B, hkv, S, D)),
+              w_out=r(3, (B, h, S, D)), w_lse=r(4, (B, h, S)))
+
+
+def _loss_fn(kw, n_diff):
+  def loss(q, k, v, *d):
+    extra = kw(*d) if callable(kw) else kw
+    out, lse = flashvjp.flash_attention(q, k, v, return_lse=True, block_q=BLOCK,
+                                        block_kv=BLOCK, **extra)
+    return jnp.sum(out * W["out"]) + jnp.sum(jnp.where(jnp.isinf(lse), 0.0, lse) * W["lse"]), (
+        out, lse)
+  return loss
+
+
+W: dict = {}
+
+
+def _check(name, got, ref, tol=RING_TOL):
+  got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+  assert got.shape == ref.shape, f"{name}: shape {got.shape} != {ref.shape}"
+  assert np.all(np.isfinite(got) == np.isfinite(ref)), f"{name}: non-finite entries differ"
+  fin = np.isfinite(ref)
+  scale = max(float(np.abs(ref[fin]).max()) if fin.any() else 0.0, 1e-30)
+  err = float(np.abs(np.where(fin, got - ref, 0.0)).max()) if fin.any() else 0.0
+  assert err <= tol * scale, f"{name}: max error {err:.3g} > {tol} * {scale:.3g}"
+
+
+def whole_sequence_gathers(hlo: str, seq: int):
+  """all-gather ops whose result has rank >= 3 and a dim of the whole sequence length."""
+  bad = []
+  for line in hlo.splitlines():
+    if not re.search(r"\ball-gather(-start)?\(", line):
+      continue
+    m = re.search(r"=\s*\(?\w+\[([\d,]*)\]", line)
+    dims = [int(d) for d in m.group(1).split(",") if d] if m else []
+    if len(dims) >= 3 and seq in dims:
+      bad.append(line.strip()[:200])
+  return bad
+
+
+def collectives(hlo: str) -> dict:
+  ops = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
+  return {op: sum(1 for line in hlo.splitlines()
+                 if "=" in line and re.search(rf"\s{op}(-start)?\(", line)) for op in ops}
+
+
+def _compare(kw, diff=(), spec=(None, None, "sp", None), mesh=None, h=H, hkv=HKV, pairs=(),
+             mode="grad"):
+  """Sharded jit(value_and_grad) (or jit(jvp)) == the same on unsharded inputs; returns the HLO.
+
+  kw: flash_attention kwargs, or a callable diff arrays -> kwargs. pairs: names of rank-4
+  [B, H, S, S] arrays among `diff` placed with their rows sharded like the queries.
+  """
+  mesh = mesh or _mesh()
+  x = _inputs(h, hkv)
+  W["out"], W["lse"] = x["w_out"], x["w_lse"]
+  sh = NamedSharding(mesh, P(*spec))
+  loss = _loss_fn(kw, len(diff))
+  args = (x["q"], x["k"], x["v"]) + tuple(diff)
+  if mode == "grad":
+    fn = jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True)
+  else:
+    ts = tuple(jax.random.normal(jax.random.key(50 + i), a.shape, a.dtype)
+               for i, a in enumerate(args[:3]))
+
+    def fn(q, k, v, *d):
+      extra = kw(*d) if callable(kw) else kw
+      f = lambda q, k, v: flashvjp.flash_attention(q, k, v, return_lse=True, block_q=BLOCK,
+                                                   block_kv=BLOCK, **extra)
+      return jax.jvp(f, (q, k, v), ts)
+  pair_sh = NamedSharding(mesh, P(spec[0], spec[1], spec[2], None))
+  placed = [jax.device_put(a, sh) for a in args[:3]]
+  placed += [jax.device_put(a, pair_sh if i in pairs else NamedSharding(mesh, P()))
+             for i, a in enumerate(args[3:])]
+  jitted = jax.jit(fn)
+  got = jitted(*placed)
+  one = jax.devices()[0]
+  ref = jax.jit(fn)(*[jax.device_put(a, one) for a in args])
+  got, ref = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)
+  if mode == "grad":  # (loss, (out, lse)), grads: the loss is a cancelling sum, not checked
+    got, ref = got[1:], ref[1:]
+  names = ["out", "lse", "dq", "dk", "dv"] + [f"d extra {i}" for i in range(len(diff))]
+  for name, g, r in zip(names if mode == "grad" else ["out", "lse", "t_out", "t_lse"], got, ref):
+    _check(name, g, r)
+  hlo = jitted.lower(*placed).compile().as_text()
+  bad = whole_sequence_gathers(hlo, S)
+  return hlo, bad
+
+
+def _no_gather(kw, **k):
+  hlo, bad = _compare(kw, **k)
+  assert not bad, "all-gather of the whole sequence:\n" + "\n".join(bad)
+  return hlo
+
+
+# ---- every feature, the default strategy ---------------------------------------------------
+
+def test_causal_ring_default():
+  hlo = _no_gather(dict(causal=True))
+  c = collectives(hlo)
+  assert c["collective-permute"] > 0 and c["all-to-all"] == 0, c
+
+
+def test_segments():
+  seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), S // 4)[None].repeat(B, 0)
+  _no_gather(dict(causal=True, segment_ids=seg))
+
+
+def test_mask_mod_prefix_lm():
+  _no_gather(dict(mask_mod=flashvjp.prefix_lm(jnp.array([40, 150]))))
+
+
+def test_mask_mod_chunked_moves_nothing():
+  hlo = _no_gather(dict(mask_mod=flashvjp.chunked(32)))
+  assert collectives(hlo)["collective-permute"] == 0  # every chunk within a device chunk
+
+
+def test_sinks():
+  _no_gather(lambda s: dict(causal=True, sinks=s), diff=(jnp.linspace(-1.0, 1.0, H),))
+
+
+def test_window_both_sides():
+  hlo = _no_gather(dict(window=(20, 12)))
+  causal = collectives(_compare(dict(causal=True))[0])["collective-permute"]
+  assert 0 < collectives(hlo)["collective-permute"] < causal
+
+
+def test_dropout():
+  _no_gather(dict(causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(7),
+                  deterministic=False))
+
+
+def test_score_mod_alibi_grad_to_slopes():
+  _no_gather(lambda sl: dict(causal=True, score_mod=flashvjp.alibi(sl)),
+             diff=(flashvjp.alibi_slopes(H),))
+
+
+def test_bias_and_dense_mask_rows_sharded():
+  kb, km = jax.random.split(jax.random.key(3))
+  bias = jax.random.normal(kb, (B, H, S, S), jnp.float32)
+  mask = jax.random.bernoulli(km, 0.8, (1, 1, S, S))
+  _no_gather(lambda b: dict(bias=b, mask=mask), diff=(bias,), pairs=(0,))
+
+
+def test_traced_scale():
+  _no_gather(lambda sc: dict(causal=True, scale=sc), diff=(jnp.float32(0.3),))
+
+
+def test_two_d_mesh_batch_and_sequence():
+  mesh = _mesh((2, 4), ("dp", "sp"))
+  _no_gather(dict(causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(1),
+                  deterministic=False), spec=("dp", None, "sp", None), mesh=mesh)
+
+
+def test_sequence_over_two_mesh_axes():
+  mesh = _mesh((2, 2, 2), ("dp", "s1", "s2"))
+  _no_gather(lambda sl: dict(causal=True, score_mod=flashvjp.alibi(sl)),
+             diff=(flashvjp.alibi_slopes(H),), spec=("dp", None, ("s1", "s2"), None), mesh=mesh)
+
+
+def test_heads_and_sequence():
+  mesh = _mesh((2, 4), ("tp", "sp"))
+  _no_gather(dict(window=(40, 0), dropout_rate=0.1, dropout_rng=jax.random.key(2),
+                  deterministic=False), spec=(None, "tp", "sp", None), mesh=mesh)
+
+
+def test_forward_mode_jvp():
+  hlo = _no_gather(dict(causal=True), mode="jvp")
+  assert collectives(hlo)["collective-permute"] > 0
+
+
+# ---- the other strategies ------------------------------------------------------------------
+
+def test_ulysses_auto_when_heads_divide():
+  hlo = _no_gather(lambda sl: dict(causal=True, score_mod=flashvjp.alibi(sl)),
+                   diff=(flashvjp.alibi_slopes(8),), h=8, hkv=8)
+  c = collectives(hlo)
+  assert c["all-to-all"] > 0 and c["collective-permute"] == 0, c
+
+
+def test_ulysses_forward_mode_and_mask_mod():
+  _no_gather(dict(mask_mod=flashvjp.prefix_lm(jnp.array([40, 150])), context_parallel="ulysses",
+                  dropout_rate=0.1, dropout_rng=jax.random.key(4), deterministic=False),
+             h=8, hkv=8)
+  _no_gather(dict(causal=True, context_parallel="ulysses"), h=8, hkv=8, mode="jvp")
+
+
+def test_all_gather_only_when_asked():
+  hlo, bad = _compare(dict(causal=True, window=(30, 30), context_parallel="all_gather"))
+  assert bad, "all_gather moves K/V whole: its all-gathers hold the whole sequence"
+  assert collectives(hlo)["collective-permute"] == 0
+
+
+def test_ring_requested_with_heads_that_divide():
+  hlo = _no_gather(dict(causal=True, context_parallel="ring"), h=8, hkv=8)
+  assert collectives(hlo)["all-to-all"] == 0
+
+
+# ---- the choice: visible, tested, overridable -----------------------------------------------
+
+def _problem(**kw):
+  base = dict(num_shards=8, batch=1, heads=8, kv_heads=8, seq_q=16384, seq_kv=16384,
+              head_dim=64, head_dim_v=64, itemsize=2)
+  base.update(kw)
+  return _strategy.Problem(**base)
+
+
+def test_choice_table():
+  pick = lambda **kw: _strategy.choose("auto", _problem(**kw), ("sp",)).name
+  assert pick(causal=True) == "ulysses"  # MHA, every step taken: all-to-all moves less
+  assert pick(causal=True, kv_heads=1) == "ring"  # GQA 8:1: K/V chunks are small
+  assert pick(heads=4, kv_heads=4) == "ring"  # heads do not divide the 8 shards
+  # a local mask: one neighbour step (float32: the travelling dK/dV are no wider than K/V)
+  assert pick(causal=True, window=(512, 0), itemsize=4) == "ring"
+  assert pick(causal=True, mask_mod_hint=flashvjp.chunked(1024).kv_intervals) == "ring"
+  assert pick(causal=True, has_segments=True) == "ring"
+  assert pick(causal=True, pair_rows=("bias",), pair_rows_without_heads=("bias",)) == "ring"
+  # auto never gathers K/V whole
+  assert all(pick(**kw) != "all_gather" for kw in ({}, {"kv_heads": 1}, {"causal": True}))
+
+
+def test_choice_bytes_follow_the_mask():
+  full = _strategy.costs(_problem(causal=True, kv_heads=1))["ring"]
+  local = _strategy.costs(_problem(causal=True, kv_heads=1, window=(512, 0)))["ring"]
+  assert local[0] * 3 <= full[0] and local[1] * 3 <= full[1]
+  chunked = flashvjp.chunked(1024)
+  none = _strategy.costs(_problem(causal=True, mask_mod_hint=chunked.kv_intervals))["ring"]
+  assert none == (0, 0)
+
+
+def test_requested_strategy_that_cannot_run():
+  with pytest.raises(ValueError, match="context_parallel='ulysses'.*divisible"):
+    _strategy.choose("ulysses", _problem(heads=4, kv_heads=4), ("sp",))
+  with pytest.raises(ValueError, match="context_parallel must be one of"):
+    _strategy.choose("zigzag", _problem(), ("sp",))
+
+
+def test_explain_shows_the_strategy():
+  mesh = _mesh()
+  sh = NamedSharding(mesh, P(None, None, "sp", None))
+  q = jax.ShapeDtypeStruct((B, 8, S, D), jnp.float32, sharding=sh)
+  kv = jax.ShapeDtypeStruct((B, 1, S, D), jnp.float32, sharding=sh)
+  d = flashvjp.explain(q, kv, kv, causal=True)
+  assert d.context_parallel.name == "ring" and d.context_parallel.seq_axes == ("sp",)
+  assert "ring over ('sp',)" in str(d)
+  d = flashvjp.explain(q, kv, kv, causal=True, context_parallel="all_gather")
+  assert d.context_parallel.name == "all_gather" and "requested" in d.context_parallel.reason
+  unsharded = flashvjp.explain(jax.ShapeDtypeStruct((B, 8, S, D), jnp.float32), kv, kv)
+  assert unsharded.context_parallel is None
+
+
+def test_bad_context_parallel_argument():
+  x = jnp.zeros((1, 2, 16, 8), jnp.float32)
+  with pytest.raises(ValueError, match="context_parallel must be one of"):
+    flashvjp.flash_attention(x, x, x, context_parallel="rings")
+
+
+def test_indivisible_sequence_is_a_clear_error():
+  mesh = _mesh()
+  x = jax.ShapeDtypeStruct((1, 2, 8 * 5 + 4, 8), jnp.float32)
+  _, cfg, _ = flashvjp._api._prepare(
+      x, x, x, bias=None, mask=None, causal=True, window=None, segment_ids=None,
+      score_mod=None, scale=None, dropout_rate=0.0, dropout_rng=None, deterministic=True,
+      implementation=None, block_q=None, block_kv=None, interpret=None, allow_shapes=True)
+  with pytest.raises(ValueError, match="divisible by 8 for context parallelism"):
+    flashvjp._partition.strategy_for(cfg, mesh, P(None, None, "sp", None), x.shape, x.shape,
+                                     x.shape, 4, {}, False)
