@@ -143,6 +143,7 @@ def collectives(text: str) -> dict:
   computation (inside a loop body they would run more than once: the count is static)."""
   shapes, found, comp, entry = {}, [], None, None
   for line in text.splitlines():
+    line = re.sub(r"/\*.*?\*/", "", line)  # `/*index=5*/` inside long tuple shapes
     m = _INSTR.match(line)
     if not m:
       c = _COMP.match(line)

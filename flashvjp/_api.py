@@ -143,6 +143,27 @@ def _check_sinks(sinks, H):
   return sinks
 
 
+def _check_explicit_axes(**arrays):
+  """A clear error for arrays whose type is sharded over Explicit mesh axes (sharding in
+  types, `jax.make_mesh`'s default on recent jax): the kernels and the partitioning rule
+  need Auto axes."""
+  for name, x in arrays.items():
+    if not isinstance(x, (jax.Array, jax.core.Tracer)):
+      continue
+    sharding = getattr(jax.typeof(x), "sharding", None) if hasattr(jax, "typeof") else None
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
+    used = [a for entry in (spec or ()) if entry is not None
+            for a in (entry if isinstance(entry, tuple) else (entry,))]
+    explicit = [a for a in used if "Explicit" in str(types.get(a, ""))]
+    if explicit:
+      raise ValueError(
+          f"{name} is sharded over Explicit mesh axes {explicit} (sharding in types, e.g."
+          " jax.make_mesh's default): flash_attention partitions over Auto axes only. Build"
+          " the mesh with axis_types=(jax.sharding.AxisType.Auto,) * ndim (or"
+          " jax.sharding.Mesh(devices, names)) and place the arrays with NamedSharding")
+
+
 def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, score_mod, scale,
              dropout_rate, dropout_rng, deterministic, implementation, block_q, block_kv,
              interpret, dropout_broadcast=(False, False), mask_mod=None, block_mask=None,
@@ -153,6 +174,7 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
   first step of the score_mod (`_fold_scale`) instead of pre-scaling the query in `_run`.
   """
   _check_qkv(query, key, value, allow_shapes)
+  _check_explicit_axes(query=query, key=key, value=value)
   B, H, Sq, D = query.shape
   Skv = key.shape[2]
   target = (B, H, Sq, Skv)

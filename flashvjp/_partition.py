@@ -188,10 +188,10 @@ def _plan(cfg: AttentionConfig, backend: str, mesh, q_spec, q_shape, k_shape, v_
   rows, rows_no_heads, pair_bytes = [], [], 0
   for name, shape_dtype in pair_shapes.items():
     shape, dtype = shape_dtype
+    if (shape[1] != 1) != (shape[2] != 1):
+      rows_no_heads.append(name)
     if shape[2] != 1:
       rows.append(name)
-      if shape[1] == 1:
-        rows_no_heads.append(name)
       local = list(shape)
       local[0] = shape[0] // _size(mesh, bax) if shape[0] != 1 else 1
       local[1] = shape[1] // _size(mesh, hax) if shape[1] != 1 else 1
@@ -201,7 +201,7 @@ def _plan(cfg: AttentionConfig, backend: str, mesh, q_spec, q_shape, k_shape, v_
       num_shards=n, batch=B_l, heads=H_l, kv_heads=Hk // _size(mesh, hax), seq_q=Sq,
       seq_kv=Skv, head_dim=D, head_dim_v=Dv, itemsize=itemsize, causal=cfg.causal, window=cfg.window,
       mask_mod_hint=cfg.mask_mod_hint, pair_rows=tuple(rows),
-      pair_rows_without_heads=tuple(rows_no_heads), pair_bytes=pair_bytes,
+      pairs_not_split_by_heads=tuple(rows_no_heads), pair_bytes=pair_bytes,
       has_segments=has_seg)
   strategy = _strategy.choose(cfg.context_parallel, problem, _axes_tuple(sax))
   return _Plan(bax, hax, sax, strategy, (B_l, H_l, Sq, Skv))
@@ -337,11 +337,13 @@ def _ulysses(cfg, sig, plan: _Plan, base, extra, mod):
   offsets = _bh_offsets(plan, B_l, H_l, h_extra=i * (H_l // n))
 
   def heads(x):  # a [B, H, Sq, Skv]-like pair array: its heads split, its rows whole
-    if x is None or x.shape[1] == 1:
-      return x
-    if x.shape[2] != 1:
-      return to_heads(x)
-    return lax.dynamic_slice_in_dim(x, i * (x.shape[1] // n), x.shape[1] // n, axis=1)
+    # (`_strategy`: full in both heads and rows, or broadcast over both)
+    return x if x is None or x.shape[1] == 1 else to_heads(x)
+
+  split_bias = base[3] is not None and base[3].shape[1] != 1  # (H / P may be 1: ask the input)
+
+  def heads_back(x):
+    return to_seq(x) if split_bias else x
 
   q, k, v, bias, mask, q_seg, kv_seg, seed, consts = base
   base = (to_heads(q), to_heads(k), to_heads(v), heads(bias), heads(mask), whole(q_seg),
@@ -364,8 +366,8 @@ def _ulysses(cfg, sig, plan: _Plan, base, extra, mod):
   if sig.kind != "backward":
     return [to_seq(x) for x in res]
   out = [to_seq(x) for x in res[:3]]
-  if "dbias" in sig.results:
-    out.append(to_seq(res[3]))  # Ulysses takes a bias with full heads and rows only
+  if "dbias" in sig.results:  # back like the bias came (broadcast: summed in `_reduce`)
+    out.append(heads_back(res[3]))
   return out + list(res[len(out):])
 
 

@@ -52,7 +52,8 @@ class Problem:
   window: tuple | None = None
   mask_mod_hint: Callable | None = None
   pair_rows: tuple[str, ...] = ()  # "bias" / "mask" with a full q dim (rows follow the queries)
-  pair_rows_without_heads: tuple[str, ...] = ()  # of those, the ones broadcast over heads
+  # bias / mask Ulysses cannot split by heads: full in exactly one of heads and rows
+  pairs_not_split_by_heads: tuple[str, ...] = ()
   pair_bytes: int = 0  # bytes of the local rows of bias / mask (Ulysses moves them)
   has_segments: bool = False
 
@@ -126,9 +127,9 @@ def costs(p: Problem) -> dict:
   if p.heads % n or p.kv_heads % n:
     out["ulysses"] = (f"num_heads ({p.heads}) and num_kv_heads ({p.kv_heads}) per device must"
                       f" be divisible by the {n} sequence shards")
-  elif p.pair_rows_without_heads:
-    out["ulysses"] = (f"{', '.join(p.pair_rows_without_heads)} has query rows but no head dim:"
-                      " each device would need every row")
+  elif p.pairs_not_split_by_heads:
+    out["ulysses"] = (f"{', '.join(p.pairs_not_split_by_heads)} cannot be split by heads (it"
+                      " needs both its head and query dims full, or neither)")
   else:
     out["ulysses"] = (int(fwd), int(bwd))
   gather = (n - 1) * (kv_chunk + seg_chunk)

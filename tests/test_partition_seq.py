@@ -225,6 +225,16 @@ def test_ulysses_forward_mode_and_mask_mod():
   _no_gather(dict(causal=True, context_parallel="ulysses"), h=8, hkv=8, mode="jvp")
 
 
+def test_ulysses_bias_rows_and_key_padding_bias():
+  kb, kp = jax.random.split(jax.random.key(5))
+  bias = jax.random.normal(kb, (B, 8, S, S), jnp.float32)  # full heads and rows: all_to_all
+  pad = jax.random.normal(kp, (B, 1, 1, S), jnp.float32)  # broadcast over heads and rows: psum
+  _no_gather(lambda b, p: dict(bias=b + p, context_parallel="ulysses"), diff=(bias, pad),
+             pairs=(0,), h=8, hkv=8)
+  _no_gather(lambda p: dict(bias=p, causal=True, context_parallel="ulysses"), diff=(pad,), h=8,
+             hkv=8)
+
+
 def test_all_gather_only_when_asked():
   hlo, bad = _compare(dict(causal=True, window=(30, 30), context_parallel="all_gather"))
   assert bad, "all_gather moves K/V whole: its all-gathers hold the whole sequence"
@@ -254,7 +264,7 @@ def test_choice_table():
   assert pick(causal=True, window=(512, 0), itemsize=4) == "ring"
   assert pick(causal=True, mask_mod_hint=flashvjp.chunked(1024).kv_intervals) == "ring"
   assert pick(causal=True, has_segments=True) == "ring"
-  assert pick(causal=True, pair_rows=("bias",), pair_rows_without_heads=("bias",)) == "ring"
+  assert pick(causal=True, pair_rows=("bias",), pairs_not_split_by_heads=("bias",)) == "ring"
   # auto never gathers K/V whole
   assert all(pick(**kw) != "all_gather" for kw in ({}, {"kv_heads": 1}, {"causal": True}))
 
@@ -305,3 +315,13 @@ def test_indivisible_sequence_is_a_clear_error():
   with pytest.raises(ValueError, match="divisible by 8 for context parallelism"):
     flashvjp._partition.strategy_for(cfg, mesh, P(None, None, "sp", None), x.shape, x.shape,
                                      x.shape, 4, {}, False)
+
+
+def test_explicit_mesh_axes_are_a_clear_error():
+  if not hasattr(jax.sharding, "AxisType"):
+    pytest.skip("no explicit sharding in this jax")
+  mesh = jax.make_mesh((8,), ("sp",), axis_types=(jax.sharding.AxisType.Explicit,))
+  x = jax.device_put(jnp.zeros((1, 2, 64, 8), jnp.float32),
+                     NamedSharding(mesh, P(None, None, "sp", None)))
+  with pytest.raises(ValueError, match="query is sharded over Explicit mesh axes"):
+    jax.jit(lambda x: flashvjp.flash_attention(x, x, x, causal=True))(x)
