@@ -3,7 +3,7 @@
 Room: partitioning / cost model. Python and numpy only (no jax op): every figure is
 known from the mesh axis size, the local shapes, the dtype and the mask's static
 structure (the ring's own schedule, `flashvjp.ring._schedule`). One place, unit-tested
-(tests/test_strategy.py), used by the partitioning rule (`flashvjp._partition`) and by
+(tests/test_partition_seq.py), used by the partitioning rule (`flashvjp._partition`) and by
 `flashvjp.explain`.
 
 Strategies, per device, P = devices on the sequence axes, local shapes after the batch /
