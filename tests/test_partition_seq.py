@@ -35,11 +35,11 @@ def _mesh(shape=(8,), names=("sp",)):
   return Mesh(np.asarray(jax.devices()[:n]).reshape(shape), names)
 
 
-def _inputs(h=H, hkv=HKV, seed=0):
+def _inputs(h=H, hkv=HKV, seed=0, s=S):
   ks = jax.random.split(jax.random.key(seed), 6)
   r = lambda i, shape: jax.random.normal(ks[i], shape, jnp.float32)
-  return dict(q=r(0, (B, h, S, D)), k=r(1, (B, hkv, S, D)), v=r(2, (B, hkv, S, D)),
-              w_out=r(3, (B, h, S, D)), w_lse=r(4, (B, h, S)))
+  return dict(q=r(0, (B, h, s, D)), k=r(1, (B, hkv, s, D)), v=r(2, (B, hkv, s, D)),
+              w_out=r(3, (B, h, s, D)), w_lse=r(4, (B, h, s)))
 
 
 def _loss_fn(kw, n_diff):
@@ -85,14 +85,14 @@ def collectives(hlo: str) -> dict:
 
 
 def _compare(kw, diff=(), spec=(None, None, "sp", None), mesh=None, h=H, hkv=HKV, pairs=(),
-             mode="grad"):
+             mode="grad", s=S):
   """Sharded jit(value_and_grad) (or jit(jvp)) == the same on unsharded inputs; returns the HLO.
 
   kw: flash_attention kwargs, or a callable diff arrays -> kwargs. pairs: names of rank-4
   [B, H, S, S] arrays among `diff` placed with their rows sharded like the queries.
   """
   mesh = mesh or _mesh()
-  x = _inputs(h, hkv)
+  x = _inputs(h, hkv, s=s)
   W["out"], W["lse"] = x["w_out"], x["w_lse"]
   sh = NamedSharding(mesh, P(*spec))
   loss = _loss_fn(kw, len(diff))
@@ -123,7 +123,7 @@ def _compare(kw, diff=(), spec=(None, None, "sp", None), mesh=None, h=H, hkv=HKV
   for name, g, r in zip(names if mode == "grad" else ["out", "lse", "t_out", "t_lse"], got, ref):
     _check(name, g, r)
   hlo = jitted.lower(*placed).compile().as_text()
-  bad = whole_sequence_gathers(hlo, S)
+  bad = whole_sequence_gathers(hlo, s)
   return hlo, bad
 
 
@@ -325,3 +325,21 @@ def test_explicit_mesh_axes_are_a_clear_error():
                      NamedSharding(mesh, P(None, None, "sp", None)))
   with pytest.raises(ValueError, match="query is sharded over Explicit mesh axes"):
     jax.jit(lambda x: flashvjp.flash_attention(x, x, x, causal=True))(x)
+
+
+# ---- the Pallas families (interpret mode), a representative subset ---------------------------
+
+@pytest.mark.parametrize("impl,kw", [
+    ("pallas_triton", dict(causal=True)),
+    ("pallas_tpu", dict(window=(20, 12))),
+    ("pallas_triton", dict(causal=True, context_parallel="ulysses")),
+])
+def test_pallas_families_seq_sharded(impl, kw):
+  """The same strategies around the Pallas kernels (IEEE float32 at "highest", so the
+  sharded and one-device kernels differ only by the order of their sums)."""
+  seq = 128  # interpret mode is slow
+  seg = jnp.repeat(jnp.arange(2, dtype=jnp.int32), seq // 2)[None].repeat(B, 0)
+  h = 8 if kw.get("context_parallel") == "ulysses" else H
+  with jax.default_matmul_precision("highest"):
+    _no_gather(lambda s: dict(kw, implementation=impl, segment_ids=seg, sinks=s),
+               diff=(jnp.linspace(-1.0, 1.0, h),), h=h, hkv=h if h == 8 else HKV, s=seq)
