@@ -107,8 +107,15 @@ def _mib(b):
   return f"{b / 2**20:.2f}"
 
 
+# Bytes a device receives per byte of its operand, by collective kind (P = N devices; a
+# ring all-reduce sends and receives 2 (P-1)/P of its operand).
+WIRE = {"collective-permute": 1.0, "all-gather": N - 1, "all-to-all": (N - 1) / N,
+        "reduce-scatter": (N - 1) / N, "all-reduce": 2 * (N - 1) / N}
+
+
 def _moved(r, tag):
-  return sum(v["bytes"] for v in r[tag]["collectives"].values())
+  """Bytes each device receives over the wire (operand bytes x WIRE of its kind)."""
+  return sum(v["bytes"] * WIRE[k] for k, v in r[tag]["collectives"].items())
 
 
 def _kinds(r, tag):
@@ -126,7 +133,7 @@ def table(rows):
       continue
     tot = _moved(r, "fwd_bwd")
     base = ring.get((seq, mask))
-    x = "-" if base is None or not _moved(base, "fwd_bwd") else \
+    x = "-" if base is None or _moved(base, "fwd_bwd") < 2**10 else \
         f"{tot / _moved(base, 'fwd_bwd'):.2f}"
     fb = r["fwd_bwd"]
     lines.append(
@@ -172,8 +179,10 @@ Ulysses is eligible), head_dim {D}, {DTYPE}. Masks (chunk_len = seq / 8): """ + 
       f"{m}: `{d}`" for m, d in MASK_DOC.items()) + """.
 
 Columns: collectives = kind and count in the fwd+bwd program (an async start/done pair once);
-MiB = the sum of their operands per device (what each device sends in); model = the cost
-model's estimate (`flashvjp._strategy`, what `"auto"` weighs; bf16 K/V and float32 dK/dV);
+MiB = what each device receives over the wire: the operand bytes of each collective times
+(P-1) for an all-gather, (P-1)/P for an all-to-all or a reduce-scatter, 1 for a
+collective-permute, 2 (P-1)/P for an all-reduce; model = the cost model's estimate
+(`flashvjp._strategy`, what `"auto"` weighs; bf16 K/V, float32 dK/dV; the same wire count);
 x ring = fwd+bwd bytes over the ring's at the same seq and mask; temp / peak =
 `memory_analysis()` of the fwd+bwd program per device (temp; temp + arguments + outputs);
 auto picks = `flashvjp.explain(...).context_parallel.name` for the same call. XLA:CPU

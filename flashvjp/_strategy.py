@@ -87,15 +87,23 @@ class Strategy:
 
 
 def ring_moves(p: Problem) -> tuple[int, int]:
-  """(chunk moves in the forward, in the backward) of the ring's static schedule."""
-  steps = _schedule._steps(p.num_shards, "contiguous", bool(p.causal), p.window, p.local_q,
-                           p.local_kv, p.mask_mod_hint)
+  """(K/V chunk moves, dK/dV accumulator moves) of the ring's static schedule.
+
+  K/V move before each taken step but a first one at shift 0; the backward's dK/dV
+  accumulators travel with them and return to their owner after the last step, except
+  that the own chunk's gradient (a first step at shift 0) stays home
+  (`flashvjp.ring._backend.backward`).
+  """
+  n = p.num_shards
+  steps = _schedule._steps(n, "contiguous", bool(p.causal), p.window, p.local_q, p.local_kv,
+                           p.mask_mod_hint)
   if not steps:
     return 0, 0
   moves = sum(1 for a, b in zip(steps, steps[1:]) if b.shift != a.shift)
-  moves += steps[0].shift % p.num_shards != 0
-  home = steps[-1].shift % p.num_shards != 0  # dK/dV return to their owner
-  return moves, moves + home
+  home_first = steps[0].shift % n == 0
+  moves += not home_first
+  back = steps[-1].shift % n != 0  # the travelling accumulator returns to its owner
+  return moves, moves - (home_first and len(steps) > 1) + back
 
 
 def costs(p: Problem) -> dict:
@@ -107,11 +115,10 @@ def costs(p: Problem) -> dict:
   seg_chunk = p.batch * p.local_kv * 4 if p.has_segments else 0
   dkv_chunk = p.batch * p.kv_heads * p.local_kv * (p.head_dim + p.head_dim_v) * acc
   out = {}
-  fwd_moves, bwd_moves = ring_moves(p)
-  # backward: K/V (and ids) move as in the forward; the dK/dV accumulators (float32)
-  # travel with them and return to their owner after the last step
-  out["ring"] = (fwd_moves * (kv_chunk + seg_chunk),
-                 fwd_moves * (kv_chunk + seg_chunk) + bwd_moves * dkv_chunk)
+  kv_moves, dkv_moves = ring_moves(p)
+  # backward: K/V (and ids) move as in the forward, the dK/dV accumulators (float32) too
+  out["ring"] = (kv_moves * (kv_chunk + seg_chunk),
+                 kv_moves * (kv_chunk + seg_chunk) + dkv_moves * dkv_chunk)
   if p.causal and p.seq_q != p.seq_kv:
     out["ring"] = "causal with seq_q != seq_kv: the chunks of q and kv differ"
   # Ulysses: every all_to_all keeps 1/n of its operand and sends the rest.

@@ -260,7 +260,8 @@ def test_choice_table():
   assert pick(causal=True) == "ulysses"  # MHA, every step taken: all-to-all moves less
   assert pick(causal=True, kv_heads=1) == "ring"  # GQA 8:1: K/V chunks are small
   assert pick(heads=4, kv_heads=4) == "ring"  # heads do not divide the 8 shards
-  # a local mask: one neighbour step (float32: the travelling dK/dV are no wider than K/V)
+  # a local mask: one neighbour step
+  assert pick(causal=True, window=(512, 0)) == "ring"
   assert pick(causal=True, window=(512, 0), itemsize=4) == "ring"
   assert pick(causal=True, mask_mod_hint=flashvjp.chunked(1024).kv_intervals) == "ring"
   assert pick(causal=True, has_segments=True) == "ring"

@@ -273,6 +273,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   if C.R.gather:  # dK/dV of every chunk, reduce-scattered to their owners at the end
     dk_all, dv_all = (_compat.match_varying(
         jnp.zeros(x.shape[:2] + (C.n * x.shape[2],) + x.shape[3:], acc), q) for x in (k, v))
+  home_first = bool(C.steps) and C.steps[0].shift % C.n == 0 and not C.R.gather
   for t, st in enumerate(C.steps):
     nxt = C.next_chunk(chunk, t)
     kc, vc, ksc = chunk
@@ -310,8 +311,14 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
       chunk, dk_all, dv_all, dq, dbias, dconsts = lax.optimization_barrier(
           (nxt, dk_all, dv_all, dq, dbias, dconsts))
       continue
-    # dK/dV travel on with their chunk (after this step's compute, which updates them)
-    dk_c, dv_c = C.next_chunk((dk_c, dv_c), t)
+    if t == 0 and home_first:
+      # The own chunk's gradient stays home; the chunk's next visitor starts a fresh
+      # accumulator where it is (nothing to send: one dK/dV transfer fewer per call).
+      dk_home, dv_home = dk_c, dv_c
+      dk_c, dv_c = _zeros(k, acc, q), _zeros(v, acc, q)
+    else:
+      # dK/dV travel on with their chunk (after this step's compute, which updates them)
+      dk_c, dv_c = C.next_chunk((dk_c, dv_c), t)
     chunk, dk_c, dv_c, dq, dbias, dconsts = lax.optimization_barrier(
         (nxt, dk_c, dv_c, dq, dbias, dconsts))
   if C.R.gather:
@@ -320,6 +327,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   else:
     last = C.steps[-1].shift if C.steps else 0
     dk, dv = _shift((dk_c, dv_c), C.R, -last if C.steps else 0)  # back to their chunk's owner
+    if home_first:
+      dk, dv = dk + dk_home, dv + dv_home
   sm = _compat.sum_to_match
   dq, dk, dv = (sm(g, x).astype(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
   if dbias is not None:
