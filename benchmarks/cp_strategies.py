@@ -34,15 +34,15 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_cpu_experimental_ynn_fusion_type=individual_dot")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from ring_comm import collectives  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from ring_comm import collectives
 
-import flashvjp  # noqa: E402
+import flashvjp
 
 N, B, H, HKV, D = 8, 1, 8, 8, 64
 DTYPE = "bfloat16"

@@ -33,9 +33,11 @@ UndefinedPrimal = ad.UndefinedPrimal
 not_mapped = getattr(batching, "not_mapped", None)  # None on jax 0.10.2-0.12
 
 
-def define(name: str, impl, abstract_eval, batch_rule, jvp_rule, transpose_rule) -> Primitive:
+def define(name: str, impl, abstract_eval, batch_rule, jvp_rule, transpose_rule,
+           lowering=None) -> Primitive:
   """A multiple-results primitive: impl (a JAX function of the operands and params),
-  its abstract evaluation, lowering (`mlir.lower_fun(impl)`), batching, JVP and transpose."""
+  its abstract evaluation, lowering (`lowering(ctx)` -> the impl to lower there, default
+  impl: `mlir.lower_fun(impl)`), batching, JVP and transpose."""
   prim = Primitive(name)
   prim.multiple_results = True
   if _apply_primitive is not None:
@@ -43,7 +45,11 @@ def define(name: str, impl, abstract_eval, batch_rule, jvp_rule, transpose_rule)
   else:  # pragma: no cover
     prim.def_impl(lambda *args, **params: jax.jit(functools.partial(impl, **params))(*args))
   prim.def_abstract_eval(abstract_eval)
-  mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True))
+  if lowering is None:
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True))
+  else:
+    mlir.register_lowering(prim, lambda ctx, *args, **params: mlir.lower_fun(
+        lowering(ctx), multiple_results=True)(ctx, *args, **params))
   batching.primitive_batchers[prim] = functools.partial(batch_rule, prim)
   ad.primitive_jvps[prim] = jvp_rule
   ad.primitive_transposes[prim] = transpose_rule
@@ -158,3 +164,15 @@ def eval_jaxpr_varying(jaxpr, consts, *args):
     else:
       env[eqn.outvars[0]] = ans
   return [read(v) for v in jaxpr.outvars]
+
+
+def lowering_has_devices(ctx) -> bool:
+  """Whether a lowering context has a device assignment of more than one device (where a
+  custom_partitioning call can be partitioned). A one-primitive program evaluated outside
+  jit (a `jax.linearize` function called eagerly) is lowered without one, and
+  custom_partitioning's lowering then fails."""
+  ac = getattr(ctx.module_context, "axis_context", None)
+  devices = getattr(ac, "device_assignment", ())
+  if type(ac).__name__ == "ShardingContext":
+    return devices is not None and len(devices) > 1
+  return True

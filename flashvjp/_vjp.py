@@ -319,12 +319,12 @@ def _split(flat, tree, present):
   return primal, ts, list(flat[n_p + sum(present):])
 
 
-def _run_tangent(cfg, primal, ts, fn=None):
+def _run_tangent(cfg, primal, ts, fn=None, partition=True):
   q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, out, lse = primal
   tq, tk, tv, tbias, *tc = ts
   if fn is None:
     if cfg.implementation in ("blockwise", "pallas_triton", "pallas_tpu") and \
-        jax.device_count() > 1:
+        jax.device_count() > 1 and partition:
       fn = _backend(cfg.implementation).tangent  # partitioned under jit like the backward
     else:
       fn = _tangent_kernel(cfg.implementation)[0]
@@ -332,11 +332,16 @@ def _run_tangent(cfg, primal, ts, fn=None):
             tuple(tc), mod)
 
 
-def _tangent_impl(*flat, cfg, tree, present, levels):
+def _tangent_impl(*flat, cfg, tree, present, levels, partition=True):
   def base(*f):
     primal, ts, _ = _split(f, tree, present)
-    return _run_tangent(cfg, primal, ts)
+    return _run_tangent(cfg, primal, ts, partition=partition)
   return list(_over_levels(base, levels, flat))
+
+
+def _tangent_lowering(ctx):
+  """The tangent pass, partitioned (flashvjp._partition) where the program has devices."""
+  return functools.partial(_tangent_impl, partition=_ac.lowering_has_devices(ctx))
 
 
 def _tangent_jvp_impl(*flat, cfg, tree, present, dpresent, levels):
@@ -515,7 +520,7 @@ def _tangent_jvp_transpose_rule(cts, *flat, cfg, tree, present, dpresent, levels
 
 
 _tangent_p = _ac.define("flashvjp_tangent", _tangent_impl, _abstract_eval, _batch_rule,
-                        _tangent_jvp_rule, _tangent_transpose)
+                        _tangent_jvp_rule, _tangent_transpose, lowering=_tangent_lowering)
 _backward_jvp_p = _ac.define("flashvjp_backward_jvp", _backward_jvp_impl,
                              _backward_jvp_abstract_eval, _batch_rule, _backward_jvp_jvp_rule,
                              _backward_jvp_transpose)
