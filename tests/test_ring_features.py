@@ -262,6 +262,59 @@ def test_pallas_refuses_offset_features_clearly():
                                interpret=True, score_mod=flashvjp.softcap(2.0))
 
 
+@pytest.mark.parametrize("family", ["pallas_triton", "pallas_tpu"])
+def test_pallas_backend_offsets_are_global_positions(family):
+  """A Pallas backend called on a slice with its global offsets (batch 1, heads 2-3, q rows
+  [32, 64)) gives that slice of the one-device call: score_mod (h, q_idx), mask_mod (b)
+  and dropout (b, h, q, kv) see global indices; traced offsets, a mask_mod without classes
+  (as in a ring). With a kv offset too, forward and backward equal the blockwise backend's
+  with the same offsets."""
+  from flashvjp import _api
+  from flashvjp import _check as check_mod
+  from flashvjp import _mask_mod
+  from flashvjp import blockwise
+  from flashvjp.pallas import tpu
+  from flashvjp.pallas import triton
+  tol = max(RING_TOL, 4 * check_mod.tolerance(jnp.float32, family))
+  backend = {"pallas_triton": triton, "pallas_tpu": tpu}[family]
+  ks = jax.random.split(jax.random.key(11), 3)
+  q = jax.random.normal(ks[0], (2, 4, 64, 16), jnp.float32)
+  k = jax.random.normal(ks[1], (2, 2, 64, 16), jnp.float32)
+  v = jax.random.normal(ks[2], (2, 2, 64, 16), jnp.float32)
+  kw = dict(score_mod=flashvjp.alibi(flashvjp.alibi_slopes(4)),
+            mask_mod=flashvjp.prefix_lm(jnp.array([20, 40])), dropout_rate=0.3,
+            dropout_rng=jax.random.key(3), deterministic=False, block_q=BLOCK, block_kv=BLOCK,
+            interpret=True)
+  ref_out, ref_lse = flashvjp.flash_attention(q, k, v, return_lse=True, implementation=family,
+                                              **kw)
+
+  def call(impl, be, ql, kl, vl, offsets, grads=False):
+    _, cfg, arrays = _api._prepare(ql, kl, vl, bias=None, mask=None, causal=False, window=None,
+                                   segment_ids=None, scale=None, implementation=impl, **kw)
+    _, _, _, _, _, qs, kvs, seed, consts, _, mm_consts, _, _ = arrays
+    mod = _mask_mod.ModInputs(None, tuple(mm_consts))  # a ring pair's: no block classes
+    out, lse = be.forward(cfg, ql, kl, vl, None, None, qs, kvs, seed, consts, mod,
+                          offsets=offsets)
+    if not grads:
+      return out, lse
+    g = be.backward(cfg, ql, kl, vl, None, None, qs, kvs, seed, consts, out, lse, 0.5 * out + 1,
+                    0.3 + 0 * lse, mod, offsets=offsets)
+    return out, lse, g[:3], g[4]
+
+  offs = lambda kv0: tuple(jnp.int32(o) for o in (1, 2, 32, kv0))  # traced in the jit
+  sl = (slice(1, 2), slice(2, 4), slice(32, 64))
+  ql, kl, vl = q[sl], k[1:, 1:], v[1:, 1:]
+  out, lse = jax.jit(lambda o: call(family, backend, ql, kl, vl, o))(offs(0))
+  _check(f"{family} offsets out", out, ref_out[sl], tol)
+  _check(f"{family} offsets lse", lse, ref_lse[sl], tol)
+  kl, vl = kl[:, :, 16:], vl[:, :, 16:]
+  got = jax.jit(lambda o: call(family, backend, ql, kl, vl, o, True))(offs(16))
+  want = jax.jit(lambda o: call("blockwise", blockwise, ql, kl, vl, o, True))(offs(16))
+  for n, (g_, w_) in enumerate(zip(jax.tree_util.tree_leaves(got),
+                                   jax.tree_util.tree_leaves(want))):
+    _check(f"{family} kv offset, leaf {n}", g_, w_, tol)
+
+
 # ---- communication follows the mask ---------------------------------------------------
 
 def _permute_bytes(compiled) -> tuple[int, int]:
