@@ -254,12 +254,68 @@ def test_pallas_triton_interpret_pairs(kw, grads):
   _check("pallas lse", gl, rl, tol)
 
 
-def test_pallas_refuses_offset_features_clearly():
+# score_mod, mask_mod and dropout read each chunk pair's global offsets, which the Pallas
+# kernels take as scalar operands (`flashvjp.pallas._common.offset_operand`).
+_PALLAS_OFFSET_FEATURES = {
+    # ALiBi from global positions, with the gradient to its slopes
+    "alibi": (lambda s: dict(score_mod=flashvjp.alibi(s), causal=True),
+              lambda: (flashvjp.alibi_slopes(2),)),
+    # a mask_mod with no block classes in a ring: elementwise on every visited block
+    "prefix_lm": (lambda: dict(mask_mod=flashvjp.prefix_lm(jnp.array([20]))), tuple),
+    "dropout": (lambda: dict(dropout_rate=0.25, dropout_rng=jax.random.key(7),
+                             deterministic=False, window=(20, 20)), tuple),
+}
+
+
+def _pallas_small_inputs():
+  ks = jax.random.split(jax.random.key(5), 5)
+  r = lambda i, shape: jax.random.normal(ks[i], shape, jnp.float32)
+  return dict(q=r(0, (1, 2, 64, 16)), k=r(1, (1, 1, 64, 16)), v=r(2, (1, 1, 64, 16)),
+              w_out=r(3, (1, 2, 64, 16)), w_lse=r(4, (1, 2, 64)))
+
+
+@pytest.mark.parametrize("family", ["pallas_triton", "pallas_tpu"])
+@pytest.mark.parametrize("feature", list(_PALLAS_OFFSET_FEATURES))
+def test_pallas_pairs_take_global_offsets(family, feature):
+  """score_mod / mask_mod / dropout with Pallas pairs (interpret mode): out, lse and every
+  gradient == the one-device call of the same family, at the family's tolerance. Small
+  (interpret mode is slow): 2 devices, seq 64."""
+  from flashvjp import _check as check_mod
+  tol = max(RING_TOL, 4 * check_mod.tolerance(jnp.float32, family))
+  make_kw, make_diff = _PALLAS_OFFSET_FEATURES[feature]
+  x = _pallas_small_inputs()
   mesh = _mesh(2)
-  q = jnp.zeros((1, 2, 32, 16))
-  with pytest.raises(ValueError, match="score_mod.*blockwise"):
-    flashvjp.sharded_attention(q, q, q, mesh=mesh, seq_axis="sp", implementation="pallas",
-                               interpret=True, score_mod=flashvjp.softcap(2.0))
+  common = dict(return_lse=True, implementation=family, interpret=True, block_q=BLOCK,
+                block_kv=BLOCK)
+  one = lambda q, k, v, *d: flashvjp.flash_attention(q, k, v, **common, **make_kw(*d))
+  ring = lambda q, k, v, *d: flashvjp.sharded_attention(q, k, v, mesh=mesh, seq_axis="sp",
+                                                        **common, **make_kw(*d))
+  ro, rl, rg = _run(one, make_diff(), x, {})
+  go, gl, gg = _run(ring, make_diff(), x, {})
+  _check(f"{family} out", go, ro, tol)
+  _check(f"{family} lse", gl, rl, tol)
+  for i, (g, r_) in enumerate(zip(gg, rg)):  # the family's hand-written backward per pair
+    _check(f"{family} grad {('q', 'k', 'v')[i] if i < 3 else f'diff[{i - 3}]'}", g, r_, tol)
+
+
+def test_pallas_pairs_forward_mode_with_global_offsets():
+  """jax.jvp through the ring with Pallas-TPU pairs (the family's fused tangent pass per
+  pair, with offsets): score_mod at global positions and dropout."""
+  from flashvjp import _check as check_mod
+  tol = max(RING_TOL, 4 * check_mod.tolerance(jnp.float32, "pallas_tpu"))
+  x, t = _pallas_small_inputs(), _inputs(2)
+  mesh = _mesh(2)
+  kw = dict(return_lse=True, implementation="pallas_tpu", interpret=True, block_q=BLOCK,
+            block_kv=BLOCK, score_mod=flashvjp.alibi(flashvjp.alibi_slopes(2)),
+            dropout_rate=0.2, dropout_rng=jax.random.key(1), deterministic=False)
+  f1 = lambda q, k, v: flashvjp.flash_attention(q, k, v, **kw)
+  fr = lambda q, k, v: flashvjp.sharded_attention(q, k, v, mesh=mesh, seq_axis="sp", **kw)
+  prim = (x["q"], x["k"], x["v"])
+  tan = (t["q"][:1, :2, :64], t["k"][:1, :1, :64], t["v"][:1, :1, :64])
+  ref = jax.jit(lambda p, t_: jax.jvp(f1, p, t_))(prim, tan)
+  got = jax.jit(lambda p, t_: jax.jvp(fr, p, t_))(prim, tan)
+  for name, g, r in zip(("out", "lse", "t_out", "t_lse"), (*got[0], *got[1]), (*ref[0], *ref[1])):
+    _check(f"pallas_tpu jvp {name}", g, r, tol)
 
 
 @pytest.mark.parametrize("family", ["pallas_triton", "pallas_tpu"])
