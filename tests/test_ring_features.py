@@ -254,12 +254,121 @@ def test_pallas_triton_interpret_pairs(kw, grads):
   _check("pallas lse", gl, rl, tol)
 
 
-def test_pallas_refuses_offset_features_clearly():
+# score_mod, mask_mod and dropout read each chunk pair's global offsets, which the Pallas
+# kernels take as scalar operands (`flashvjp.pallas._common.offset_operand`).
+_PALLAS_OFFSET_FEATURES = {
+    # ALiBi from global positions, with the gradient to its slopes
+    "alibi": (lambda s: dict(score_mod=flashvjp.alibi(s), causal=True),
+              lambda: (flashvjp.alibi_slopes(2),)),
+    # a mask_mod with no block classes in a ring: elementwise on every visited block
+    "prefix_lm": (lambda: dict(mask_mod=flashvjp.prefix_lm(jnp.array([20]))), tuple),
+    "dropout": (lambda: dict(dropout_rate=0.25, dropout_rng=jax.random.key(7),
+                             deterministic=False, window=(20, 20)), tuple),
+}
+
+
+def _pallas_small_inputs():
+  ks = jax.random.split(jax.random.key(5), 5)
+  r = lambda i, shape: jax.random.normal(ks[i], shape, jnp.float32)
+  return dict(q=r(0, (1, 2, 64, 16)), k=r(1, (1, 1, 64, 16)), v=r(2, (1, 1, 64, 16)),
+              w_out=r(3, (1, 2, 64, 16)), w_lse=r(4, (1, 2, 64)))
+
+
+@pytest.mark.parametrize("family", ["pallas_triton", "pallas_tpu"])
+@pytest.mark.parametrize("feature", list(_PALLAS_OFFSET_FEATURES))
+def test_pallas_pairs_take_global_offsets(family, feature):
+  """score_mod / mask_mod / dropout with Pallas pairs (interpret mode): out, lse and every
+  gradient == the one-device call of the same family, at the family's tolerance. Small
+  (interpret mode is slow): 2 devices, seq 64."""
+  from flashvjp import _check as check_mod
+  tol = max(RING_TOL, 4 * check_mod.tolerance(jnp.float32, family))
+  make_kw, make_diff = _PALLAS_OFFSET_FEATURES[feature]
+  x = _pallas_small_inputs()
   mesh = _mesh(2)
-  q = jnp.zeros((1, 2, 32, 16))
-  with pytest.raises(ValueError, match="score_mod.*blockwise"):
-    flashvjp.sharded_attention(q, q, q, mesh=mesh, seq_axis="sp", implementation="pallas",
-                               interpret=True, score_mod=flashvjp.softcap(2.0))
+  common = dict(return_lse=True, implementation=family, interpret=True, block_q=BLOCK,
+                block_kv=BLOCK)
+  one = lambda q, k, v, *d: flashvjp.flash_attention(q, k, v, **common, **make_kw(*d))
+  ring = lambda q, k, v, *d: flashvjp.sharded_attention(q, k, v, mesh=mesh, seq_axis="sp",
+                                                        **common, **make_kw(*d))
+  ro, rl, rg = _run(one, make_diff(), x, {})
+  go, gl, gg = _run(ring, make_diff(), x, {})
+  _check(f"{family} out", go, ro, tol)
+  _check(f"{family} lse", gl, rl, tol)
+  for i, (g, r_) in enumerate(zip(gg, rg)):  # the family's hand-written backward per pair
+    _check(f"{family} grad {('q', 'k', 'v')[i] if i < 3 else f'diff[{i - 3}]'}", g, r_, tol)
+
+
+def test_pallas_pairs_forward_mode_with_global_offsets():
+  """jax.jvp through the ring with Pallas-TPU pairs (the family's fused tangent pass per
+  pair, with offsets): score_mod at global positions and dropout."""
+  from flashvjp import _check as check_mod
+  tol = max(RING_TOL, 4 * check_mod.tolerance(jnp.float32, "pallas_tpu"))
+  x, t = _pallas_small_inputs(), _inputs(2)
+  mesh = _mesh(2)
+  kw = dict(return_lse=True, implementation="pallas_tpu", interpret=True, block_q=BLOCK,
+            block_kv=BLOCK, score_mod=flashvjp.alibi(flashvjp.alibi_slopes(2)),
+            dropout_rate=0.2, dropout_rng=jax.random.key(1), deterministic=False)
+  f1 = lambda q, k, v: flashvjp.flash_attention(q, k, v, **kw)
+  fr = lambda q, k, v: flashvjp.sharded_attention(q, k, v, mesh=mesh, seq_axis="sp", **kw)
+  prim = (x["q"], x["k"], x["v"])
+  tan = (t["q"][:1, :2, :64], t["k"][:1, :1, :64], t["v"][:1, :1, :64])
+  ref = jax.jit(lambda p, t_: jax.jvp(f1, p, t_))(prim, tan)
+  got = jax.jit(lambda p, t_: jax.jvp(fr, p, t_))(prim, tan)
+  for name, g, r in zip(("out", "lse", "t_out", "t_lse"), (*got[0], *got[1]), (*ref[0], *ref[1])):
+    _check(f"pallas_tpu jvp {name}", g, r, tol)
+
+
+@pytest.mark.parametrize("family", ["pallas_triton", "pallas_tpu"])
+def test_pallas_backend_offsets_are_global_positions(family):
+  """A Pallas backend called on a slice with its global offsets (batch 1, heads 2-3, q rows
+  [32, 64)) gives that slice of the one-device call: score_mod (h, q_idx), mask_mod (b)
+  and dropout (b, h, q, kv) see global indices; traced offsets, a mask_mod without classes
+  (as in a ring). With a kv offset too, forward and backward equal the blockwise backend's
+  with the same offsets."""
+  from flashvjp import _api
+  from flashvjp import _check as check_mod
+  from flashvjp import _mask_mod
+  from flashvjp import blockwise
+  from flashvjp.pallas import tpu
+  from flashvjp.pallas import triton
+  tol = max(RING_TOL, 4 * check_mod.tolerance(jnp.float32, family))
+  backend = {"pallas_triton": triton, "pallas_tpu": tpu}[family]
+  ks = jax.random.split(jax.random.key(11), 3)
+  q = jax.random.normal(ks[0], (2, 4, 64, 16), jnp.float32)
+  k = jax.random.normal(ks[1], (2, 2, 64, 16), jnp.float32)
+  v = jax.random.normal(ks[2], (2, 2, 64, 16), jnp.float32)
+  kw = dict(score_mod=flashvjp.alibi(flashvjp.alibi_slopes(4)),
+            mask_mod=flashvjp.prefix_lm(jnp.array([20, 40])), dropout_rate=0.3,
+            dropout_rng=jax.random.key(3), deterministic=False, block_q=BLOCK, block_kv=BLOCK,
+            interpret=True)
+  ref_out, ref_lse = flashvjp.flash_attention(q, k, v, return_lse=True, implementation=family,
+                                              **kw)
+
+  def call(impl, be, ql, kl, vl, offsets, grads=False):
+    _, cfg, arrays = _api._prepare(ql, kl, vl, bias=None, mask=None, causal=False, window=None,
+                                   segment_ids=None, scale=None, implementation=impl, **kw)
+    _, _, _, _, _, qs, kvs, seed, consts, _, mm_consts, _, _ = arrays
+    mod = _mask_mod.ModInputs(None, tuple(mm_consts))  # a ring pair's: no block classes
+    out, lse = be.forward(cfg, ql, kl, vl, None, None, qs, kvs, seed, consts, mod,
+                          offsets=offsets)
+    if not grads:
+      return out, lse
+    g = be.backward(cfg, ql, kl, vl, None, None, qs, kvs, seed, consts, out, lse, 0.5 * out + 1,
+                    0.3 + 0 * lse, mod, offsets=offsets)
+    return out, lse, g[:3], g[4]
+
+  offs = lambda kv0: tuple(jnp.int32(o) for o in (1, 2, 32, kv0))  # traced in the jit
+  sl = (slice(1, 2), slice(2, 4), slice(32, 64))
+  ql, kl, vl = q[sl], k[1:, 1:], v[1:, 1:]
+  out, lse = jax.jit(lambda o: call(family, backend, ql, kl, vl, o))(offs(0))
+  _check(f"{family} offsets out", out, ref_out[sl], tol)
+  _check(f"{family} offsets lse", lse, ref_lse[sl], tol)
+  kl, vl = kl[:, :, 16:], vl[:, :, 16:]
+  got = jax.jit(lambda o: call(family, backend, ql, kl, vl, o, True))(offs(16))
+  want = jax.jit(lambda o: call("blockwise", blockwise, ql, kl, vl, o, True))(offs(16))
+  for n, (g_, w_) in enumerate(zip(jax.tree_util.tree_leaves(got),
+                                   jax.tree_util.tree_leaves(want))):
+    _check(f"{family} kv offset, leaf {n}", g_, w_, tol)
 
 
 # ---- communication follows the mask ---------------------------------------------------

@@ -25,9 +25,6 @@ from flashvjp import ring as _ring_backend
 from flashvjp.distributed import _compat
 
 LAYOUTS = _ring_backend.LAYOUTS
-# The per-pair backends that take global offsets (score_mod, mask_mod and dropout at
-# global positions); the Pallas families run the other features in a ring.
-_OFFSET_BACKENDS = ("blockwise",)
 
 
 def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
@@ -72,10 +69,11 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
     batch_axis, head_axis: the mesh axes batch / heads are sharded over inside the same
       shard_map, if any (so that dropout, score_mod and mask_mod see global b / h).
     block_mask: refused (its classes are for the whole sequence on one device).
-    implementation: None (choose), "blockwise" or "pallas"; "naive" is refused (it has
-      no hand-written backward). The Pallas families take causal, window, segment_ids,
-      bias, mask and sinks in a ring; score_mod, mask_mod and dropout need the global
-      offsets only the blockwise backend takes (ValueError otherwise).
+    implementation: None (choose), "blockwise", "pallas", "pallas_triton" or "pallas_tpu"
+      (the per-pair backend); "naive" is refused (it has no hand-written backward). Every
+      per-pair backend takes every argument: each pair gets its chunks' global offsets,
+      so score_mod, mask_mod and dropout see global positions with the Pallas families
+      too (a mask_mod is then evaluated elementwise on every block the pair visits).
 
   Returns:
     local out [batch, num_heads, seq_local, head_dim_v] in query's dtype, or (out, lse).
@@ -111,15 +109,6 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
     raise ValueError("layout='zigzag' needs even local seq lengths (two half-chunks per"
                      f" device), got query seq {Sl} and key seq {Skv}")
   inner = cfg.implementation
-  if inner not in _OFFSET_BACKENDS:
-    used = [name for name, on in (("score_mod", score_mod is not None),
-                                  ("mask_mod", mask_mod is not None),
-                                  ("dropout_rate", cfg.dropout_active)) if on]
-    if used:
-      raise ValueError(
-          f"ring_attention with implementation={implementation!r} (runs {inner}) cannot take"
-          f" {used}: they need each chunk pair's global positions, which only the blockwise"
-          " backend takes so far; pass implementation='blockwise'")
   hint = getattr(mask_mod, "kv_intervals", None) if mask_mod is not None else None
   spec = _ring_backend.RingSpec(axis_name=axis_name, axis_size=n, layout=layout, inner=inner,
                                 batch_axis=batch_axis, head_axis=head_axis,

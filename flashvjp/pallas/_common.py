@@ -2,7 +2,9 @@
 
 Room: Pallas kernels (shared part). Reads the mask model, score_mod, dropout and
 config; never the API. Everything here runs either outside the kernels (padding,
-block lists) or inside a kernel body on one [block_q, block_kv] tile.
+block lists) or inside a kernel body on one [block_q, block_kv] tile. A chunk pair of a
+sharded sequence (`flashvjp.ring`) passes its global offsets: score_mod, mask_mod and
+dropout read global positions (`global_indices`), the static mask local ones.
 """
 from __future__ import annotations
 
@@ -237,15 +239,20 @@ def split_score_mod_jaxprs(fn, consts, acc):
   return known_fn, tile_fn, tuple(res_avals[k] for k in perm), unknown
 
 
-def split_per_head(cfg: AttentionConfig, consts, acc, B: int, H: int, grads: bool) -> HeadSplit:
-  """Split cfg.score_mod (after `hoist_score_mod`) into residual arrays and a tile function."""
+def split_per_head(cfg: AttentionConfig, consts, acc, B: int, H: int, grads: bool,
+                   offsets=None) -> HeadSplit:
+  """Split cfg.score_mod (after `hoist_score_mod`) into residual arrays and a tile function.
+
+  `offsets`: None or the global (b0, h0, q0, kv0) of element 0 (`offset_operand`): the
+  residuals of local (b, h) are those of the global (b0 + b, h0 + h).
+  """
   if cfg.score_mod is None:
     return HeadSplit(cfg)
   consts = tuple(consts)
   known_fn, tile_fn, res_avals, _ = split_score_mod_jaxprs(cfg.score_mod, consts, acc)
   n_user = cfg.num_diff_consts
   diff, fixed = consts[:n_user], consts[n_user:]
-  bs, hs = jnp.arange(B, dtype=jnp.int32), jnp.arange(H, dtype=jnp.int32)
+  bs, hs = global_batch_heads(B, H, offsets)
 
   def per_head(diff_):
     f = lambda b, h: known_fn(b, h, *diff_, *fixed)
@@ -345,17 +352,18 @@ def split_mask_mod_jaxprs(mask_mod, consts):
   return known_fn, tile_fn, res_avals, tile_jaxpr, consts
 
 
-def split_mask_mod(cfg: AttentionConfig, mod, B: int, H: int) -> ModSplit:
+def split_mask_mod(cfg: AttentionConfig, mod, B: int, H: int, offsets=None) -> ModSplit:
   """Split cfg.mask_mod into residual arrays [B, H, ...] and a tile function.
 
   `mod`: the `_mask_mod.ModInputs` (None without a mask_mod); its consts are the arrays
-  the mask_mod closes over. Not differentiable (a mask has no gradient).
+  the mask_mod closes over. Not differentiable (a mask has no gradient). `offsets`: as
+  `split_per_head` (the residuals of the global (b, h)).
   """
   if cfg.mask_mod is None:
     return ModSplit(cfg)
   consts = tuple(jnp.asarray(c) for c in (() if mod is None else mod.consts))
   known_fn, tile_fn, res_avals, _, consts = split_mask_mod_jaxprs(cfg.mask_mod, consts)
-  bs, hs = jnp.arange(B, dtype=jnp.int32), jnp.arange(H, dtype=jnp.int32)
+  bs, hs = global_batch_heads(B, H, offsets)
   f = lambda b, h: tuple(known_fn(b, h, *consts))
   res = tuple(jax.vmap(jax.vmap(f, (None, 0)), (0, None))(bs, hs)) if res_avals else ()
   res = tuple(r if jnp.issubdtype(r.dtype, jnp.inexact) else r.astype(jnp.int32) for r in res)
@@ -365,12 +373,68 @@ def split_mask_mod(cfg: AttentionConfig, mod, B: int, H: int) -> ModSplit:
 
 
 def mod_classes(cfg: AttentionConfig, g: Geometry, mod):
-  """The mask_mod's block classes resampled to the kernel's blocks (g.bq, g.bk), or None."""
+  """The mask_mod's block classes resampled to the kernel's blocks (g.bq, g.bk), or None.
+
+  A mask_mod without classes (a ring's chunk pair: its classes would be those of the
+  pair's global positions) makes every block PARTIAL: the kernels then evaluate it on
+  every block the rest of the mask model visits (through the block lists).
+  """
   if mod is None or cfg.mask_mod is None:
     return None
+  if mod.classes is None:
+    return jnp.full((1, 1, g.nq, g.nk), _mask.PARTIAL, jnp.int8)
   assert cfg.mask_mod_blocks is not None  # set with mask_mod
   return _mask.resample_classes(mod.classes, *cfg.mask_mod_blocks, g.bq, g.bk, g.Sq, g.Skv,
                                 g.nq, g.nk)
+
+
+# ---- global offsets (a chunk pair of a sharded sequence, `flashvjp.ring`) ------------
+
+def offset_operand(offsets):
+  """The kernel operand of `offsets`: int32 [4] (b0, h0, q0, kv0), or None.
+
+  `offsets` (the backends' argument): None, or the global (batch, head, q, kv) position of
+  local element (0, 0, 0, 0), each a Python int or a traced int32 scalar. score_mod,
+  mask_mod and dropout's counter hash read global positions; the static mask (causal,
+  window, padding) stays in local positions. The kernels read the four words as scalars
+  (`load_offsets`), never as compile-time constants, so one kernel serves every chunk
+  pair. All-zero static offsets (a one-device call) give None: no operand at all.
+  """
+  if offsets is None:
+    return None
+  offsets = tuple(offsets)
+  if len(offsets) != 4:
+    raise ValueError(f"offsets must be (b0, h0, q0, kv0), got {offsets!r}")
+  if all(isinstance(o, (int, np.integer)) and int(o) == 0 for o in offsets):
+    return None
+  return jnp.stack([jnp.asarray(o, jnp.int32).reshape(()) for o in offsets])
+
+
+def load_offsets(ref):
+  """(b0, h0, q0, kv0) int32 scalars from the `offset_operand` ref (None: no offsets)."""
+  if ref is None:
+    return None
+  return tuple(ref[n].astype(jnp.int32) for n in range(4))
+
+
+def global_batch_heads(B: int, H: int, offsets=None):
+  """int32 [B], [H]: the global batch and head indices of the local ones (outside kernels)."""
+  bs, hs = jnp.arange(B, dtype=jnp.int32), jnp.arange(H, dtype=jnp.int32)
+  if offsets is None:
+    return bs, hs
+  b0, h0 = tuple(offsets)[:2]
+  shift = lambda x, o: x if isinstance(o, (int, np.integer)) and int(o) == 0 else (
+      x + jnp.asarray(o, jnp.int32))
+  return shift(bs, b0), shift(hs, h0)
+
+
+def global_indices(t, qi, ki):
+  """(b, h, q_idx, kv_idx) of a tile at the global positions (t.off added; `t`: TileInputs
+  or the TPU family's Tile): what score_mod, mask_mod and dropout see."""
+  if t.off is None:
+    return t.b, t.h, qi, ki
+  b0, h0, q0, kv0 = t.off
+  return t.b + b0, t.h + h0, qi + q0, ki + kv0
 
 
 def load_head_consts(refs, scalar, lead=()):
@@ -542,7 +606,8 @@ def dot_tn(a, b, acc, cfg: AttentionConfig | None = None):
 
 
 def tile_indices(g: Geometry, i, j, transposed: bool = False):
-  """Global (q_idx [bq, 1], kv_idx [1, bk]) int32 positions of tile (i, j).
+  """Local (q_idx [bq, 1], kv_idx [1, bk]) int32 positions of tile (i, j) (the global ones
+  with no offsets; `global_indices` adds them).
 
   `transposed`: the tile is laid out [bk, bq] (the dK/dV kernel): q_idx [1, bq], kv_idx [bk, 1].
   """
@@ -582,18 +647,21 @@ class TileInputs:
   q_seg: jax.Array | None = None  # int32 [bq]
   kv_seg: jax.Array | None = None  # int32 [bk]
   mod: tuple = ()  # the mask_mod's residuals of (b, h), loaded (`ModSplit`)
+  off: tuple | None = None  # (b0, h0, q0, kv0) int32 scalars (`load_offsets`), or None
 
 
 def mask_mod_allowed(cfg: AttentionConfig, t, qi, ki):
-  """The mask_mod's tile part at global (qi, ki), clamped into the real sequences as
-  `_mask_mod.tile_allowed` (padding is masked by the mask model anyway); bool, broadcast
-  shape of qi and ki. `t` has .b, .h and .mod (the loaded residuals)."""
-  return _mask_mod.tile_allowed(cfg.mask_mod, tuple(t.mod), t.b, t.h, qi, ki, cfg.seq_q,
-                                cfg.seq_kv)
+  """The mask_mod's tile part at local (qi, ki) clamped into the real sequences (as
+  `_mask_mod.tile_allowed`: padding is masked by the mask model anyway), then made global
+  (`global_indices`); bool, broadcast shape of qi and ki. `t` has .b, .h, .off and .mod
+  (the loaded residuals)."""
+  qi, ki = jnp.minimum(qi, cfg.seq_q - 1), jnp.minimum(ki, cfg.seq_kv - 1)
+  return _mask_mod.apply(cfg.mask_mod, tuple(t.mod), *global_indices(t, qi, ki))
 
 
 def biased_modded(cfg: AttentionConfig, qk, t, qi, ki, consts, acc, diff_consts=None):
-  """scale * qk + bias, then score_mod at global (qi, ki): (s, score_mod vjp or None).
+  """scale * qk + bias, then score_mod at the global positions of local (qi, ki):
+  (s, score_mod vjp or None).
 
   Shared by both kernel families' `scores` (each computes its own qk dot). With
   `diff_consts` the score_mod is differentiated (see `scores`).
@@ -605,11 +673,12 @@ def biased_modded(cfg: AttentionConfig, qk, t, qi, ki, consts, acc, diff_consts=
     return s, None
   score_mod = cfg.score_mod
   assert score_mod is not None
+  b, h, qi, ki = global_indices(t, qi, ki)
   if diff_consts is None:
-    return _score_mod.apply(score_mod, tuple(consts), s, t.b, t.h, qi, ki), None
+    return _score_mod.apply(score_mod, tuple(consts), s, b, h, qi, ki), None
   fixed = tuple(consts)
   return jax.vjp(
-      lambda s_, c_: _score_mod.apply(score_mod, tuple(c_) + fixed, s_, t.b, t.h, qi, ki),
+      lambda s_, c_: _score_mod.apply(score_mod, tuple(c_) + fixed, s_, b, h, qi, ki),
       s, tuple(diff_consts))
 
 
@@ -689,10 +758,11 @@ def dropout_scale(cfg: AttentionConfig, g: Geometry, seed_ref, t: TileInputs, ac
                   transposed: bool = False):
   """[bq, bk] multiplier: 1 / (1 - rate) where kept, 0 where dropped (the shared hash).
 
-  `transposed`: [bk, bq] (the hash is elementwise: the same keep bit per (q, kv)).
+  `transposed`: [bk, bq] (the hash is elementwise: the same keep bit per (q, kv)). The
+  hash reads the global (b, h, q, kv) (`global_indices`).
   """
-  qi, ki = tile_indices(g, t.i, t.j, transposed)
-  keep = _dropout.keep(seed_ref[0], seed_ref[1], t.b, t.h, qi, ki, cfg.dropout_rate,
+  b, h, qi, ki = global_indices(t, *tile_indices(g, t.i, t.j, transposed))
+  keep = _dropout.keep(seed_ref[0], seed_ref[1], b, h, qi, ki, cfg.dropout_rate,
                        cfg.dropout_broadcast)
   return jnp.where(keep, jnp.asarray(1.0 / (1.0 - cfg.dropout_rate), acc), jnp.asarray(0.0, acc))
 

@@ -78,7 +78,7 @@ class _Ctx:
     self.steps = R.steps(cfg.causal, cfg.window, self.Sq, self.Skv)
     self.qp = _schedule.pieces(R.layout, 0, self.n, self.Sq)
     self.kp = _schedule.pieces(R.layout, 0, self.n, self.Skv)
-    self.offsets_needed = uses_offsets(cfg) and R.inner == "blockwise"
+    self.offsets_needed = uses_offsets(cfg)
 
   def varying(self, xs):
     """Arrays made varying like q before any branch: a device-dependent switch branch must

@@ -13,7 +13,7 @@ equal to the array's. Hence:
   (read as a [block_q, 1] column), kv segment ids sublane-broadcast as [B, 8, Skv]
   (read as a [1, block_kv] row), as in JAX's TPU flash / splash attention;
 * small per-(batch, head) scalars (score_mod and mask_mod residuals, the dropout seed)
-  and the block lists live in SMEM.
+  the global offsets of a ring's chunk pair and the block lists live in SMEM.
 
 Block sparsity: each kernel's innermost ("arbitrary") grid axis walks a compacted
 per-row list of the non-empty blocks (`flashvjp._mask.block_lists`, merged here
@@ -245,12 +245,13 @@ class Tile:
   q_seg: jax.Array | None = None  # int32 [bq, 1]
   kv_seg: jax.Array | None = None  # int32 [1, bk]
   mod: tuple = ()  # the mask_mod's residuals of (b, h), loaded
+  off: tuple | None = None  # global (b0, h0, q0, kv0) int32 scalars (`_common.load_offsets`)
 
 
 def load_tile(r, b, h, i, j, mod=()) -> Tile:
   """Tile inputs from the refs of a kernel whose blocks are this tile's (`mod`: the loaded
-  mask_mod residuals)."""
-  t = Tile(b=b, h=h, i=i, j=j, mod=tuple(mod))
+  mask_mod residuals; the global offsets from the SMEM ref "offsets", if any)."""
+  t = Tile(b=b, h=h, i=i, j=j, mod=tuple(mod), off=C.load_offsets(r.get("offsets")))
   if "bias" in r:
     t.bias = r["bias"][...]
   if "mask" in r:
@@ -265,8 +266,9 @@ def scores(cfg: AttentionConfig, g: C.Geometry, q, k, t: Tile, consts, acc, mask
            diff_consts=None):
   """scale * q k^T + bias, score_mod -> (s [bq, bk], ok, score_mod vjp or None).
 
-  The semantics of `flashvjp.pallas._common.scores` (same mask model, same score_mod
-  call with global int32 indices, the same mask_mod tile part), on TPU-shaped segment ids. `ok` is the mask model's
+  The semantics of `flashvjp.pallas._common.scores` (same mask model in local positions,
+  the same score_mod call and mask_mod tile part at global int32 indices, t.off added),
+  on TPU-shaped segment ids. `ok` is the mask model's
   bool [bq, bk] (None when not `masked`); `s` is unmasked: callers select with `ok`
   against the finite `_common.mask_value`, never -inf, so that no inf is produced inside
   the kernels for finite inputs (`jax.debug_infs`).
@@ -286,7 +288,8 @@ def scores(cfg: AttentionConfig, g: C.Geometry, q, k, t: Tile, consts, acc, mask
 
 def dropout_scale(cfg, g, seed_ref, t: Tile, acc):
   """The shared counter hash, through the same helper as the Triton kernels."""
-  return C.dropout_scale(cfg, g, seed_ref, C.TileInputs(b=t.b, h=t.h, i=t.i, j=t.j), acc)
+  return C.dropout_scale(cfg, g, seed_ref, C.TileInputs(b=t.b, h=t.h, i=t.i, j=t.j, off=t.off),
+                         acc)
 
 
 def seed_words(seed):

@@ -149,7 +149,7 @@ def _dkdv_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, n
 
 
 def _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, carrays, meta,
-          acc, mod=None, marrays=(), mmeta=None):
+          acc, mod=None, marrays=(), mmeta=None, offsets=None):
   (q_l, k_l), lists, counts, entries = F.prepare(cfg, g, q_seg, kv_seg, mask, "kv", mod)
   G, W = g.G, lists.W
 
@@ -175,7 +175,7 @@ def _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed
   F.add_common(ins, cfg, g, tile_index, bias_p=C.pad_pair(bias, g),
                mask_p=None if mask is None else C.pad_pair(mask, g).astype(jnp.int8),
                seg_l=(q_l, k_l), seed=seed, const_arrays=carrays, meta=meta,
-               mod_arrays=marrays, mod_meta=mmeta)
+               mod_arrays=marrays, mod_meta=mmeta, offsets=offsets)
   may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_dkdv_kernel, cfg=cfg, g=g, lists=lists, names=ins.names,
                              meta=meta, may_mask=may_mask, mod_meta=mmeta)
@@ -239,11 +239,11 @@ def _dq_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, nam
 
 
 def _dq(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, carrays, meta,
-        acc, n_diff, diff_shapes, mod=None, marrays=(), mmeta=None):
+        acc, n_diff, diff_shapes, mod=None, marrays=(), mmeta=None, offsets=None):
   seg_l, lists, counts, entries = F.prepare(cfg, g, q_seg, kv_seg, mask, "q", mod)
   q_seg_l, kv_seg_l = seg_l
   ins = F.row_inputs(cfg, g, lists, q, k, v, bias, mask, q_seg_l, kv_seg_l, seed, carrays, meta,
-                     marrays, mmeta)
+                     marrays, mmeta, offsets)
   row_map = lambda b, h, i, s, *_: (b, h, i, 0)
   ins.add("do", C.pad_seq_head(dout, g.Sqp, g.Dvp), _bs((None, None, g.bq, g.Dvp), row_map))
   add_rows(ins, g, delta_l, lse_l, lambda b, h, i, s, *_: (b, h, i))
@@ -338,7 +338,7 @@ def _decode(pids, bias_shape, red):
 
 
 def _dbias(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, carrays, meta,
-           acc, mod=None, marrays=(), mmeta=None):
+           acc, mod=None, marrays=(), mmeta=None, offsets=None):
   q_seg_p, kv_seg_p, q_l, k_l = Lo.segments(q_seg, kv_seg, g)
   mask_p = None if mask is None else C.pad_pair(mask, g)
   Bl, Hl, cls = Lo.block_class_table(cfg, g, q_seg_p, kv_seg_p, mask_p, C.mod_classes(cfg, g, mod))
@@ -364,7 +364,7 @@ def _dbias(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, see
   F.add_common(ins, cfg, g, index, bias_p=bias_p,
                mask_p=None if mask_p is None else mask_p.astype(jnp.int8),
                seg_l=(q_l, k_l), seed=seed, const_arrays=carrays, meta=meta,
-               mod_arrays=marrays, mod_meta=mmeta)
+               mod_arrays=marrays, mod_meta=mmeta, offsets=offsets)
   may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_dbias_kernel, cfg=cfg, g=g, names=ins.names, meta=meta,
                              may_mask=may_mask, bias_shape=bshape, red=red, Bl=Bl, Hl=Hl,
@@ -385,8 +385,9 @@ def _dbias(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, see
 # ---- entry point ------------------------------------------------------------------------
 
 def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
-             out, lse, dout, dlse, mod=None):
-  """Hand-written Mosaic-TPU backward (interface of `flashvjp.pallas.triton.backward`).
+             out, lse, dout, dlse, mod=None, offsets=None):
+  """Hand-written Mosaic-TPU backward (interface of `flashvjp.pallas.triton.backward`,
+  `offsets` included).
 
   Returns:
     (dq, dk, dv in the input dtype, dbias in bias' shape and dtype (or None), grads of the
@@ -396,9 +397,9 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   n_user_diff = cfg.num_diff_consts
   user_consts = tuple(consts)
   B, H = q.shape[0], q.shape[1]
-  cfg, split, carrays, meta = F.split_consts(cfg, consts, acc, B, H, grads=True)
-  cfg, marrays, mmeta = F.split_mod(cfg, mod, acc, B, H)
-  mod_kw = dict(mod=mod, marrays=marrays, mmeta=mmeta)
+  cfg, split, carrays, meta = F.split_consts(cfg, consts, acc, B, H, grads=True, offsets=offsets)
+  cfg, marrays, mmeta = F.split_mod(cfg, mod, acc, B, H, offsets)
+  mod_kw = dict(mod=mod, marrays=marrays, mmeta=mmeta, offsets=offsets)
   n_diff = split.n_diff
 
   # dK / dV (and dbias, on the same blocks).

@@ -48,9 +48,10 @@ def pair_spec(x, g: C.Geometry, index):
 
 
 def add_common(ins: C.KernelInputs, cfg, g: C.Geometry, index, *, bias_p, mask_p, seg_l, seed,
-               const_arrays, meta: Lo.ConstMeta, mod_arrays=(), mod_meta=None):
-  """Bias, mask, segment ids, seed and score_mod / mask_mod residuals for any (b, h, i, j)
-  grid (mask_mod residuals: "mconst{n}", described by `mod_meta`).
+               const_arrays, meta: Lo.ConstMeta, mod_arrays=(), mod_meta=None, offsets=None):
+  """Bias, mask, segment ids, seed, global offsets and score_mod / mask_mod residuals for
+  any (b, h, i, j) grid (mask_mod residuals: "mconst{n}", described by `mod_meta`; the
+  offsets: int32 [4] "offsets" in SMEM, `_common.offset_operand`).
 
   `index(*grid, *prefetch) -> (b, h, i, j)`: the tile a grid step works on.
   """
@@ -71,6 +72,9 @@ def add_common(ins: C.KernelInputs, cfg, g: C.Geometry, index, *, bias_p, mask_p
     ins.add("kv_seg", k_l, _bs((None, Lo.SUBLANES, g.bk), kv_seg_map))
   if cfg.dropout_active:
     ins.add("seed", Lo.seed_words(seed), _compat.smem_spec())
+  off = C.offset_operand(offsets)
+  if off is not None:
+    ins.add("offsets", off, _compat.smem_spec())
   mod_scalar = () if mod_meta is None else mod_meta.scalar
   for prefix, arrays, scalar in (("const", const_arrays, meta.scalar),
                                  ("mconst", mod_arrays, mod_scalar)):
@@ -90,7 +94,8 @@ def load_mod_consts(r, mod_meta, b, h):
 
 
 def row_inputs(cfg: AttentionConfig, g: C.Geometry, lists: Lo.Lists, q, k, v, bias, mask,
-               q_seg, kv_seg, seed, const_arrays, meta, mod_arrays=(), mod_meta=None):
+               q_seg, kv_seg, seed, const_arrays, meta, mod_arrays=(), mod_meta=None,
+               offsets=None):
   """Inputs for a (batch, head, q block, step) grid (the forward and dQ kernels)."""
   G = g.G
 
@@ -112,7 +117,7 @@ def row_inputs(cfg: AttentionConfig, g: C.Geometry, lists: Lo.Lists, q, k, v, bi
   add_common(ins, cfg, g, index, bias_p=C.pad_pair(bias, g),
              mask_p=None if mask is None else C.pad_pair(mask, g).astype(jnp.int8),
              seg_l=(q_seg, kv_seg), seed=seed, const_arrays=const_arrays, meta=meta,
-             mod_arrays=mod_arrays, mod_meta=mod_meta)
+             mod_arrays=mod_arrays, mod_meta=mod_meta, offsets=offsets)
   return ins
 
 
@@ -196,19 +201,20 @@ def _forward_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
     r["lse"][...] = lse.astype(r["lse"].dtype)
 
 
-def split_mod(cfg, mod, acc, B, H):
+def split_mod(cfg, mod, acc, B, H, offsets=None):
   """(cfg with the per-tile mask_mod, kernel arrays, ConstMeta or None) of a mask_mod
   (`_common.split_mask_mod`; residuals travel as the score_mod's do)."""
-  msplit = C.split_mask_mod(cfg, mod, B, H)
+  msplit = C.split_mask_mod(cfg, mod, B, H, offsets)
   if msplit.cfg.mask_mod is None:
     return msplit.cfg, (), None
   return msplit.cfg, Lo.const_arrays(msplit, acc), Lo.ConstMeta(tuple(msplit.scalar), H)
 
 
-def split_consts(cfg, consts, acc, B, H, grads):
+def split_consts(cfg, consts, acc, B, H, grads, offsets=None):
   """(cfg with the per-tile score_mod, HeadSplit, kernel arrays, ConstMeta)."""
   cfg, consts = C.hoist_score_mod(cfg, consts, acc)
-  split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), acc, B, H, grads=grads)
+  split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), acc, B, H, grads=grads,
+                           offsets=offsets)
   return split.cfg, split, Lo.const_arrays(split, acc), Lo.ConstMeta(tuple(split.scalar), H)
 
 
@@ -220,20 +226,22 @@ def interpret_arg(cfg: AttentionConfig):
   return bool(cfg.interpret)
 
 
-def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
-  """Mosaic-TPU forward (interface of `flashvjp.pallas.triton.forward`).
+def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None,
+            offsets=None):
+  """Mosaic-TPU forward (interface of `flashvjp.pallas.triton.forward`, `offsets` included:
+  the global (b0, h0, q0, kv0) of local element 0, read by the kernels from SMEM).
 
   Returns:
     (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32 (float64 for float64 inputs)).
   """
   g = Lo.geometry(q.shape, k.shape, v.shape, cfg.blocks.block_q, cfg.blocks.block_kv)
   acc = C.acc_dtype(q.dtype)
-  cfg, _, carrays, meta = split_consts(cfg, consts, acc, g.B, g.H, grads=False)
-  cfg, marrays, mmeta = split_mod(cfg, mod, acc, g.B, g.H)
+  cfg, _, carrays, meta = split_consts(cfg, consts, acc, g.B, g.H, grads=False, offsets=offsets)
+  cfg, marrays, mmeta = split_mod(cfg, mod, acc, g.B, g.H, offsets)
   seg_l, lists, counts, entries = prepare(cfg, g, q_seg, kv_seg, mask, "q", mod)
   q_seg_l, kv_seg_l = seg_l
   ins = row_inputs(cfg, g, lists, q, k, v, bias, mask, q_seg_l, kv_seg_l, seed, carrays, meta,
-                   marrays, mmeta)
+                   marrays, mmeta, offsets)
   may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_forward_kernel, cfg=cfg, g=g, lists=lists, names=ins.names,
                              meta=meta, may_mask=may_mask, mod_meta=mmeta)

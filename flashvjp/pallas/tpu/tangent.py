@@ -69,7 +69,8 @@ def _tangent_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
       ts = ts + r["tbias"][...].astype(acc)
     if cfg.score_mod is not None:
       fl, rest = tuple(consts[:n_float]), tuple(consts[n_float:])
-      fn = lambda s_, c_: _score_mod.apply(cfg.score_mod, tuple(c_) + rest, s_, t.b, t.h, qi, ki)
+      gb, gh, gq, gk = C.global_indices(t, qi, ki)
+      fn = lambda s_, c_: _score_mod.apply(cfg.score_mod, tuple(c_) + rest, s_, gb, gh, gq, gk)
       if tconsts:
         tc = tuple(tconsts) + tuple(jnp.zeros_like(c) for c in fl[len(tconsts):])
         sc, ts = jax.jvp(fn, (sc, fl), (ts, tc))
@@ -112,15 +113,17 @@ def _tangent_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
 
 
 def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
-            tq, tk, tv, tbias, tconsts, mod=None):
-  """The fused tangent pass (`flashvjp.blockwise._tangent.tangent`'s interface)."""
+            tq, tk, tv, tbias, tconsts, mod=None, offsets=None):
+  """The fused tangent pass (`flashvjp.blockwise._tangent.tangent`'s interface; `offsets`
+  as `forward.forward`)."""
   g = Lo.geometry(q.shape, k.shape, v.shape, cfg.blocks.block_q, cfg.blocks.block_kv)
   acc = C.acc_dtype(q.dtype)
   n_user = cfg.num_diff_consts
   tconsts = tuple(tconsts) if tconsts is not None else (None,) * n_user
   cfg0, consts0 = C.hoist_score_mod(cfg, consts, acc)
   consts0 = tuple(jnp.asarray(c) for c in consts0)
-  cfg, split, carrays, meta = F.split_consts(cfg, consts, acc, g.B, g.H, grads=False)
+  cfg, split, carrays, meta = F.split_consts(cfg, consts, acc, g.B, g.H, grads=False,
+                                             offsets=offsets)
   n_float = sum(1 for x in split.arrays if jnp.issubdtype(x.dtype, jnp.inexact))
   tarrays: tuple = ()
   tmeta = Lo.ConstMeta((), g.H)
@@ -128,15 +131,15 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     diff, fixed = consts0[:n_user], consts0[n_user:]
     tdiff = tuple(jnp.zeros_like(c) if t is None else t.astype(c.dtype)
                   for c, t in zip(diff, tconsts))
-    per_head = lambda d: C.split_per_head(cfg0, tuple(d) + fixed, acc, g.B, g.H,
-                                          grads=False).arrays[:n_float]
+    per_head = lambda d: C.split_per_head(cfg0, tuple(d) + fixed, acc, g.B, g.H, grads=False,
+                                          offsets=offsets).arrays[:n_float]
     _, res_t = jax.jvp(per_head, (diff,), (tdiff,))
     tsplit = C.HeadSplit(cfg, tuple(res_t), tuple(split.scalar[:n_float]))
     tarrays, tmeta = Lo.const_arrays(tsplit, acc), Lo.ConstMeta(tuple(split.scalar[:n_float]), g.H)
-  cfg, marrays, mmeta = F.split_mod(cfg, mod, acc, g.B, g.H)
+  cfg, marrays, mmeta = F.split_mod(cfg, mod, acc, g.B, g.H, offsets)
   seg_l, lists, counts, entries = F.prepare(cfg, g, q_seg, kv_seg, mask, "q", mod)
   ins = F.row_inputs(cfg, g, lists, q, k, v, bias, mask, *seg_l, seed, carrays, meta, marrays,
-                     mmeta)
+                     mmeta, offsets)
   G = g.G
 
   def kv_block(b, h, i, s, cnt, ent):

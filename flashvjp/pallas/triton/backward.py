@@ -118,6 +118,7 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, mod
   k, v = r["k"][...], r["v"][...]
   const_refs = [r[f"const{n}"] for n in range(n_consts)]  # [G, ...] per-head residuals
   kv_seg = r["kv_seg"][...] if "kv_seg" in r else None
+  off = C.load_offsets(r.get("offsets"))
   lo, hi = C.mask_spec(cfg).q_block_range(j, g.bq, g.bk, g.nq)
 
   def lead(name, gi):
@@ -132,7 +133,7 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, mod
       dk, dv = carry
       rows = _compat.ds(i * g.bq, g.bq)
       q, do = r["q"][gi, rows, :], r["do"][gi, rows, :]
-      t = C.TileInputs(b=b, h=h, i=i, j=j, kv_seg=kv_seg, mod=mconsts)
+      t = C.TileInputs(b=b, h=h, i=i, j=j, kv_seg=kv_seg, mod=mconsts, off=off)
       for name in ("bias", "mask"):  # [bq|1, bk|1] tiles (used transposed when g.transposed)
         if name in r:
           x = C.pair_tile(r[name], lead(name, gi), i, j, g, full_q=True, full_kv=False)
@@ -168,7 +169,7 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, mod
 
 
 def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, lists_kv,
-          seed, consts, scalar, masked, acc, msplit=None):
+          seed, consts, scalar, masked, acc, msplit=None, offsets=None):
   G = g.G
   ins = C.KernelInputs()
   ins.add("q", qp.reshape(g.B, g.Hkv, G, g.Sqp, g.Dp),
@@ -202,6 +203,7 @@ def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_s
         (None, None, Gl, None, 2, g.nq), lambda b, h, j: bh(b, h) + (0, j, 0, 0)))
   if cfg.dropout_active:
     ins.add("seed", seed, F._full_spec(seed))
+  F.add_offsets(ins, offsets)
   mod_arrays = () if msplit is None else msplit.arrays
   for prefix, arrays in (("const", consts), ("mconst", mod_arrays)):
     for n, c in enumerate(arrays):  # per-(b, h) residuals [B, H, ...] -> [B, Hkv, G, ...]
@@ -237,11 +239,12 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, n_diff, maske
   lse, delta = r["lse"][...], r["delta"][...]
   consts = C.load_head_consts([r[f"const{n}"] for n in range(n_consts)], scalar)
   mconsts = F.load_mod_consts(r, mod_scalar)
+  off = C.load_offsets(r.get("offsets"))
   lo, hi = C.mask_spec(cfg).kv_block_range(i, g.bq, g.bk, g.nk)
 
   def body(j, masked, carry):
     dq, dcs = carry
-    t = F.load_tile_inputs(r, g, b, h, i, j, mconsts)
+    t = F.load_tile_inputs(r, g, b, h, i, j, mconsts, off)
     cols = _compat.ds(j * g.bk, g.bk)
     k = r["k"][cols, :]
     _, ds, dc = _tile_grads(cfg, g, q, k, r["v"][cols, :], do, lse, delta, t, consts,
@@ -268,8 +271,9 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, n_diff, maske
 
 
 def _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop, lse_p, delta_p,
-        masked, acc, n_diff, mod=None, msplit=None):
-  ins = F.kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, msplit)
+        masked, acc, n_diff, mod=None, msplit=None, offsets=None):
+  ins = F.kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, msplit,
+                        offsets)
   ins.add("do", dop, _compat.block_spec((None, None, g.bq, g.Dvp), lambda b, h, i: (b, h, i, 0)))
   for name, x in (("lse", lse_p), ("delta", delta_p)):
     ins.add(name, x, _compat.block_spec((None, None, g.bq), lambda b, h, i: (b, h, i)))
@@ -308,6 +312,7 @@ def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, bi
   nh = g.H if Hb == 1 else 1
   spec = C.mask_spec(cfg)
   sparse = "q_seg" in r or "mask" in r or cfg.mask_mod is not None  # block lists / classes
+  off = C.load_offsets(r.get("offsets"))
 
   def bh_body(t_bh, accum):
     b = pb if Bb != 1 else (t_bh // nh if nh != 1 else t_bh)
@@ -320,7 +325,7 @@ def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, bi
       q, do = r["q"][b, h, rows, :], r["do"][b, h, rows, :]
       hkv = h // g.G
       k, v = r["k"][b, hkv, cols, :], r["v"][b, hkv, cols, :]
-      t = C.TileInputs(b=b, h=h, i=i, j=j, bias=bias_tile, mod=mconsts)
+      t = C.TileInputs(b=b, h=h, i=i, j=j, bias=bias_tile, mod=mconsts, off=off)
       if "mask" in r:
         m = r["mask"]
         t.mask = C.pair_tile(m, (0 if m.shape[0] == 1 else b, 0 if m.shape[1] == 1 else h),
@@ -366,7 +371,7 @@ def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, bi
 
 
 def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, mask_b,
-           seed, consts, scalar, masked, acc, mod_cls=None, msplit=None):
+           seed, consts, scalar, masked, acc, mod_cls=None, msplit=None, offsets=None):
   ins = C.KernelInputs()
   Bb, Hb, Sqb, Skb = bias_p.shape
   bq, bk = (g.bq if Sqb != 1 else 1), (g.bk if Skb != 1 else 1)
@@ -386,6 +391,7 @@ def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_
   ins.add("bias", bias_p, _compat.block_spec((None, None, bq, bk), lambda b, h, i, j: (b, h, i, j)))
   if cfg.dropout_active:
     ins.add("seed", seed, F._full_spec(seed))
+  F.add_offsets(ins, offsets)
   for n, c in enumerate(consts):
     ins.add(f"const{n}", c, F._full_spec(c))
   for n, c in enumerate(() if msplit is None else msplit.arrays):
@@ -406,7 +412,7 @@ def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_
 # ---- entry point ------------------------------------------------------------------
 
 def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
-             out, lse, dout, dlse, mod=None):
+             out, lse, dout, dlse, mod=None, offsets=None):
   """Hand-written Pallas backward.
 
   Args:
@@ -414,6 +420,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     out: [B, H, Sq, Dv] forward output; lse: [B, H, Sq] its logsumexp (-inf on empty rows).
     dout: [B, H, Sq, Dv] cotangent of out; dlse: [B, H, Sq] cotangent of lse (or None).
     mod: None, or the mask_mod's `ModInputs` (as `forward`).
+    offsets: None, or the global (b0, h0, q0, kv0) of local element 0 (as `forward`).
 
   Returns:
     (dq [B, H, Sq, D], dk [B, Hkv, Skv, D], dv [B, Hkv, Skv, Dv] in the input dtype,
@@ -427,9 +434,9 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   user_consts = tuple(consts)
   cfg, consts = C.hoist_score_mod(cfg, consts, acc)
   split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), acc, q.shape[0],
-                           q.shape[1], grads=True)
+                           q.shape[1], grads=True, offsets=offsets)
   consts, scalar, n_diff = split.arrays, split.scalar, split.n_diff
-  msplit = C.split_mask_mod(split.cfg, mod, q.shape[0], q.shape[1])
+  msplit = C.split_mask_mod(split.cfg, mod, q.shape[0], q.shape[1], offsets)
   cfg = msplit.cfg
   has_seg, has_mask = q_seg is not None, mask is not None
 
@@ -446,13 +453,13 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   mod_cls = C.mod_classes(cfg, g, mod)
   lists_kv = C.block_lists(cfg, g, q_seg_p, kv_seg_p, mask_b, by="kv", mod_cls=mod_cls)
   dk, dv = _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p,
-                 lists_kv, seed, consts, scalar, masked, acc, msplit)
+                 lists_kv, seed, consts, scalar, masked, acc, msplit, offsets)
   dk = dk[:, :, : g.Skv, : g.D].astype(k.dtype)
   dv = dv[:, :, : g.Skv, : g.Dv].astype(v.dtype)
   dbias = None
   if bias is not None:
     dbias = _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p,
-                   mask_b, seed, consts, scalar, masked, acc, mod_cls, msplit)
+                   mask_b, seed, consts, scalar, masked, acc, mod_cls, msplit, offsets)
     dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
 
   # dQ (and the score_mod consts' grads).
@@ -462,7 +469,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   delta_p, lse_p = _preprocess(out, lse, dout, dlse, g, acc)
   dop = C.pad_operand(cfg, dout, g.Sqp, g.Dvp)
   dq, dres = _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop, lse_p,
-                 delta_p, masked, acc, n_diff, mod, msplit)
+                 delta_p, masked, acc, n_diff, mod, msplit, offsets)
   dq = dq[:, :, : g.Sq, : g.D].astype(q.dtype)
   if n_diff:
     dres = tuple(d[..., 0] if sc else d for d, sc in zip(dres, scalar))

@@ -38,12 +38,13 @@ def _full_spec(x):
 
 
 def kernel_inputs(cfg: AttentionConfig, g: C.Geometry, q, k, v, bias, mask, q_seg, kv_seg, seed,
-                  consts, mod=None, msplit=None):
+                  consts, mod=None, msplit=None, offsets=None):
   """Padded inputs and specs for a kernel with grid (batch, head, q block).
 
   Shared by the forward and the dQ kernel. `consts` are the per-(b, h) score_mod
   residuals of `_common.split_per_head`; `mod` the mask_mod's `ModInputs` (its block
-  classes join the lists) and `msplit` its `_common.ModSplit` (residuals "mconst{n}").
+  classes join the lists) and `msplit` its `_common.ModSplit` (residuals "mconst{n}");
+  `offsets` the global offsets (`_common.offset_operand`: an int32 [4] input "offsets").
   """
   G = g.G
   ins = C.KernelInputs()
@@ -69,6 +70,7 @@ def kernel_inputs(cfg: AttentionConfig, g: C.Geometry, q, k, v, bias, mask, q_se
                                      mod_cls=C.mod_classes(cfg, g, mod)), g)
   if cfg.dropout_active:
     ins.add("seed", seed, _full_spec(seed))
+  add_offsets(ins, offsets)
   mod_arrays = () if msplit is None else msplit.arrays
   for prefix, arrays in (("const", consts), ("mconst", mod_arrays)):
     for n, c in enumerate(arrays):  # per-(b, h) score_mod / mask_mod residuals [B, H, ...]
@@ -77,6 +79,13 @@ def kernel_inputs(cfg: AttentionConfig, g: C.Geometry, q, k, v, bias, mask, q_se
           (None, None) + c.shape[2:],
           functools.partial(lambda nd, b, h, i: (b, h) + (0,) * nd, nd)))
   return ins
+
+
+def add_offsets(ins, offsets):
+  """The global offsets as an int32 [4] input "offsets" (whole, read as scalars), if any."""
+  off = C.offset_operand(offsets)
+  if off is not None:
+    ins.add("offsets", off, _full_spec(off))
 
 
 def load_mod_consts(r, msplit_scalar, lead=()):
@@ -117,10 +126,10 @@ def pair_spec_q(x, g: C.Geometry):
       lambda b, h, i: (b if Bp != 1 else 0, h if Hp != 1 else 0, i if Sq2 != 1 else 0, 0))
 
 
-def load_tile_inputs(r, g: C.Geometry, b, h, i, j, mod=()):
+def load_tile_inputs(r, g: C.Geometry, b, h, i, j, mod=(), off=None):
   """TileInputs of tile (i, j) for a (batch, head, q block) program (`mod`: the loaded
-  mask_mod residuals)."""
-  t = C.TileInputs(b=b, h=h, i=i, j=j, mod=tuple(mod))
+  mask_mod residuals; `off`: the loaded global offsets, `_common.load_offsets`)."""
+  t = C.TileInputs(b=b, h=h, i=i, j=j, mod=tuple(mod), off=off)
   if "bias" in r:
     t.bias = C.pair_tile(r["bias"], (), i, j, g, full_q=False, full_kv=True)
   if "mask" in r:
@@ -139,13 +148,14 @@ def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
   q = r["q"][...]
   consts = C.load_head_consts([r[f"const{n}"] for n in range(n_consts)], scalar)
   mconsts = load_mod_consts(r, mod_scalar)
+  off = C.load_offsets(r.get("offsets"))
   lo, hi = C.mask_spec(cfg).kv_block_range(i, g.bq, g.bk, g.nk)
 
   neg = C.mask_value(acc)
 
   def body(j, masked, carry):
     m, l, o = carry
-    t = load_tile_inputs(r, g, b, h, i, j, mconsts)
+    t = load_tile_inputs(r, g, b, h, i, j, mconsts, off)
     kv = _compat.ds(j * g.bk, g.bk)
     s, ok, _ = C.scores(cfg, g, q, r["k"][kv, :], t, consts, acc, masked)
     if ok is None:
@@ -184,7 +194,8 @@ def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
   r["lse"][...] = jnp.where(empty, neg, m + jnp.log(jnp.where(empty, 1.0, l)))
 
 
-def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
+def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None,
+            offsets=None):
   """Pallas forward.
 
   Args:
@@ -193,7 +204,11 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     bias: None or rank 4 float, dims 1 or full. mask: None or rank-4 bool, dims 1 or full.
     q_seg, kv_seg: None or int32 [B, Sq] / [B, Skv]. seed: uint32 [2] or None.
     consts: score_mod consts (differentiable first).
-    mod: None, or the mask_mod's `ModInputs` (block classes at cfg.mask_mod_blocks, consts).
+    mod: None, or the mask_mod's `ModInputs` (block classes at cfg.mask_mod_blocks, consts;
+      classes None: every block PARTIAL, `_common.mod_classes`).
+    offsets: None, or the global (b0, h0, q0, kv0) of local element (0, 0, 0, 0), Python
+      ints or traced int32 scalars (`_common.offset_operand`): score_mod, mask_mod and
+      dropout see global positions, the static mask (causal, window) local ones.
 
   Returns:
     (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32 (float64 for float64 inputs)).
@@ -202,10 +217,11 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
                  dtype=q.dtype)
   acc = C.acc_dtype(q.dtype)
   cfg, consts = C.hoist_score_mod(cfg, consts, acc)
-  split = C.split_per_head(cfg, consts, acc, g.B, g.H, grads=False)
-  msplit = C.split_mask_mod(split.cfg, mod, g.B, g.H)
+  split = C.split_per_head(cfg, consts, acc, g.B, g.H, grads=False, offsets=offsets)
+  msplit = C.split_mask_mod(split.cfg, mod, g.B, g.H, offsets)
   cfg = msplit.cfg
-  ins = kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, split.arrays, mod, msplit)
+  ins = kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, split.arrays, mod, msplit,
+                      offsets)
   masked = C.needs_mask(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_forward_kernel, cfg=cfg, g=g, names=ins.names,
                              n_consts=len(split.arrays), scalar=split.scalar, masked=masked,

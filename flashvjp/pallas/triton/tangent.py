@@ -49,13 +49,14 @@ def _tangent_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
   consts = C.load_head_consts([r[f"const{n}"] for n in range(n_consts)], scalar)
   tconsts = C.load_head_consts([r[f"tconst{n}"] for n in range(n_tconsts)], scalar[:n_tconsts])
   mconsts = F.load_mod_consts(r, mod_scalar)
+  off = C.load_offsets(r.get("offsets"))
   lse = r["lse"][...]
   lo, hi = C.mask_spec(cfg).kv_block_range(i, g.bq, g.bk, g.nk)
   scale = jnp.asarray(cfg.scale, acc)
 
   def body(j, masked, carry):
     mu, a = carry
-    t = F.load_tile_inputs(r, g, b, h, i, j, mconsts)
+    t = F.load_tile_inputs(r, g, b, h, i, j, mconsts, off)
     kv = _compat.ds(j * g.bk, g.bk)
     k = r["k"][kv, :]
     qi, ki = C.tile_indices(g, t.i, t.j)
@@ -73,7 +74,8 @@ def _tangent_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
       ts = ts + C.pair_tile(r["tbias"], (), i, j, g, full_q=False, full_kv=True).astype(acc)
     if cfg.score_mod is not None:
       fl, rest = tuple(consts[:n_float]), tuple(consts[n_float:])
-      fn = lambda s_, c_: _score_mod.apply(cfg.score_mod, tuple(c_) + rest, s_, t.b, t.h, qi, ki)
+      gb, gh, gq, gk = C.global_indices(t, qi, ki)
+      fn = lambda s_, c_: _score_mod.apply(cfg.score_mod, tuple(c_) + rest, s_, gb, gh, gq, gk)
       if n_tconsts:
         tc = tuple(tconsts) + tuple(jnp.zeros_like(c) for c in fl[n_tconsts:])
         s, ts = jax.jvp(fn, (s, fl), (ts, tc))
@@ -151,8 +153,9 @@ def _geometry(cfg: AttentionConfig, q, k, v, n_kv: int, n_q: int) -> C.Geometry:
 
 
 def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
-            tq, tk, tv, tbias, tconsts, mod=None):
-  """The fused tangent pass (`flashvjp.blockwise._tangent.tangent`'s interface).
+            tq, tk, tv, tbias, tconsts, mod=None, offsets=None):
+  """The fused tangent pass (`flashvjp.blockwise._tangent.tangent`'s interface; `offsets`
+  as `forward.forward`).
 
   Returns (t_out [B, H, Sq, Dv] in out's dtype, t_lse [B, H, Sq] in lse's dtype).
   """
@@ -162,20 +165,20 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   n_user = cfg.num_diff_consts
   tconsts = tuple(tconsts) if tconsts is not None else (None,) * n_user
   cfg, consts = C.hoist_score_mod(cfg, consts, acc)
-  split = C.split_per_head(cfg, consts, acc, g.B, g.H, grads=False)
+  split = C.split_per_head(cfg, consts, acc, g.B, g.H, grads=False, offsets=offsets)
   n_float = sum(1 for x in split.arrays if jnp.issubdtype(x.dtype, jnp.inexact))
   res_tangents: tuple = ()
   if cfg.score_mod is not None and any(t is not None for t in tconsts):
     diff, fixed = tuple(consts[:n_user]), tuple(consts[n_user:])
     tdiff = tuple(jnp.zeros_like(c) if t is None else t.astype(c.dtype)
                   for c, t in zip(diff, tconsts))
-    per_head = lambda d: C.split_per_head(cfg, tuple(d) + fixed, acc, g.B, g.H,
-                                          grads=False).arrays[:n_float]
+    per_head = lambda d: C.split_per_head(cfg, tuple(d) + fixed, acc, g.B, g.H, grads=False,
+                                          offsets=offsets).arrays[:n_float]
     _, res_tangents = jax.jvp(per_head, (diff,), (tdiff,))
-  msplit = C.split_mask_mod(split.cfg, mod, g.B, g.H)
+  msplit = C.split_mask_mod(split.cfg, mod, g.B, g.H, offsets)
   cfg = msplit.cfg
   ins = F.kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, split.arrays, mod,
-                        msplit)
+                        msplit, offsets)
   for n, c in enumerate(res_tangents):
     nd = c.ndim - 2
     ins.add(f"tconst{n}", c, _compat.block_spec(
