@@ -10,7 +10,7 @@ partition run per device:
 * batch and heads: each device runs the backend on its own slice, no collective (heads
   stay sharded when the head axes divide both num_heads and num_kv_heads: whole GQA
   groups per device); score_mod, mask_mod and dropout get the slice's global (b, h)
-  offsets;
+  offsets (every backend takes `offsets=(b, h, q, kv)`);
 * the sequence (any mesh axis or axes, alone or with batch / head axes): a context-parallel
   strategy runs inside the partition, chosen by `flashvjp._strategy` from static facts
   (mesh, heads, shapes, the mask's ring schedule) unless `context_parallel=` names one:
@@ -18,7 +18,7 @@ partition run per device:
   sequence <-> heads around the one-device backend), or all-gather of K/V (only when
   asked). The strategies call the same backends with global offsets: no second mask model.
 
-The choice is logged (absl, debug level; a warning for a visible gather) and
+The choice is logged (absl, debug level) and
 `flashvjp.explain` computes the same choice from a sharded query (`strategy_for`).
 
 `wrap(name, backend, tangent)` returns an object with the backend interface::
@@ -59,10 +59,6 @@ _K = ("b", "k", "s", "d")
 _V = ("b", "k", "s", "e")
 _O = ("b", "h", "q", "e")
 _L = ("b", "h", "q")
-
-# The backends whose forward / backward / tangent take `offsets=(b, h, q, kv)` (global
-# positions for score_mod, mask_mod and dropout).
-OFFSET_BACKENDS = ("blockwise",)
 
 
 def _pair_tags(shape, rows=True):
@@ -170,12 +166,6 @@ def _plan(cfg: AttentionConfig, backend: str, mesh, q_spec, q_shape, k_shape, v_
     hax = None
   if sax is not None and _size(mesh, sax) == 1:
     sax = None
-  if uses_offsets(cfg) and backend not in OFFSET_BACKENDS and (bax or hax or sax):
-    logging.warning(
-        "flashvjp: %s takes no global offsets yet, so a call with score_mod / mask_mod /"
-        " dropout is gathered over batch, heads and sequence (every device runs the whole"
-        " call); implementation='blockwise' partitions it", backend)
-    return _Plan(None, None, None, None, (B, H, Sq, Skv))
   B_l, H_l = B // _size(mesh, bax), H // _size(mesh, hax)
   if sax is None:
     return _Plan(bax, hax, None, None, (B_l, H_l, Sq, Skv))

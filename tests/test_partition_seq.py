@@ -331,9 +331,11 @@ def test_explicit_mesh_axes_are_a_clear_error():
 # ---- the Pallas families (interpret mode), a representative subset ---------------------------
 
 @pytest.mark.parametrize("impl,kw", [
-    ("pallas_triton", dict(causal=True)),
-    ("pallas_tpu", dict(window=(20, 12))),
-    ("pallas_triton", dict(causal=True, context_parallel="ulysses")),
+    ("pallas_triton", dict(causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3),
+                           deterministic=False)),
+    ("pallas_tpu", dict(window=(20, 12), mask_mod=flashvjp.prefix_lm(jnp.array([30, 70])))),
+    ("pallas_triton", dict(causal=True, context_parallel="ulysses",
+                           score_mod=flashvjp.alibi(flashvjp.alibi_slopes(8)))),
 ])
 def test_pallas_families_seq_sharded(impl, kw):
   """The same strategies around the Pallas kernels (IEEE float32 at "highest", so the
