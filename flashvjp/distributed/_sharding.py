@@ -82,7 +82,8 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Hashable | N
         f"sharded_attention got arguments {unknown} it cannot shard"
         f" ({'with' if seq_axis is not None else 'without'} seq_axis it accepts {list(allowed)});"
         " score_mod and dropout see global (b, h) indices: call flash_attention under jit"
-        " with sharded inputs (it partitions over batch/heads) or shard_map yourself")
+        " with sharded inputs (it partitions over batch, heads and the sequence, with global"
+        " offsets) or shard_map yourself")
   used = [a for a in (batch_axis, head_axis, seq_axis) if a is not None]
   flat = [n for a in used for n in (a if isinstance(a, tuple) else (a,))]
   if len(set(flat)) != len(flat):
