@@ -216,10 +216,13 @@ def schedule(seq: int, mask: str, layout: str) -> dict:
                         window=kw.get("window"), mask_mod=kw.get("mask_mod"))
   shifts = [st["shift"] for st in steps]
   # forward: K/V to the first step (if it is not the device's own), then between steps;
-  # backward: the same K/V moves, dK/dV with their chunk between steps, and home at the end
-  kv_moves = int(bool(shifts) and shifts[0] % N != 0) + max(len(shifts) - 1, 0)
+  # backward: the same K/V moves, dK/dV with their chunk between steps (but the own chunk's,
+  # which stay home: a first step at shift 0 sends nothing), and home at the end
+  home_first = bool(shifts) and shifts[0] % N == 0
+  kv_moves = int(bool(shifts) and not home_first) + max(len(shifts) - 1, 0)
   back = int(bool(shifts) and shifts[-1] % N != 0)
-  return {"shifts": shifts, "kv_moves": kv_moves, "dkv_moves": max(len(shifts) - 1, 0) + back}
+  dkv = max(len(shifts) - 1, 0) - int(home_first and len(shifts) > 1) + back
+  return {"shifts": shifts, "kv_moves": kv_moves, "dkv_moves": dkv}
 
 
 # ---- driver ---------------------------------------------------------------------------
@@ -327,12 +330,13 @@ def _sentences(rows, seqs):
   return [
       f"- **causal** (contiguous): every one of the {N - 1} shifts is needed by some device, so"
       " the forward moves K and V seven times and the backward moves dK/dV with their chunk"
-      " seven times and home once; the backward's first K/V move is the forward's (XLA CSE"
+      " six times (the own chunk's gradient stays home) and home once; the backward's first"
+      " K/V move is the forward's (XLA CSE"
       " shares it), the later ones are sent again. zigzag takes the same steps (it balances"
       " compute, not bytes).",
       f"- **window** (W = chunk_len / 4, {cl // 4} at seq {s}): a query reaches at most one"
-      " chunk back, so only shift 1 is taken: one K/V move in the forward, one dK/dV move and"
-      " one return in the backward. Under zigzag the device's second half-chunk's neighbour"
+      " chunk back, so only shift 1 is taken: one K/V move in the forward, one dK/dV return"
+      " in the backward (the neighbour's contribution; the own chunk's stays home). Under zigzag the device's second half-chunk's neighbour"
       " lives at shift -1 (= 7), so zigzag takes steps 0, 1, 7 and moves about twice as much.",
       "- **chunked(chunk_len)**: the attention chunks coincide with the device chunks, so"
       " every device attends only to its own K/V: step 0 only, no collective at all.",
