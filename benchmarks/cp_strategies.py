@@ -189,6 +189,14 @@ auto picks = `flashvjp.explain(...).context_parallel.name` for the same call. XL
 computes bf16 collectives in float32 where it converts (the compiled bytes of a bf16 ring
 chunk are a float32 chunk's), so compiled MiB can exceed the model's.
 
+Reading it: for MHA (8 heads on 8 shards) with a dense mask (causal, prefix) Ulysses moves
+about a quarter of the ring's bytes and `"auto"` takes it; with a local mask (a window
+shorter than a chunk, chunked) the ring takes one neighbour step or none and `"auto"` takes
+the ring; all-gather moves what the ring moves for a dense mask but holds K/V (and dK/dV)
+whole: its temp memory is the one that grows as O(seq) per device. With GQA, or heads that
+the shard count does not divide, Ulysses is not eligible (tests/test_partition_seq.py's
+choice table).
+
 """ + table(rows) + "\n"
   pathlib.Path(a.out).write_text(md)
   (pathlib.Path(a.out).with_suffix(".json")).write_text(json.dumps(
