@@ -245,19 +245,21 @@ Outputs and gradients bitwise equal to 34ab578's (causal seq 1024 and 4096, full
 seq 1000 with GQA, window, bfloat16, segment ids, 128 x 64 blocks). Run time: the same
 work per step; measured in fresh processes alternated with 34ab578's, CPU s of one
 jit(grad) call (median of 3-5 calls per process; per figure the median and the minimum
-over 3-4 processes), B=1 H=8 D=64 causal, at load average ~9 on 2 cores (so only the
-minima are steady, and they agree within 1-4%):
+over 3-5 processes), B=1 H=8 D=64 causal, at load average 5-9 on 2 cores (the medians
+move by 10% between runs; the minima agree within 4%, the new code's lower in two rows and
+2.5-3% higher in two, no trend resolved at this load):
 
 | seq | dtype | 34ab578 median (min) | now median (min) |
 |---|---|---|---|
-| 4096 | float32 | 0.94 (0.85) | 0.90 (0.88) |
+| 4096 | float32 | 0.91 (0.87) | 0.91 (0.85) |
 | 4096 | bfloat16 | 0.64 (0.63) | 0.65 (0.62) |
 | 8192 | float32 | 3.27 (3.16) | 3.60 (3.24) |
 | 8192 | bfloat16 | 2.36 (2.27) | 2.48 (2.34) |
 
 The forward alone (unchanged but for the index wrap): 0.27 / 0.19 / 1.01 / 0.72 s before
 and after. At seq 8192 float32 the backward's walk order alone (row-major now, kv-major
-before, otherwise identical code): median 3.93 vs 3.59 s, minimum 3.24 vs 3.25 s (the
+before, otherwise identical code): median 3.93 vs 3.59 s, minimum 3.24 vs 3.25 s; at seq
+4096 float32, 5 processes each: median 0.91 vs 0.92 s, minimum 0.85 vs 0.83 s (the
 2026-12-03 session measured no difference either).
 
 Tried and not kept:
