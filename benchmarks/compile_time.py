@@ -210,6 +210,83 @@ def main():
 
 
 NOTES = """
+## Where XLA's compile time goes, and fewer kernels (issue 20, second round)
+
+XLA:CPU (jax 0.12) hands dots and reductions (and the elementwise ops next to them that
+have no other user) to YNNPACK, whose fusions cost about 1 ms of compile each; every other
+fusion is a kernel it generates with MLIR + LLVM, each compiled once per distinct fused
+computation, at 10-15 ms CPU each almost independently of its size (a synthetic module of
+41 one-multiply kernels: 0.62 s; of 40 YNNPACK exp / max / divide fusions: 0.04 s). Per
+`perf` over 10 compiles at seq 2048, LLVM passes and machine code are 41% of the samples,
+MLIR fusion emission 18%, HLO passes 2%. So the compile follows the number of distinct
+LLVM kernels: the object files in `XLA_FLAGS=--xla_dump_to` (jit(grad), float32, causal;
+the table's "fused kernels" column counts every distinct fused computation, YNNPACK's too):
+
+| program | seq 2048 | seq 8192 |
+|---|---|---|
+| jax.nn xla path | 16 (24 KB) | 16 |
+| flashvjp before (34ab578) | 29 (58 KB) | 32 (61 KB) |
+| + no negative-index wrap on the tile slices / updates | 28 | 30 |
+| + backward walks the forward's row-major pair list | 26 | 28 |
+| + delta from dO in the loop's layout | 25 (55 KB) | 27 (55 KB) |
+
+1. **No negative-index wrap.** `lax.dynamic_slice` normalises a traced start with
+   `select(i < 0, i + n, i)`; the blockwise tile slices and in-place updates pass
+   `allow_negative_indices=False` (their starts are in range by construction).
+2. **The backward walks the forward's pairs**, row-major (`_pairs(..., "q")`): the pair
+   index arithmetic that XLA copies into every kernel reading it is then the same in both
+   loops, and the tile-slice kernels are shared. dK_j / dV_j still receive their tiles in
+   increasing i and dQ_i in increasing j, so dq, dk, dv are bitwise those of the kv-major
+   walk.
+3. **delta = rowsum(dO * O) from dO in the loop's layout**: a dO the caller computes (here
+   2 * out) is then one kernel, not one per layout.
+
+Outputs and gradients bitwise equal to 34ab578's (causal seq 1024 and 4096, full, padded
+seq 1000 with GQA, window, bfloat16, segment ids, 128 x 64 blocks). Run time: the same
+work per step; measured in fresh processes alternated with 34ab578's, CPU s of one
+jit(grad) call (median of 3-5 calls per process; per figure the median and the minimum
+over 3-5 processes), B=1 H=8 D=64 causal, at load average 5-9 on 2 cores (the medians
+move by 10% between runs; the minima agree within 4%, the new code's lower in two rows and
+2.5-3% higher in two, no trend resolved at this load):
+
+| seq | dtype | 34ab578 median (min) | now median (min) |
+|---|---|---|---|
+| 4096 | float32 | 0.91 (0.87) | 0.91 (0.85) |
+| 4096 | bfloat16 | 0.64 (0.63) | 0.65 (0.62) |
+| 8192 | float32 | 3.27 (3.16) | 3.60 (3.24) |
+| 8192 | bfloat16 | 2.36 (2.27) | 2.48 (2.34) |
+
+The forward alone (unchanged but for the index wrap): 0.27 / 0.19 / 1.01 / 0.72 s before
+and after. At seq 8192 float32 the backward's walk order alone (row-major now, kv-major
+before, otherwise identical code): median 3.93 vs 3.59 s, minimum 3.24 vs 3.25 s; at seq
+4096 float32, 5 processes each: median 0.91 vs 0.92 s, minimum 0.85 vs 0.83 s (the
+2026-12-03 session measured no difference either).
+
+Tried and not kept:
+- the backward reading the forward's mask tile transposed (one mask kernel instead of two,
+  -1 kernel): fwd+bwd 10% slower at seq 4096 float32;
+- the output kept normalised in the loop (FlashAttention-1's update; no o / l epilogue):
+  -1 kernel, but not bitwise (1 ulp) and a divide per step;
+- a select-free epilogue (o / max(l, 1), lse = m + log l, max(lse, -finfo.max) in the
+  backward; l is 0 or >= 1): 0 kernels, YNNPACK does not take small elementwise ops with
+  several users;
+- dQ^T carried in dK's shape (one zero fill): 0, the in-loop reshape split the dQ^T update
+  into two kernels;
+- an inner `jax.jit` around the forward so that the jvp rule's second trace of it hits the
+  cache: trace + lower -0.02 s, not kept (an inner jit's -inf lse of an empty row becomes
+  visible to `jax.debug_infs`' op-by-op re-run).
+
+What remains of the ratio (1.65-1.85x CPU in the table above, taken at load average ~9
+on the 2 cores, walls about twice the quiet machine's): 25-27 LLVM kernels against
+jax.nn's 16 (about 0.1-0.15 s CPU), and trace + lower, 0.21-0.23 s CPU against jax.nn's
+0.13-0.15 (the forward is traced twice, for the jit of `_run` and again by the jvp rule,
+~0.05 s each). Per pass the loop keeps the tile slices (shared), the mask tile (one per
+pass: sharing it costs run time), the masked scores that feed YNNPACK's row max, exp(s - m),
+the running-max rescale, two in-place updates (forward) or the K^T tile, dS and three
+accumulator updates (backward); around the loops, the carries' fills, 1 / l, lse, out for
+its two consumers and dQ's final transpose. Each of those is a kernel jax.nn's
+straight-line program does not need.
+
 ## What changed in issue 20 (static work in numpy, the pair walk)
 
 Before (44c9c70), tracing jit(grad) at seq 8192 spent most of its 0.7-1.1 s in eager jnp

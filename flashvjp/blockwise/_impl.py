@@ -5,9 +5,10 @@ never the API. Each pass is ONE loop over a flat list of the (q block, kv block)
 pairs it must visit (`_pairs`; few compiled kernels: benchmarks/compile_time.py).
 Forward: online softmax, row-major pairs, the running max / sum and the output
 accumulator of every row in O(seq) carries updated in place. Backward (hand-written,
-one pass, kv-major pairs and kv-major tiles, so every product is a plain matmul):
-recompute probabilities from the saved logsumexp and add each pair's dQ^T, dK, dV
-tiles into O(seq) accumulators. GQA works on
+one pass over the forward's row-major pairs, with kv-major tiles so every product is a
+plain matmul): recompute probabilities from the saved logsumexp and add each pair's
+dQ^T, dK, dV tiles into O(seq) accumulators. Walking the same pair list as the forward
+lets XLA compile the two loops' index and tile-slice code into shared kernels. GQA works on
 [batch, kv_heads, group, ...] views, so K/V are never repeated per query head.
 """
 from __future__ import annotations
@@ -114,9 +115,9 @@ class _Layout:
     if x5 is None:
       return None
     if x5.shape[3] != 1:
-      x5 = lax.dynamic_slice_in_dim(x5, i * self.bq, self.bq, axis=3)
+      x5 = _slice(x5, i * self.bq, self.bq, 3)
     if x5.shape[4] != 1:
-      x5 = lax.dynamic_slice_in_dim(x5, j * self.bk, self.bk, axis=4)
+      x5 = _slice(x5, j * self.bk, self.bk, 4)
     return x5
 
   def local_indices(self, i, j, t=False):
@@ -144,8 +145,8 @@ class _Layout:
     b, h, qi, ki = self.local_indices(i, j, t)
     qs = ks = None
     if q_seg is not None:
-      qs = lax.dynamic_slice_in_dim(q_seg, i * self.bq, self.bq, 1)[:, None, None, :, None]
-      ks = lax.dynamic_slice_in_dim(kv_seg, j * self.bk, self.bk, 1)[:, None, None, None, :]
+      qs = _slice(q_seg, i * self.bq, self.bq, 1)[:, None, None, :, None]
+      ks = _slice(kv_seg, j * self.bk, self.bk, 1)[:, None, None, None, :]
       if t:
         qs, ks = _t(qs), _t(ks)
     dense = self.pair_tile(mask5, i, j)
@@ -189,12 +190,12 @@ class _Layout:
 
   def q_tile(self, x5, i, dtype=None):
     """[B, Hkv, G, Sqp, X] -> [B, Hkv, G*bq, X] tile of q block i, in `dtype` (default acc)."""
-    t = lax.dynamic_slice_in_dim(x5, i * self.bq, self.bq, axis=3)
+    t = _slice(x5, i * self.bq, self.bq, 3)
     return t.reshape(self.B, self.Hkv, self.G * self.bq, x5.shape[-1]).astype(dtype or self.acc)
 
   def kv_tile(self, x5, j, dtype=None):
     """[B, Hkv, 1, Skvp, X] -> [B, Hkv, bk, X] tile of kv block j, in `dtype` (default acc)."""
-    t = lax.dynamic_slice_in_dim(x5, j * self.bk, self.bk, axis=3)
+    t = _slice(x5, j * self.bk, self.bk, 3)
     return t.reshape(self.B, self.Hkv, self.bk, x5.shape[-1]).astype(dtype or self.acc)
 
   def q_mm(self, x5, i):
@@ -339,15 +340,21 @@ def _pairs(L: _Layout, table, by):
 
 def _at(x, t):
   """x[t] for a traced in-range t (no negative-index wrap)."""
-  return lax.dynamic_index_in_dim(x, t, keepdims=False)
+  return lax.dynamic_index_in_dim(x, t, keepdims=False, allow_negative_indices=False)
+
+
+def _slice(x, start, size, axis):
+  """x[start : start + size] along `axis`, for an in-range start (no negative-index
+  wrap: the wrap's compare and select would be copied into every kernel reading it)."""
+  return lax.dynamic_slice_in_dim(x, start, size, axis, allow_negative_indices=False)
 
 
 def _rows(x5, i, n, axis=3):
-  return lax.dynamic_slice_in_dim(x5, i * n, n, axis=axis)
+  return _slice(x5, i * n, n, axis)
 
 
 def _put_rows(x5, t, i, n, axis=3):
-  return lax.dynamic_update_slice_in_dim(x5, t, i * n, axis=axis)
+  return lax.dynamic_update_slice_in_dim(x5, t, i * n, axis, allow_negative_indices=False)
 
 
 def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None,
@@ -413,6 +420,14 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
              out, lse, dout, dlse, mod=None, offsets=None):
   """Hand-written backward. Returns (dq, dk, dv, dbias or None, dconsts (differentiable ones)).
 
+  The pairs are the forward's, in the forward's row-major order (`_pairs(..., "q")`): the
+  index walk and the tile slices then compile to the same kernels as the forward's (XLA:CPU
+  compiles each distinct kernel once: 2 fewer for jit(grad) at seq 2048 and 8192). dK_j and
+  dV_j still receive their tiles in increasing i and dQ_i in increasing j, as in a
+  column-major walk, so dq, dk, dv are bitwise the same (a score_mod's const gradients, sums
+  over every pair, are summed in the new order); run time unchanged
+  (benchmarks/results/compile_time.md).
+
   Tiles are kv-major ([B, Hkv, bk, G, bq]: s^T = k q^T), so that all five products are
   plain [M, K] x [K, N] matmuls: dV = P^T dO, dK = dS^T Q, and dQ^T = K^T dS^T (dQ is
   accumulated transposed and transposed once at the end). With q-major tiles dK and dV
@@ -431,17 +446,18 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   masked = L.needs_mask(q_seg is not None or mask is not None or mod is not None)
   n_diff = cfg.num_diff_consts
   diff_consts, fixed_consts = tuple(consts[:n_diff]), tuple(consts[n_diff:])
-  count, walk0, at = _pairs(L, table, "kv")
+  count, walk0, at = _pairs(L, table, "q")
   tile_t = (L.B, L.Hkv, L.bk, L.G * L.bq)
 
   # delta = rowsum(dO * O) - dlse; rows that are empty (lse = -inf) or padding get
   # lse = +inf so that exp(s - lse) = 0 there: zero, finite gradients.
-  delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)
+  # (From dO in the loop's layout, do5: XLA then computes a dO produced by the caller, e.g.
+  # 2 * out, in one kernel, not one per layout.)
+  delta5 = jnp.sum(do5.astype(acc) * L.q5(out).astype(acc), axis=-1)
   if dlse is not None:
-    delta = delta - dlse.astype(acc)
+    delta5 = delta5 - L.q5(dlse).astype(acc)
   lse_b = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(acc))
   lse5 = L.q5(jnp.pad(lse_b, ((0, 0), (0, 0), (0, L.Sqp - L.Sq)), constant_values=jnp.inf))
-  delta5 = L.q5(delta)
 
   def row_t(x5, i):
     """[B, Hkv, G, Sqp] per-row values of q block i, broadcast along the kv axis of a tile."""
@@ -524,5 +540,6 @@ def _add_bias_tile(L: _Layout, dbias5, ds, i, j):
     starts[3] = jnp.asarray(i * L.bq, jnp.int32)
   if dbias5.shape[4] != 1:
     starts[4] = jnp.asarray(j * L.bk, jnp.int32)
-  cur = lax.dynamic_slice(dbias5, starts, red.shape)
-  return lax.dynamic_update_slice(dbias5, cur + red.astype(dbias5.dtype), starts)
+  cur = lax.dynamic_slice(dbias5, starts, red.shape, allow_negative_indices=False)
+  return lax.dynamic_update_slice(dbias5, cur + red.astype(dbias5.dtype), starts,
+                                  allow_negative_indices=False)
