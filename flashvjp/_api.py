@@ -500,7 +500,7 @@ def explain(query, key, value, **kwargs) -> _dispatch.Decision:
   decision, cfg, arrays = _prepare(query, key, value, **params, allow_shapes=True)
   sharding = getattr(query, "sharding", None)
   spec = getattr(sharding, "spec", None)
-  if spec is not None and cfg.implementation != "naive":
+  if sharding is not None and spec is not None and cfg.implementation != "naive":
     bias, mask, q_seg = arrays[3], arrays[4], arrays[5]
     pairs = {n: (tuple(x.shape), x.dtype) for n, x in (("bias", bias), ("mask", mask))
              if x is not None}

@@ -84,8 +84,8 @@ class _Sig:
   groups: int
 
 
-def _operands(kind, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra):
-  items = [("q", q, _Q), ("k", k, _K), ("v", v, _V)]
+def _operands(kind, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra) -> list:
+  items: list[tuple[str, Any, tuple]] = [("q", q, _Q), ("k", k, _K), ("v", v, _V)]
   if bias is not None:
     items.append(("bias", bias, _pair_tags(bias.shape)))
   if mask is not None:
@@ -215,7 +215,7 @@ _BACKENDS: dict = {}  # name -> (forward, backward, tangent), filled by `wrap`
 def _call_backend(name, kind, cfg, base, extra, mod, kw):
   fwd, bwd, tan = (ring.forward, ring.backward, ring.tangent) if name == "ring" \
       else _BACKENDS[name]
-  fn = {"forward": fwd, "backward": bwd, "tangent": tan}[kind]
+  fn: Any = {"forward": fwd, "backward": bwd, "tangent": tan}[kind]
   return fn(cfg, *base, *extra, mod, **kw)
 
 
@@ -225,10 +225,11 @@ def _parts(cfg, sig, arrays):
   consts = tuple(d[f"c{i}"] for i in range(sig.n_consts))
   mod = None
   if sig.has_mod:
-    mod = _mask_mod.ModInputs(d.get("classes"),
+    mod = _mask_mod.ModInputs(d.get("classes"),  # type: ignore[arg-type]  # None: no classes
                               tuple(d[f"m{i}"] for i in range(sig.n_mod_consts)))
   base = (d["q"], d["k"], d["v"], d.get("bias"), d.get("mask"), d.get("q_seg"),
           d.get("kv_seg"), d.get("seed"), consts)
+  extra: tuple
   if sig.kind == "forward":
     extra = ()
   elif sig.kind == "backward":
@@ -448,7 +449,7 @@ class _Wrapped:
                dlse, mod=None):
     extra = [("out", out, _O), ("lse", lse, _L), ("dout", dout, _O), ("dlse", dlse, _L)]
     items = _operands("backward", q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra)
-    results = [("dq", _Q), ("dk", _K), ("dv", _V)]
+    results: list[tuple[str, tuple]] = [("dq", _Q), ("dk", _K), ("dv", _V)]
     if bias is not None:
       results.append(("dbias", _pair_tags(bias.shape)))
     results += [(f"dc{i}", (None,) * jnp.ndim(c))
@@ -460,8 +461,8 @@ class _Wrapped:
 
   def tangent(self, cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, tq, tk,
               tv, tbias, tconsts, mod=None):
-    extra = [("out", out, _O), ("lse", lse, _L), ("tq", tq, _Q), ("tk", tk, _K),
-             ("tv", tv, _V)]
+    extra: list[tuple[str, Any, tuple]] = [("out", out, _O), ("lse", lse, _L), ("tq", tq, _Q),
+                                           ("tk", tk, _K), ("tv", tv, _V)]
     if bias is not None:
       extra.append(("tbias", tbias, _pair_tags(bias.shape)))
     extra += [(f"tc{i}", t, (None,) * jnp.ndim(t)) for i, t in enumerate(tconsts)

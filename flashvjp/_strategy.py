@@ -114,7 +114,7 @@ def costs(p: Problem) -> dict:
   kv_chunk = p.batch * p.kv_heads * p.local_kv * (p.head_dim + p.head_dim_v) * it
   seg_chunk = p.batch * p.local_kv * 4 if p.has_segments else 0
   dkv_chunk = p.batch * p.kv_heads * p.local_kv * (p.head_dim + p.head_dim_v) * acc
-  out = {}
+  out: dict[str, tuple[int, int] | str] = {}
   kv_moves, dkv_moves = ring_moves(p)
   # backward: K/V (and ids) move as in the forward, the dK/dV accumulators (float32) too
   out["ring"] = (kv_moves * (kv_chunk + seg_chunk),
@@ -156,14 +156,16 @@ def choose(request: str | None, p: Problem, seq_axes: tuple) -> Strategy:
   if request not in REQUESTS:
     raise ValueError(f"context_parallel must be one of {REQUESTS}, got {request!r}")
   c = costs(p)
-  total = {k: (v[0] + v[1] if isinstance(v, tuple) else None) for k, v in c.items()}
-  cands = tuple((k, total[k], c[k] if isinstance(c[k], str) else "") for k in c)
+  total: dict[str, int] = {k: v[0] + v[1] for k, v in c.items() if isinstance(v, tuple)}
+  cands = tuple((k, total.get(k), c[k] if isinstance(c[k], str) else "") for k in c)
   memory = {"ring": "O(seq / P): its own chunk plus the chunk in hand",
             "ulysses": "O(seq / P): the whole sequence for num_heads / P heads",
             "all_gather": "O(seq) for K/V: every chunk of K and V (and dK, dV)"}
 
   def make(name, reason):
-    f, b = c[name]
+    cost = c[name]
+    assert isinstance(cost, tuple)  # eligible
+    f, b = cost
     return Strategy(name, tuple(seq_axes), p.num_shards, reason, f, b, memory[name], cands)
 
   if request != "auto":

@@ -656,6 +656,7 @@ def mask_mod_allowed(cfg: AttentionConfig, t, qi, ki):
   (`global_indices`); bool, broadcast shape of qi and ki. `t` has .b, .h, .off and .mod
   (the loaded residuals)."""
   qi, ki = jnp.minimum(qi, cfg.seq_q - 1), jnp.minimum(ki, cfg.seq_kv - 1)
+  assert cfg.mask_mod is not None  # called for a mask_mod only
   return _mask_mod.apply(cfg.mask_mod, tuple(t.mod), *global_indices(t, qi, ki))
 
 
