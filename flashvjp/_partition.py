@@ -209,14 +209,26 @@ def strategy_for(cfg: AttentionConfig, mesh, q_spec, q_shape, k_shape, v_shape, 
 
 # ---- running one partition ------------------------------------------------------------
 
-_BACKENDS: dict = {}  # name -> (forward, backward, tangent), filled by `wrap`
+_BACKENDS: dict = {}  # name -> (backend module, tangent function), filled by `wrap`
 
 
 def _call_backend(name, kind, cfg, base, extra, mod, kw):
-  fwd, bwd, tan = (ring.forward, ring.backward, ring.tangent) if name == "ring" \
-      else _BACKENDS[name]
-  fn: Any = {"forward": fwd, "backward": bwd, "tangent": tan}[kind]
+  if name == "ring":
+    fn: Any = {"forward": ring.forward, "backward": ring.backward, "tangent": ring.tangent}[kind]
+  else:
+    module, tangent = _BACKENDS[name]
+    fn = tangent if kind == "tangent" else getattr(module, kind)  # looked up at each call
   return fn(cfg, *base, *extra, mod, **kw)
+
+
+def _has_ordered_effects(name: str) -> bool:
+  """The Mosaic simulator (`flashvjp.pallas.tpu.INTERPRET_PARAMS`, a test hook) runs its
+  kernels through ordered-effect callbacks, which custom_partitioning cannot lower: such
+  calls run unpartitioned (replicated)."""
+  if name != "pallas_tpu":
+    return False
+  from flashvjp.pallas import tpu
+  return tpu.INTERPRET_PARAMS is not None
 
 
 def _parts(cfg, sig, arrays):
@@ -416,12 +428,16 @@ class _Wrapped:
   """A backend whose forward, backward and tangent carry the partitioning rule."""
 
   def __init__(self, name: str, backend, tangent):
-    _BACKENDS[name] = (backend.forward, backend.backward, tangent)
+    _BACKENDS[name] = (backend, tangent)
     self.name = name
     self._ops = {k: _make_op(k) for k in ("forward", "backward", "tangent")}
 
   def _go(self, kind, cfg, items, results, n_consts, mod):
     sig = _sig(kind, self.name, cfg, items, results, n_consts, mod)
+    if _has_ordered_effects(self.name):
+      base, extra, m = _parts(cfg, sig, [i[1] for i in items])
+      m = _with_classes(cfg, m, base[0].shape[0], base[0].shape[1], cfg.seq_q, cfg.seq_kv)
+      return _flat(sig, _call_backend(self.name, kind, cfg, base, extra, m, {}))
     op = self._ops[kind]
     fn = custom_vmap(lambda *a: op(cfg, sig, *a))
 

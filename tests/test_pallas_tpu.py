@@ -20,7 +20,6 @@ import flashvjp
 from flashvjp import _config
 from flashvjp import _dispatch
 from flashvjp import _mask
-from flashvjp import _partition
 from flashvjp.pallas import _compat
 from flashvjp.pallas import tpu as pallas_tpu
 from flashvjp.pallas.tpu import _layout
@@ -79,10 +78,9 @@ def test_mosaic_simulator_subset(name, monkeypatch):
   params = _compat.tpu_interpret_params(detect_races=True)
   if params is None:
     pytest.skip("this jax has no pltpu.InterpretParams")
+  # (The simulator's callbacks are ordered effects, which custom_partitioning cannot lower:
+  # with INTERPRET_PARAMS set, the partitioning wrapper calls the kernels directly.)
   monkeypatch.setattr(pallas_tpu, "INTERPRET_PARAMS", params)
-  # The simulator's callbacks are ordered effects, which the batch/head partitioning
-  # wrapper (custom_partitioning) cannot lower: call the kernels directly.
-  monkeypatch.setattr(_partition._Wrapped, "_global_indices", staticmethod(lambda cfg: True))
   got = run_case("pallas_tpu", name, jnp.float32)
   ref = run_case("naive", name, jnp.float32)
   _util.assert_close(got, ref, jnp.float32, what=f"pallas_tpu[InterpretParams]/{name}")
@@ -95,7 +93,6 @@ def test_mosaic_simulator_several_blocks(monkeypatch):
   if params is None:
     pytest.skip("this jax has no pltpu.InterpretParams")
   monkeypatch.setattr(pallas_tpu, "INTERPRET_PARAMS", params)
-  monkeypatch.setattr(_partition._Wrapped, "_global_indices", staticmethod(lambda cfg: True))
   q, k, v = _util.random_qkv(0, 1, 2, 1, 256, 384, 32, 16)
   bias = jax.random.normal(jax.random.key(1), (1, 2, 1, 384), jnp.float32)
   with jax.default_matmul_precision("highest"):
