@@ -161,8 +161,14 @@ def _plan(cfg: AttentionConfig, backend: str, mesh, q_spec, q_shape, k_shape, v_
   B, H, Sq, D = q_shape
   Hk, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
   if bax is not None and B % _size(mesh, bax):
+    logging.warning("flashvjp: batch (%d) is not divisible by the %d devices of mesh axes %s:"
+                    " attention gathers the batch on every device", B, _size(mesh, bax), bax)
     bax = None
   if hax is not None and (H % _size(mesh, hax) or Hk % _size(mesh, hax)):
+    logging.warning("flashvjp: num_heads (%d) and num_kv_heads (%d) must both be divisible by"
+                    " the %d devices of mesh axes %s to stay sharded (whole GQA groups per"
+                    " device): attention gathers the heads on every device", H, Hk,
+                    _size(mesh, hax), hax)
     hax = None
   if sax is not None and _size(mesh, sax) == 1:
     sax = None

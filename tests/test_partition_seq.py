@@ -346,3 +346,16 @@ def test_pallas_families_seq_sharded(impl, kw):
   with jax.default_matmul_precision("highest"):
     _no_gather(lambda s: dict(kw, implementation=impl, segment_ids=seg, sinks=s),
                diff=(jnp.linspace(-1.0, 1.0, h),), h=h, hkv=h if h == 8 else HKV, s=seq)
+
+
+def test_heads_that_do_not_divide_are_a_visible_gather(caplog):
+  """8 query heads on 4 devices, but 2 kv heads: no whole GQA group per device."""
+  mesh = _mesh((4,), ("tp",))
+  q = jax.random.normal(jax.random.key(0), (1, 8, 32, 8), jnp.float32)
+  kv = jax.random.normal(jax.random.key(1), (1, 2, 32, 8), jnp.float32)
+  qs = jax.device_put(q, NamedSharding(mesh, P(None, "tp", None, None)))
+  with caplog.at_level("WARNING"):
+    out = jax.jit(lambda q, k: flashvjp.flash_attention(q, k, k, causal=True))(qs, kv)
+  assert "attention gathers the heads on every device" in caplog.text
+  ref = flashvjp.flash_attention(q, kv, kv, causal=True)
+  _check("out", out, ref)
