@@ -40,7 +40,9 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from ring_comm import MASK_DOC  # the ring benchmark's masks, the same definitions
 from ring_comm import collectives
+from ring_comm import mask_kwargs
 
 import flashvjp
 
@@ -51,20 +53,6 @@ SEQS = (16384, 32768, 65536)
 STRATEGIES = ("ring", "ulysses", "all_gather")
 MASKS = ("causal", "window", "chunked", "prefix")
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-MASK_DOC = {
-    "causal": "causal=True",
-    "window": "causal=True, window=(chunk_len // 4, 0)",
-    "chunked": "mask_mod=flashvjp.chunked(chunk_len)",
-    "prefix": "mask_mod=flashvjp.prefix_lm(seq // 16)",
-}
-
-
-def mask_kwargs(mask: str, seq: int) -> dict:
-  chunk_len = seq // N
-  return {"causal": {"causal": True},
-          "window": {"causal": True, "window": (chunk_len // 4, 0)},
-          "chunked": {"mask_mod": flashvjp.chunked(chunk_len)},
-          "prefix": {"mask_mod": flashvjp.prefix_lm(seq // 16)}}[mask]
 
 
 def measure(seq: int, mask: str, strategy: str) -> dict:
@@ -176,7 +164,7 @@ Configuration: `jax.jit(jax.value_and_grad(loss))` around plain
 block_kv={BLOCK}, <mask>)` with q / k / v placed with `NamedSharding(mesh, P(None, None,
 "sp", None))`, mesh axis `sp` of 8 devices, batch {B}, {H} heads, {HKV} kv heads (MHA, so
 Ulysses is eligible), head_dim {D}, {DTYPE}. Masks (chunk_len = seq / 8): """ + "; ".join(
-      f"{m}: `{d}`" for m, d in MASK_DOC.items()) + """.
+      f"{m}: `{MASK_DOC[m]}`" for m in MASKS) + """.
 
 Columns: collectives = kind and count in the fwd+bwd program (an async start/done pair once);
 MiB = what each device receives over the wire: the operand bytes of each collective times

@@ -81,10 +81,9 @@ class _Sig:
   n_consts: int
   has_mod: bool
   n_mod_consts: int
-  groups: int
 
 
-def _operands(kind, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra) -> list:
+def _operands(q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra) -> list:
   items: list[tuple[str, Any, tuple]] = [("q", q, _Q), ("k", k, _K), ("v", v, _V)]
   if bias is not None:
     items.append(("bias", bias, _pair_tags(bias.shape)))
@@ -103,13 +102,11 @@ def _operands(kind, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra
   return items
 
 
-def _sig(kind, name, cfg, items, results, n_consts, mod):
-  q, k = items[0][1], items[1][1]
+def _sig(kind, name, items, results, n_consts, mod):
   return _Sig(kind=kind, backend=name, names=tuple(i[0] for i in items),
               tags=tuple(i[2] for i in items), results=tuple(r[0] for r in results),
               result_tags=tuple(r[1] for r in results), n_consts=n_consts,
-              has_mod=mod is not None, n_mod_consts=0 if mod is None else len(mod.consts),
-              groups=q.shape[1] // k.shape[1])
+              has_mod=mod is not None, n_mod_consts=0 if mod is None else len(mod.consts))
 
 
 # ---- the plan of one partition --------------------------------------------------------
@@ -153,8 +150,8 @@ def uses_offsets(cfg: AttentionConfig) -> bool:
   return ring.uses_offsets(cfg)
 
 
-def _plan(cfg: AttentionConfig, backend: str, mesh, q_spec, q_shape, k_shape, v_shape,
-          itemsize: int, pair_shapes: dict, has_seg: bool) -> _Plan:
+def _plan(cfg: AttentionConfig, mesh, q_spec, q_shape, k_shape, v_shape, itemsize: int,
+          pair_shapes: dict, has_seg: bool) -> _Plan:
   """Which mesh axes this call is split over, and the sequence strategy (static)."""
   spec = tuple(q_spec or ()) + (None,) * 4
   bax, hax, sax = (_norm(a) for a in spec[:3])
@@ -181,13 +178,11 @@ def _plan(cfg: AttentionConfig, backend: str, mesh, q_spec, q_shape, k_shape, v_
         f"flashvjp: the sequence is sharded over {_axes_tuple(sax)} ({n} devices) but seq_q"
         f" ({Sq}) and seq_kv ({Skv}) must both be divisible by {n} for context parallelism;"
         " pad the sequence or shard it over fewer devices")
-  rows, rows_no_heads, pair_bytes = [], [], 0
-  for name, shape_dtype in pair_shapes.items():
-    shape, dtype = shape_dtype
+  rows_no_heads, pair_bytes = [], 0
+  for name, (shape, dtype) in pair_shapes.items():
     if (shape[1] != 1) != (shape[2] != 1):
       rows_no_heads.append(name)
-    if shape[2] != 1:
-      rows.append(name)
+    if shape[2] != 1:  # rows follow the queries: Ulysses moves them
       local = list(shape)
       local[0] = shape[0] // _size(mesh, bax) if shape[0] != 1 else 1
       local[1] = shape[1] // _size(mesh, hax) if shape[1] != 1 else 1
@@ -195,8 +190,8 @@ def _plan(cfg: AttentionConfig, backend: str, mesh, q_spec, q_shape, k_shape, v_
       pair_bytes += _strategy.bytes_of(local, dtype)
   problem = _strategy.Problem(
       num_shards=n, batch=B_l, heads=H_l, kv_heads=Hk // _size(mesh, hax), seq_q=Sq,
-      seq_kv=Skv, head_dim=D, head_dim_v=Dv, itemsize=itemsize, causal=cfg.causal, window=cfg.window,
-      mask_mod_hint=cfg.mask_mod_hint, pair_rows=tuple(rows),
+      seq_kv=Skv, head_dim=D, head_dim_v=Dv, itemsize=itemsize, causal=cfg.causal,
+      window=cfg.window, mask_mod_hint=cfg.mask_mod_hint,
       pairs_not_split_by_heads=tuple(rows_no_heads), pair_bytes=pair_bytes,
       has_segments=has_seg)
   strategy = _strategy.choose(cfg.context_parallel, problem, _axes_tuple(sax))
@@ -209,8 +204,8 @@ def strategy_for(cfg: AttentionConfig, mesh, q_spec, q_shape, k_shape, v_shape, 
 
   pair_shapes: {"bias" / "mask": (shape, dtype)} of the rank-4 pair arrays present.
   """
-  return _plan(cfg, cfg.implementation, mesh, q_spec, q_shape, k_shape, v_shape, itemsize,
-               pair_shapes, has_seg).strategy
+  return _plan(cfg, mesh, q_spec, q_shape, k_shape, v_shape, itemsize, pair_shapes,
+               has_seg).strategy
 
 
 # ---- running one partition ------------------------------------------------------------
@@ -280,6 +275,14 @@ def _with_classes(cfg, mod, B, H, seq_q, seq_kv, offsets=None):
   if mod is None or mod.classes is not None or cfg.mask_mod_blocks is None:
     return mod
   return mod._replace(classes=_classify(cfg, mod, B, H, seq_q, seq_kv, offsets))
+
+
+def _run_whole(cfg, sig, arrays):
+  """The backend on the operands as they are (one partition, under vmap, or kernels with
+  ordered effects): no offsets, the mask_mod's classes of the whole call."""
+  base, extra, mod = _parts(cfg, sig, arrays)
+  mod = _with_classes(cfg, mod, base[0].shape[0], base[0].shape[1], cfg.seq_q, cfg.seq_kv)
+  return _flat(sig, _call_backend(sig.backend, sig.kind, cfg, base, extra, mod, {}))
 
 
 def _bh_offsets(plan: _Plan, B_l, H_l, h_extra=0):
@@ -399,18 +402,14 @@ def _plan_from_shapes(cfg, sig: _Sig, mesh, arg_shapes) -> _Plan:
   shapes = dict(zip(sig.names, arg_shapes))
   q = shapes["q"]
   pair = {n: (tuple(shapes[n].shape), shapes[n].dtype) for n in ("bias", "mask") if n in shapes}
-  return _plan(cfg, sig.backend, mesh, getattr(q.sharding, "spec", ()), tuple(q.shape),
+  return _plan(cfg, mesh, getattr(q.sharding, "spec", ()), tuple(q.shape),
                tuple(shapes["k"].shape), tuple(shapes["v"].shape),
                jnp.dtype(q.dtype).itemsize, pair, "q_seg" in shapes)
 
 
 def _make_op(kind: str):
-  def run(cfg, sig, *arrays):  # unpartitioned (one partition): the backend as is
-    base, extra, mod = _parts(cfg, sig, arrays)
-    mod = _with_classes(cfg, mod, base[0].shape[0], base[0].shape[1], cfg.seq_q, cfg.seq_kv)
-    return _flat(sig, _call_backend(sig.backend, kind, cfg, base, extra, mod, {}))
-
-  op = custom_partitioning(run, static_argnums=(0, 1))
+  op = custom_partitioning(lambda cfg, sig, *arrays: _run_whole(cfg, sig, arrays),
+                           static_argnums=(0, 1))
 
   def partition(cfg, sig, mesh, arg_shapes, result_shape):
     plan = _plan_from_shapes(cfg, sig, mesh, arg_shapes)
@@ -439,11 +438,10 @@ class _Wrapped:
     self._ops = {k: _make_op(k) for k in ("forward", "backward", "tangent")}
 
   def _go(self, kind, cfg, items, results, n_consts, mod):
-    sig = _sig(kind, self.name, cfg, items, results, n_consts, mod)
+    sig = _sig(kind, self.name, items, results, n_consts, mod)
+    arrays = [i[1] for i in items]
     if _has_ordered_effects(self.name):
-      base, extra, m = _parts(cfg, sig, [i[1] for i in items])
-      m = _with_classes(cfg, m, base[0].shape[0], base[0].shape[1], cfg.seq_q, cfg.seq_kv)
-      return _flat(sig, _call_backend(self.name, kind, cfg, base, extra, m, {}))
+      return _run_whole(cfg, sig, arrays)
     op = self._ops[kind]
     fn = custom_vmap(lambda *a: op(cfg, sig, *a))
 
@@ -452,25 +450,21 @@ class _Wrapped:
       """Vmapped as the plain backend: custom_partitioning has no batching rule, and a
       vmapped call is not a sharded one."""
       del axis_size
-
-      def plain(*x):
-        base, extra, m = _parts(cfg, sig, x)
-        return _flat(sig, _call_backend(sig.backend, kind, cfg, base, extra, m, {}))
-
-      out = jax.vmap(plain, in_axes=[0 if b else None for b in in_batched])(*a)
+      out = jax.vmap(lambda *x: _run_whole(cfg, sig, x),
+                     in_axes=[0 if b else None for b in in_batched])(*a)
       return out, jax.tree_util.tree_map(lambda _: True, out)
 
-    return fn(*[i[1] for i in items])
+    return fn(*arrays)
 
   def forward(self, cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
-    items = _operands("forward", q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, ())
+    items = _operands(q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, ())
     out, lse = self._go("forward", cfg, items, [("out", _O), ("lse", _L)], len(consts), mod)
     return out, lse
 
   def backward(self, cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout,
                dlse, mod=None):
     extra = [("out", out, _O), ("lse", lse, _L), ("dout", dout, _O), ("dlse", dlse, _L)]
-    items = _operands("backward", q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra)
+    items = _operands(q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra)
     results: list[tuple[str, tuple]] = [("dq", _Q), ("dk", _K), ("dv", _V)]
     if bias is not None:
       results.append(("dbias", _pair_tags(bias.shape)))
@@ -489,7 +483,7 @@ class _Wrapped:
       extra.append(("tbias", tbias, _pair_tags(bias.shape)))
     extra += [(f"tc{i}", t, (None,) * jnp.ndim(t)) for i, t in enumerate(tconsts)
               if t is not None]
-    items = _operands("tangent", q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra)
+    items = _operands(q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra)
     t_out, t_lse = self._go("tangent", cfg, items, [("t_out", _O), ("t_lse", _L)], len(consts),
                             mod)
     return t_out, t_lse

@@ -51,10 +51,9 @@ class Problem:
   causal: bool = False
   window: tuple | None = None
   mask_mod_hint: Callable | None = None
-  pair_rows: tuple[str, ...] = ()  # "bias" / "mask" with a full q dim (rows follow the queries)
   # bias / mask Ulysses cannot split by heads: full in exactly one of heads and rows
   pairs_not_split_by_heads: tuple[str, ...] = ()
-  pair_bytes: int = 0  # bytes of the local rows of bias / mask (Ulysses moves them)
+  pair_bytes: int = 0  # bytes of the local rows of a bias / mask with a q dim (Ulysses moves them)
   has_segments: bool = False
 
   @property

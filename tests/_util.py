@@ -63,3 +63,38 @@ def check_debug_infs_grads(impl):
     got = jax.value_and_grad(lambda *a: loss(impl, *a), (0, 1, 2))(q, k, v)
   ref = jax.value_and_grad(lambda *a: loss("naive", *a), (0, 1, 2))(q, k, v)
   assert_close(got, ref, jnp.float64, what=f"{impl}/debug_infs")
+
+
+def global_offsets_pair(implementation: str):
+  """(q, k, v, off) -> (out, lse, grads, tangents): one ring chunk pair of a Pallas family,
+  compiled, with traced global offsets `off` (int32 [4]): ALiBi at global positions, a
+  mask_mod without block classes (prefix_lm) and dropout, through the family's forward,
+  backward and tangent kernels. For the lowering tests of both families."""
+  from flashvjp import _api
+  from flashvjp import _mask_mod
+  if implementation == "pallas_tpu":
+    from flashvjp.pallas import tpu as family
+    from flashvjp.pallas.tpu import tangent as family_tangent
+  else:
+    from flashvjp.pallas import triton as family  # type: ignore[no-redef]
+    from flashvjp.pallas.triton import tangent as family_tangent  # type: ignore[no-redef]
+  kw = dict(score_mod=flashvjp.alibi(flashvjp.alibi_slopes(2)),
+            mask_mod=flashvjp.prefix_lm(jnp.asarray([30, 200], jnp.int32)), dropout_rate=0.1,
+            dropout_rng=jax.random.key(0), deterministic=False, implementation=implementation,
+            interpret=False, block_q=None, block_kv=None)
+
+  def pair(q, k, v, off):
+    _, cfg, arrays = _api._prepare(q, k, v, bias=None, mask=None, causal=False, window=None,
+                                   segment_ids=None, scale=None, **kw)
+    _, _, _, _, _, qs, kvs, seed, consts, _, mm_consts, _, _ = arrays
+    mod = _mask_mod.ModInputs(None, tuple(mm_consts))
+    offsets = tuple(off[n] for n in range(4))
+    out, lse = family.forward(cfg, q, k, v, None, None, qs, kvs, seed, consts, mod,
+                              offsets=offsets)
+    g = family.backward(cfg, q, k, v, None, None, qs, kvs, seed, consts, out, lse, out, None, mod,
+                        offsets=offsets)
+    t = family_tangent.tangent(cfg, q, k, v, None, None, qs, kvs, seed, consts, out, lse, q, k, v,
+                               None, None, mod, offsets=offsets)
+    return out, lse, g, t
+
+  return pair

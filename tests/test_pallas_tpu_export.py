@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import flashvjp
+from tests import _util
 from tests import attention_base as AB
 
 # Refused before any kernel runs (the limits say why): a relative-position table lookup
@@ -113,27 +114,7 @@ def test_global_offsets_lower_for_tpu():
   """A ring chunk pair's call, compiled: traced global offsets (int32 [4] in SMEM), ALiBi at
   global positions, a mask_mod without block classes and dropout; the forward, dK/dV, dQ
   and tangent kernels lower for TPU."""
-  from flashvjp import _api
-  from flashvjp import _mask_mod
-  from flashvjp.pallas import tpu
-  from flashvjp.pallas.tpu import tangent as tpu_tangent
-  kw = dict(score_mod=flashvjp.alibi(flashvjp.alibi_slopes(2)),
-            mask_mod=flashvjp.prefix_lm(jnp.asarray([30, 200], jnp.int32)), dropout_rate=0.1,
-            dropout_rng=jax.random.key(0), deterministic=False, implementation="pallas_tpu",
-            interpret=False, block_q=None, block_kv=None)
-
-  def pair(q, k, v, off):
-    _, cfg, arrays = _api._prepare(q, k, v, bias=None, mask=None, causal=False, window=None,
-                                   segment_ids=None, scale=None, **kw)
-    _, _, _, _, _, qs, kvs, seed, consts, _, mm_consts, _, _ = arrays
-    mod = _mask_mod.ModInputs(None, tuple(mm_consts))
-    offsets = tuple(off[n] for n in range(4))
-    out, lse = tpu.forward(cfg, q, k, v, None, None, qs, kvs, seed, consts, mod, offsets=offsets)
-    g = tpu.backward(cfg, q, k, v, None, None, qs, kvs, seed, consts, out, lse, out, None, mod,
-                     offsets=offsets)
-    t = tpu_tangent.tangent(cfg, q, k, v, None, None, qs, kvs, seed, consts, out, lse, q, k, v,
-                            None, None, mod, offsets=offsets)
-    return out, lse, g, t
+  pair = _util.global_offsets_pair("pallas_tpu")
 
   x = jax.ShapeDtypeStruct((2, 2, 256, 64), jnp.bfloat16)
   exported = jax.export.export(jax.jit(pair), platforms=["tpu"])(

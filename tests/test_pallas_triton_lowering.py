@@ -21,6 +21,7 @@ from flashvjp import _config
 from flashvjp import _dropout
 from flashvjp import _score_mod
 from flashvjp import _vjp
+from tests import _util
 
 # jax >= 0.11 asks gpu_info for the device; 0.10 has no such module and needs no patch.
 _NEEDS_GPU_INFO = hasattr(_registration, "gpu_info_lib")
@@ -135,28 +136,7 @@ def test_global_offsets_lower_to_triton():
   """A ring chunk pair's call, compiled: traced global offsets (an int32 [4] kernel operand),
   ALiBi at global positions (with its slopes' gradient), a mask_mod without block classes
   and dropout; the forward, dK/dV, dQ and tangent kernels lower to Triton IR."""
-  from flashvjp import _api
-  from flashvjp import _mask_mod
-  from flashvjp.pallas import triton
-  from flashvjp.pallas.triton import tangent as triton_tangent
-  kw = dict(score_mod=flashvjp.alibi(flashvjp.alibi_slopes(2)),
-            mask_mod=flashvjp.prefix_lm(jnp.asarray([30, 200], jnp.int32)), dropout_rate=0.1,
-            dropout_rng=jax.random.key(0), deterministic=False, implementation="pallas_triton",
-            interpret=False, block_q=None, block_kv=None)
-
-  def pair(q, k, v, off):
-    _, cfg, arrays = _api._prepare(q, k, v, bias=None, mask=None, causal=False, window=None,
-                                   segment_ids=None, scale=None, **kw)
-    _, _, _, _, _, qs, kvs, seed, consts, _, mm_consts, _, _ = arrays
-    mod = _mask_mod.ModInputs(None, tuple(mm_consts))
-    offsets = tuple(off[n] for n in range(4))
-    out, lse = triton.forward(cfg, q, k, v, None, None, qs, kvs, seed, consts, mod,
-                              offsets=offsets)
-    g = triton.backward(cfg, q, k, v, None, None, qs, kvs, seed, consts, out, lse, out, None, mod,
-                        offsets=offsets)
-    t = triton_tangent.tangent(cfg, q, k, v, None, None, qs, kvs, seed, consts, out, lse, q, k, v,
-                               None, None, mod, offsets=offsets)
-    return out, lse, g, t
+  pair = _util.global_offsets_pair("pallas_triton")
 
   x = jax.ShapeDtypeStruct((2, 2, 128, 64), jnp.bfloat16)
   exp = export.export(

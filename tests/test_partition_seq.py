@@ -265,7 +265,7 @@ def test_choice_table():
   assert pick(causal=True, window=(512, 0), itemsize=4) == "ring"
   assert pick(causal=True, mask_mod_hint=flashvjp.chunked(1024).kv_intervals) == "ring"
   assert pick(causal=True, has_segments=True) == "ring"
-  assert pick(causal=True, pair_rows=("bias",), pairs_not_split_by_heads=("bias",)) == "ring"
+  assert pick(causal=True, pairs_not_split_by_heads=("bias",)) == "ring"
   # auto never gathers K/V whole
   assert all(pick(**kw) != "all_gather" for kw in ({}, {"kv_heads": 1}, {"causal": True}))
 
