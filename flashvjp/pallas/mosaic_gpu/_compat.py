@@ -1,0 +1,44 @@
+"""Every Mosaic-GPU Pallas spelling the family uses, in one place (jax 0.11.2-0.12).
+
+Room: Pallas Mosaic-GPU compatibility. The family needs jax >= 0.11.2: the GPU
+interpret mode (`plgpu.InterpretGPUParams`) is public from 0.11.1 and 0.11.2 is
+the GPU image's version. `unavailable()` says why the family cannot run on this
+jax (None when it can), so dispatch refuses it with that reason before tracing.
+"""
+from __future__ import annotations
+
+import jax
+
+MIN_JAX = (0, 11, 2)
+
+
+def _version() -> tuple[int, ...]:
+  parts = []
+  for p in jax.__version__.split(".")[:3]:
+    digits = "".join(ch for ch in p if ch.isdigit())
+    parts.append(int(digits or 0))
+  return tuple(parts)
+
+
+def unavailable() -> str | None:
+  """None when this jax has what the family needs, else the reason (names the version)."""
+  if _version() < MIN_JAX:
+    need = ".".join(map(str, MIN_JAX))
+    return (f"the pallas_mosaic_gpu family needs jax >= {need} (found jax {jax.__version__});"
+            " use implementation='pallas_triton' on this jax")
+  try:
+    from jax.experimental.pallas import mosaic_gpu as _plgpu  # noqa: F401
+  except ImportError as e:  # pragma: no cover - a build without Mosaic-GPU Pallas
+    return f"jax.experimental.pallas.mosaic_gpu does not import on this install: {e}"
+  return None
+
+
+def plgpu():
+  """The `jax.experimental.pallas.mosaic_gpu` module (after `unavailable()` said None)."""
+  from jax.experimental.pallas import mosaic_gpu
+  return mosaic_gpu
+
+
+def interpret_params(detect_races: bool = True):
+  """`plgpu.InterpretGPUParams` for CPU runs (simulated SMEM, TMA, barriers, wgmma)."""
+  return plgpu().InterpretGPUParams(detect_races=detect_races)
