@@ -42,3 +42,53 @@ def plgpu():
 def interpret_params(detect_races: bool = True):
   """`plgpu.InterpretGPUParams` for CPU runs (simulated SMEM, TMA, barriers, wgmma)."""
   return plgpu().InterpretGPUParams(detect_races=detect_races)
+
+
+# ---- Pallas / Mosaic-GPU spellings the kernels use (jax 0.11.2-0.12) ----------------------
+
+def ds(start, size):
+  """`pl.ds`: a dynamic slice of `size` rows from `start`."""
+  from jax.experimental import pallas as pl
+  return pl.ds(start, size)
+
+
+def when(cond):
+  """`pl.when` (a decorator: run the body where `cond` holds)."""
+  from jax.experimental import pallas as pl
+  return pl.when(cond)
+
+
+def run_scoped(fn, *types, collective_axes=None):
+  """`pl.run_scoped`: allocate `types`, call fn(*refs); `collective_axes` names the thread
+  axis whose warpgroups share the allocation (SMEM tiles and barriers of a CTA)."""
+  from jax.experimental import pallas as pl
+  if collective_axes is None:
+    return pl.run_scoped(fn, *types)
+  return pl.run_scoped(fn, *types, collective_axes=collective_axes)
+
+
+def smem_tile(shape, dtype):
+  """An SMEM buffer of 16-bit [..., rows, 64k] tiles in the wgmma operand layout: (8, 64)
+  tiling and the 128-byte swizzle (a 16-bit row of 64 elements is 128 bytes)."""
+  mg = plgpu()
+  return mg.SMEM(shape, dtype, transforms=(mg.TilingTransform((8, 64)),
+                                           mg.SwizzleTransform(128)))
+
+
+def wgmma_tile(x):
+  """A [rows, cols] register value in the wgmma accumulator layout."""
+  mg = plgpu()
+  return mg.layout_cast(x, mg.Layout.WGMMA)
+
+
+def wgmma_row_vector(x):
+  """A [rows] register value in the layout of a wgmma tile reduced over its columns."""
+  mg = plgpu()
+  return mg.layout_cast(x, mg.Layout.WGMMA.reduce(1))
+
+
+def wgmma_iota(shape, dim):
+  """int32 iota along `dim` of a [rows, cols] tile in the wgmma accumulator layout."""
+  mg = plgpu()
+  import jax.numpy as jnp
+  return mg.broadcasted_iota(jnp.int32, shape, dim, layout=mg.Layout.WGMMA)

@@ -1,0 +1,327 @@
+"""Pallas Mosaic-GPU forward kernel (Hopper, sm_90a): TMA K/V ring, SS-wgmma, exp2 softmax.
+
+Room: Pallas Mosaic-GPU backend (forward). One CTA per (q tile, head, batch) runs two
+warpgroups: a producer streams K and V blocks by TMA into a ring of `slots` SMEM slots
+(per-slot "loaded" barriers the TMA completes, per-slot "consumed" barriers the consumer
+arrives on before a slot is refilled); the consumer keeps its [64, D] Q tile in SMEM and
+runs S = Q K^T on wgmma, the online softmax in the exp2 domain (log2(e) folded into the
+scale), stages P (input dtype) in SMEM and runs P V on wgmma with both operands in SMEM
+(SS-wgmma: the register-operand form is not simulated by the interpreter). The P V
+product of each block lands in a fresh accumulator that is added to the running output
+(no `pl.run_state`, which the interpreter does not handle either).
+
+Causal / window / kv padding: only the kv blocks inside the mask model's static bounds
+(`MaskSpec.kv_block_range` on the q tile index) are fetched and computed, in three
+phases (`_mask.split_loop`'s): masked edge blocks, unmasked interior blocks, masked edge
+blocks; the elementwise mask runs only on the edge blocks. Masked scores use the finite
+`_common.mask_value` (no inf inside the kernel for finite inputs); an empty row gets
+l == 0, out 0 and lse -inf (made outside the kernel, as the Triton family does).
+
+GQA: the producer reads kv head h // G; K/V are never repeated in memory. Sequence
+lengths are zero-padded to whole blocks outside the kernel and head dims to a multiple
+of 64 (the 128-byte swizzle of a 16-bit row).
+
+What the family cannot do yet (bias, dense masks, segment ids, score_mod, mask_mod,
+dropout, global offsets, float32 / float64 inputs, a float32 out) is refused by
+`_limits.forward_problem` before any kernel is built.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flashvjp import _mask
+from flashvjp._config import AttentionConfig
+from flashvjp.pallas import _common as C
+from flashvjp.pallas.mosaic_gpu import _compat
+from flashvjp.pallas.mosaic_gpu import _limits
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# One consumer warpgroup owns 64 query rows (the M of one wgmma).
+ROWS_PER_WARPGROUP = 64
+# The barrier waits a test may remove to check that the interpreter catches the race
+# (`_build(..., skip_wait=...)`; never set outside tests).
+SKIPPABLE_WAITS = ("k_loaded", "v_loaded", "k_consumed", "v_consumed", "q_loaded")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Static sizes of one forward launch."""
+
+  B: int
+  H: int
+  Hkv: int
+  Sq: int
+  Skv: int
+  D: int
+  Dv: int
+  bq: int  # query rows per CTA (one consumer warpgroup: 64)
+  bk: int  # kv rows per block (64 or 128)
+  Dp: int  # head dims padded to a multiple of 64
+  Dvp: int
+  slots: int  # K/V ring depth
+
+  @property
+  def G(self) -> int:
+    return self.H // self.Hkv
+
+  @property
+  def nq(self) -> int:
+    return _mask.num_blocks(self.Sq, self.bq)
+
+  @property
+  def nk(self) -> int:
+    return _mask.num_blocks(self.Skv, self.bk)
+
+  @property
+  def Sqp(self) -> int:
+    return self.nq * self.bq
+
+  @property
+  def Skvp(self) -> int:
+    return self.nk * self.bk
+
+  def smem_bytes(self, itemsize: int = 2) -> int:
+    """SMEM the kernel allocates (tiles, not counting barriers)."""
+    q = self.bq * self.Dp
+    o = 0 if self.Dvp == self.Dp else self.bq * self.Dvp
+    ring = self.slots * self.bk * (self.Dp + self.Dvp)
+    p = self.bq * self.bk
+    return (q + o + ring + p) * itemsize + 4 * self.bq
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | None = None
+         ) -> Plan:
+  """The launch sizes: 64 query rows per CTA, kv blocks of 128 (64 for head dims > 128 or
+  short sequences), a ring of 2-3 slots within the SMEM budget."""
+  B, H, Sq, D = q_shape
+  Hkv, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
+  Dp, Dvp = _round_up(D, 64), _round_up(Dv, 64)
+  if block_kv is None:
+    block_kv = 128 if max(Dp, Dvp) <= 128 and Skv > 64 else 64
+  nk = _mask.num_blocks(Skv, block_kv)
+  if slots is None:
+    slots = 2
+    probe = Plan(B, H, Hkv, Sq, Skv, D, Dv, ROWS_PER_WARPGROUP, block_kv, Dp, Dvp, 3)
+    if probe.smem_bytes() <= _limits.SMEM_BUDGET:
+      slots = 3
+  slots = max(1, min(slots, nk))
+  return Plan(B, H, Hkv, Sq, Skv, D, Dv, ROWS_PER_WARPGROUP, block_kv, Dp, Dvp, slots)
+
+
+def _build(cfg: AttentionConfig, p: Plan, dtype, *, interpret=None, skip_wait: str | None = None):
+  """The kernel as a function (q, k, v) of padded [B, H|Hkv, S*p, D*p] -> (out, lse).
+
+  `skip_wait` (tests only) removes one barrier wait (`SKIPPABLE_WAITS`), to check that
+  the interpreter's race detector sees the hazard it guards against.
+  """
+  if skip_wait is not None and skip_wait not in SKIPPABLE_WAITS:
+    raise ValueError(f"skip_wait must be one of {SKIPPABLE_WAITS}, got {skip_wait!r}")
+  mg = _compat.plgpu()
+  f32 = jnp.float32
+  spec = C.mask_spec(cfg)
+  masked = (cfg.causal or cfg.window is not None or p.Skvp != p.Skv)
+  scale2 = float(cfg.scale) * LOG2E
+  neg = float(jnp.finfo(f32).min)
+  bq, bk, slots = p.bq, p.bk, p.slots
+
+  def wait(name, barrier):
+    if skip_wait != name:
+      mg.barrier_wait(barrier)
+
+  def kv_blocks(i):
+    """[lo, hi) of the kv blocks q tile i visits, and the unmasked [f_lo, f_hi) inside."""
+    lo, hi = spec.kv_block_range(i, bq, bk, p.nk)
+    lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+    if not masked:
+      return lo, hi, lo, hi
+    f_lo, f_hi = spec.full_kv_block_range(i, bq, bk)
+    f_lo = jnp.clip(jnp.asarray(f_lo, jnp.int32), lo, hi)
+    f_hi = jnp.clip(jnp.asarray(f_hi, jnp.int32), f_lo, hi)
+    return lo, hi, f_lo, f_hi
+
+  def consumer(refs, i, h, b):
+    (q_ref, out_ref, lse_ref, q_smem, o_smem, k_smem, v_smem, p_smem, lse_smem, q_bar,
+     k_bar, v_bar, k_free, v_free) = refs
+    lo, hi, f_lo, f_hi = kv_blocks(i)
+    rows = pl_ds(i * bq, bq)
+    mg.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_bar.at[0])
+    wait("q_loaded", q_bar.at[0])
+
+    def step(t, carry, masked_step):
+      m, l, acc = carry
+      slot = lax.rem(t - lo, jnp.asarray(slots, jnp.int32))
+      wait("k_loaded", k_bar.at[slot])
+
+      def qk(acc_ref):
+        mg.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+        return acc_ref[...]
+
+      s = _compat.run_scoped(qk, mg.ACC((bq, bk), f32))
+      mg.barrier_arrive(k_free.at[slot])
+      s = s * scale2
+      if masked_step:
+        qi = i * bq + _compat.wgmma_iota((bq, bk), 0)
+        ki = t * bk + _compat.wgmma_iota((bq, bk), 1)
+        ok = spec.allowed(qi, ki)
+        m_new = jnp.maximum(m, jnp.where(ok, s, neg).max(axis=1))
+        e = jnp.where(ok, s - _rows(m_new, s.shape), neg)
+      else:
+        m_new = jnp.maximum(m, s.max(axis=1))
+        e = s - _rows(m_new, s.shape)
+      prob = jnp.exp2(e)
+      alpha = jnp.exp2(m - m_new)
+      l = alpha * l + prob.sum(axis=1)
+      p_smem[...] = prob.astype(dtype)
+      mg.commit_smem()  # the generic-proxy stores of P before the wgmma reads them
+      wait("v_loaded", v_bar.at[slot])
+
+      def pv(acc_ref):
+        mg.wgmma(acc_ref, p_smem, v_smem.at[slot])
+        return acc_ref[...]
+
+      o = _compat.run_scoped(pv, mg.ACC((bq, p.Dvp), f32))
+      mg.barrier_arrive(v_free.at[slot])
+      acc = acc * _rows(alpha, acc.shape) + o
+      return m_new, l, acc
+
+    def run(start, stop, masked_step, carry):
+      return lax.fori_loop(start, stop, lambda t, c: step(t, c, masked_step), carry)
+
+    carry = (_compat.wgmma_row_vector(jnp.full((bq,), neg, f32)),
+             _compat.wgmma_row_vector(jnp.zeros((bq,), f32)),
+             _compat.wgmma_tile(jnp.zeros((bq, p.Dvp), f32)))
+    if masked:
+      carry = run(lo, f_lo, True, carry)
+      carry = run(f_lo, f_hi, False, carry)
+      carry = run(f_hi, hi, True, carry)
+    else:
+      carry = run(lo, hi, False, carry)
+    m, l, acc = carry
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    o_smem[...] = (acc / _rows(l_safe, acc.shape)).astype(dtype)
+    lse_smem[...] = jnp.where(empty, neg, m * LN2 + jnp.log(l_safe))
+    mg.commit_smem()
+    mg.copy_smem_to_gmem(o_smem, out_ref.at[b, h, rows])
+    mg.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows])
+    mg.wait_smem_to_gmem(0)
+
+  def producer(refs, i, h, b):
+    (k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free) = refs
+    lo, hi, _, _ = kv_blocks(i)
+    kvh = lax.div(h, jnp.asarray(p.G, h.dtype))
+
+    def fetch(t, _):
+      n = t - lo
+      slot = lax.rem(n, jnp.asarray(slots, jnp.int32))
+      blk = pl_ds(t * bk, bk)
+
+      @_compat.when(n >= slots)
+      def _():
+        wait("k_consumed", k_free.at[slot])
+
+      mg.copy_gmem_to_smem(k_ref.at[b, kvh, blk], k_smem.at[slot], k_bar.at[slot])
+
+      @_compat.when(n >= slots)
+      def _():
+        wait("v_consumed", v_free.at[slot])
+
+      mg.copy_gmem_to_smem(v_ref.at[b, kvh, blk], v_smem.at[slot], v_bar.at[slot])
+      return None
+
+    lax.fori_loop(lo, hi, fetch, None)
+
+  def body(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch):
+    (q_smem, o_smem, k_smem, v_smem, p_smem, lse_smem), bars = scratch
+    q_bar, k_bar, v_bar, k_free, v_free = bars
+    o_smem = q_smem if o_smem is None else o_smem
+    i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+    wg = lax.axis_index("wg")
+
+    @_compat.when(wg == 0)
+    def _():
+      consumer((q_ref, out_ref, lse_ref, q_smem, o_smem, k_smem, v_smem, p_smem, lse_smem,
+                q_bar, k_bar, v_bar, k_free, v_free), i, h, b)
+
+    @_compat.when(wg == 1)
+    def _():
+      producer((k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free), i, h, b)
+
+  def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
+    smem = functools.partial(_compat.smem_tile, dtype=dtype)
+    tiles = (smem((bq, p.Dp)),
+             None if p.Dvp == p.Dp else smem((bq, p.Dvp)),
+             smem((slots, bk, p.Dp)),
+             smem((slots, bk, p.Dvp)),
+             smem((bq, bk)),
+             mg.SMEM((bq,), f32))
+    bars = (mg.Barrier(num_barriers=1),
+            mg.Barrier(num_barriers=slots),
+            mg.Barrier(num_barriers=slots),
+            mg.Barrier(num_arrivals=1, num_barriers=slots),
+            mg.Barrier(num_arrivals=1, num_barriers=slots))
+    _compat.run_scoped(lambda *s: body(q_ref, k_ref, v_ref, out_ref, lse_ref, s),
+                       tiles, bars, collective_axes="wg")
+
+  out_type = (jax.ShapeDtypeStruct((p.B, p.H, p.Sqp, p.Dvp), dtype),
+              jax.ShapeDtypeStruct((p.B, p.H, p.Sqp), f32))
+  return mg.kernel(entry, out_type=out_type, grid=(p.nq, p.H, p.B), grid_names=("q", "h", "b"),
+                   num_threads=2, thread_name="wg", interpret=interpret,
+                   compiler_params=mg.CompilerParams(approx_math=True))
+
+
+def pl_ds(start, size):
+  return _compat.ds(start, size)
+
+
+def _rows(x, shape):
+  """A per-row vector [rows] broadcast over a [rows, cols] tile."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None,
+            offsets=None, *, block_kv: int | None = None, slots: int | None = None,
+            interpret=None, _skip_wait: str | None = None):
+  """Mosaic-GPU forward with the interface of `flashvjp.pallas.triton.forward`.
+
+  Args:
+    cfg: static configuration; cfg.interpret runs the kernel under the Mosaic-GPU
+      interpreter (race detection on) unless `interpret` gives other parameters.
+    q: [B, H, Sq, D]; k: [B, Hkv, Skv, D]; v: [B, Hkv, Skv, Dv]; float16 or bfloat16.
+    bias, mask, q_seg, kv_seg, seed, consts, mod, offsets: must be absent (None / empty):
+      the family refuses them (`_limits.forward_problem`) before building a kernel.
+    block_kv, slots: override the launch plan (tests).
+
+  Returns:
+    (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32, natural log, -inf for an empty
+    row).
+  """
+  problem = _limits.forward_problem(cfg, q, k, v, bias=bias, mask=mask, q_seg=q_seg,
+                                    kv_seg=kv_seg, seed=seed, consts=consts, mod=mod,
+                                    offsets=offsets)
+  if problem is not None:
+    raise NotImplementedError(f"pallas_mosaic_gpu forward: {problem}")
+  p = plan(q.shape, k.shape, v.shape, block_kv=block_kv, slots=slots)
+  if interpret is None and cfg.interpret:
+    interpret = _compat.interpret_params(detect_races=True)
+  kernel = _build(cfg, p, q.dtype, interpret=interpret, skip_wait=_skip_wait)
+  qp = C.pad_seq_head(q, p.Sqp, p.Dp)
+  kp = C.pad_seq_head(k, p.Skvp, p.Dp)
+  vp = C.pad_seq_head(v, p.Skvp, p.Dvp)
+  out, lse = kernel(qp, kp, vp)
+  lse = lse[:, :, : p.Sq]
+  # -inf at empty rows only, by log(0) there (as the Triton family: no -inf array built).
+  empty = lse == C.mask_value(jnp.float32)
+  lse = lse + jnp.log(jnp.where(empty, 0.0, 1.0).astype(jnp.float32))
+  return out[:, :, : p.Sq, : p.Dv], lse
