@@ -92,3 +92,18 @@ def wgmma_iota(shape, dim):
   mg = plgpu()
   import jax.numpy as jnp
   return mg.broadcasted_iota(jnp.int32, shape, dim, layout=mg.Layout.WGMMA)
+
+
+def _gpu_callbacks():
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  return gpu_callbacks
+
+
+def interpret_races_found() -> bool:
+  """Whether the GPU interpreter's race detector has reported a race since its last reset."""
+  return bool(_gpu_callbacks().get_races().races_found)
+
+
+def reset_interpret_state() -> None:
+  """Reset the GPU interpreter's global state (needed after a kernel raised inside it)."""
+  _gpu_callbacks().reset_gpu_interpret_mode_state()

@@ -1,0 +1,186 @@
+"""The Pallas Mosaic-GPU forward kernel: interpret mode with race detection, an sm_90a compile.
+
+Room: tests (Pallas Mosaic-GPU family). On CPU the kernel runs as it is under the
+Mosaic-GPU interpreter (`plgpu.InterpretGPUParams(detect_races=True)`: simulated SMEM,
+TMA, barriers and SS-wgmma), against float64 naive attention at the per-dtype tolerance,
+and no race may be reported. A mutation test removes one barrier wait at a time and
+requires the interpreter to report it. Not simulated (so not tested here): wgmma
+asynchrony (waits are no-ops) and a missing wait on a TMA copy the waiting warpgroup
+issued itself (the Q tile's load; the interpreter orders it by program order). The
+deviceless compile for H100 (sm_90a) runs where the CUDA plugin is installed: ptxas's
+registers, spills and the kernel's SMEM are checked.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import pytest
+
+from flashvjp import reference
+from flashvjp._config import AttentionConfig
+from flashvjp._config import BlockSizes
+from flashvjp.pallas.mosaic_gpu import _compat
+from tests import _util
+
+pytestmark = pytest.mark.skipif(
+    _compat.unavailable() is not None, reason=f"Mosaic-GPU Pallas: {_compat.unavailable()}")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cfg(Sq, Skv, D, causal=False, window=None, interpret=True):
+  return AttentionConfig(scale=D ** -0.5, causal=causal, window=window, seq_q=Sq, seq_kv=Skv,
+                         dropout_rate=0.0, blocks=BlockSizes(), interpret=interpret,
+                         implementation="pallas_mosaic_gpu")
+
+
+def _forward(*args, **kw):
+  from flashvjp.pallas.mosaic_gpu import forward as F
+  return F.forward(*args, **kw)
+
+
+# name -> (B, H, Hkv, Sq, Skv, D, dtype, mask kwargs, launch overrides)
+CASES = {
+    "plain_d64": (1, 2, 2, 128, 128, 64, jnp.bfloat16, {}, {}),
+    "plain_d128_f16_padded": (2, 2, 1, 100, 77, 128, jnp.float16, {}, {}),
+    "causal_d128_padded": (1, 2, 2, 200, 200, 128, jnp.bfloat16, dict(causal=True), {}),
+    "causal_gqa_d64_f16": (1, 4, 2, 130, 130, 64, jnp.float16, dict(causal=True), {}),
+    "causal_rect_d64": (1, 2, 1, 64, 200, 64, jnp.bfloat16, dict(causal=True), {}),
+    "window_d64": (1, 2, 1, 256, 256, 64, jnp.bfloat16, dict(window=(70, 20)), {}),
+    "window_left_causal_d128": (1, 1, 1, 192, 160, 128, jnp.float16,
+                                dict(causal=True, window=(60, None)), {}),
+    # rows q >= 97 attend nothing (kv >= q + 3): out 0, lse -inf
+    "empty_rows": (1, 1, 1, 100, 100, 64, jnp.bfloat16, dict(window=(-3, 5)), {}),
+    "d256_causal": (1, 1, 1, 96, 96, 256, jnp.bfloat16, dict(causal=True), {}),
+    "d32_padded_head": (1, 2, 1, 80, 80, 32, jnp.bfloat16, {}, {}),
+    # a 4-block kv ring of 2 slots: every slot is refilled twice
+    "ring_wraps": (1, 1, 1, 64, 256, 64, jnp.bfloat16, {}, dict(block_kv=64, slots=2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_forward_matches_float64_reference_without_races(name):
+  B, H, Hkv, Sq, Skv, D, dtype, mkw, launch = CASES[name]
+  q, k, v = _util.random_qkv(sorted(CASES).index(name), B, H, Hkv, Sq, Skv, D, dtype=dtype)
+  cfg = _cfg(Sq, Skv, D, **mkw)
+  _compat.reset_interpret_state()
+  out, lse = _forward(cfg, q, k, v, None, None, None, None, None, (), **launch)
+  assert not _compat.interpret_races_found()
+  assert out.shape == (B, H, Sq, D) and out.dtype == dtype
+  assert lse.shape == (B, H, Sq) and lse.dtype == jnp.float32
+  ref_out, ref_lse = reference.attention(cfg, *_util.as64((q, k, v)), None, None, None, None,
+                                         None, ())
+  _util.assert_close(out, ref_out, dtype, what=f"{name}/out")
+  _util.assert_close(lse, ref_lse, dtype, what=f"{name}/lse")
+
+
+@pytest.mark.parametrize("skip", ["k_loaded", "v_loaded", "k_consumed", "v_consumed"])
+def test_interpreter_reports_a_removed_barrier_wait(skip):
+  """Each wait of the K/V ring guards a real hazard: without it the race detector fires."""
+  q, k, v = _util.random_qkv(0, 1, 1, 1, 64, 256, 64, dtype=jnp.bfloat16)
+  cfg = _cfg(64, 256, 64)
+  _compat.reset_interpret_state()
+  raised = None
+  try:
+    out, _ = _forward(cfg, q, k, v, None, None, None, None, None, (), block_kv=64, slots=2,
+                      _skip_wait=skip)
+    out.block_until_ready()
+  except Exception as e:  # the interpreter raises on a detected race (on_race="raise")
+    raised = e
+  races = _compat.interpret_races_found()
+  _compat.reset_interpret_state()
+  assert raised is not None or races, f"removing the {skip} wait went unnoticed"
+  if raised is not None:
+    assert "RACE" in str(raised) or "arrier" in str(raised), str(raised)[:2000]
+
+
+def test_refuses_what_it_does_not_implement():
+  from flashvjp.pallas.mosaic_gpu import _limits
+  q, k, v = _util.random_qkv(0, 1, 2, 1, 64, 64, 64, dtype=jnp.bfloat16)
+  cfg = _cfg(64, 64, 64)
+  bias = jnp.zeros((1, 1, 64, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="bias"):
+    _forward(cfg, q, k, v, bias, None, None, None, None, ())
+  seg = jnp.zeros((1, 64), jnp.int32)
+  with pytest.raises(NotImplementedError, match="segment ids"):
+    _forward(cfg, q, k, v, None, None, seg, seg, None, ())
+  q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+  with pytest.raises(NotImplementedError, match="float32"):
+    _forward(cfg, q32, k32, v32, None, None, None, None, None, ())
+  common = dict(platform="cpu", interpret=True, query_shape=q.shape, key_shape=k.shape,
+                value_shape=v.shape)
+  assert _limits.supports(dtype=jnp.bfloat16, **common)[0]
+  for kw, word in ((dict(dtype=jnp.float32), "float32"),
+                   (dict(dtype=jnp.bfloat16, has_dropout=True), "dropout"),
+                   (dict(dtype=jnp.bfloat16, has_score_mod=True), "score_mod")):
+    ok, reason = _limits.supports(**kw, **common)
+    assert not ok and word in reason, reason
+  ok, reason = _limits.supports(**dict(common, interpret=False), dtype=jnp.bfloat16)
+  assert not ok and "CUDA" in reason
+
+
+# ---- deviceless sm_90a compile (CUDA plugin, no GPU) ---------------------------------------
+
+_COMPILE = textwrap.dedent("""
+    import os, sys
+    import jax, jax.numpy as jnp
+    from jax.experimental import topologies
+    from flashvjp._config import AttentionConfig, BlockSizes
+    from flashvjp.pallas.mosaic_gpu import forward as F
+    D, causal, S = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
+    tc = open(os.path.join("flashvjp", "pallas", "mosaic_gpu", "targets", "h100_sxm.txtpb")).read()
+    topo = topologies.get_topology_desc(platform="cuda", target_config=tc, topology="1x1x1")
+    mesh = topologies.make_mesh(topo, (1,), ("x",))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    cfg = AttentionConfig(scale=D ** -0.5, causal=causal, window=None, seq_q=S, seq_kv=S,
+                          dropout_rate=0.0, blocks=BlockSizes())
+    f = lambda q, k, v: F.forward(cfg, q, k, v, None, None, None, None, None, ())
+    q = jax.ShapeDtypeStruct((1, 4, S, D), jnp.bfloat16, sharding=sh)
+    kv = jax.ShapeDtypeStruct((1, 2, S, D), jnp.bfloat16, sharding=sh)
+    jax.jit(f).lower(q, kv, kv).compile()
+    print("COMPILED")
+""")
+
+
+def compile_sm90(D, causal, S, dump_dir):
+  """Compile the forward for H100 in a subprocess (JAX_PLATFORMS=cpu, the CUDA plugin's
+  Mosaic-GPU compiler and ptxas); returns (registers, spill bytes, smem bytes) from the dumps."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(dump_dir),
+             MOSAIC_GPU_DUMP_PTXAS="1", PYTHONPATH=ROOT)
+  r = subprocess.run([sys.executable, "-c", _COMPILE, str(D), str(int(causal)), str(S)],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert "COMPILED" in r.stdout, r.stderr[-4000:]
+  ptxas = open(os.path.join(dump_dir, "entry_0.ptxas")).read()
+  resources = open(os.path.join(dump_dir, "entry_0.resources.txt")).read()
+  return parse_ptxas(ptxas) + (int(re.search(r"smem_scratch_bytes=(\d+)", resources)[1]),)
+
+
+def parse_ptxas(text):
+  """(registers, spill store + load bytes) of the one kernel in a ptxas -v report."""
+  regs = int(re.search(r"Used (\d+) registers", text)[1])
+  spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+  return regs, int(spills[1]) + int(spills[2])
+
+
+def test_parse_ptxas():
+  text = ("ptxas info    : Function properties for entry_mosaic_gpu_kernel\n"
+          "    0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+          "ptxas info    : Used 251 registers, used 16 barriers, 1 bytes smem\n")
+  assert parse_ptxas(text) == (251, 12)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
+                    reason="the deviceless sm_90a compile needs jax-cuda12-plugin")
+@pytest.mark.parametrize("D", [64, 128])
+def test_compiles_for_sm90a_without_spills(D, tmp_path):
+  regs, spills, smem = compile_sm90(D, True, 1024, tmp_path)
+  print(f"sm_90a forward D={D} causal: {regs} registers, {spills} spill bytes, {smem} B smem")
+  assert spills == 0
+  assert regs <= 255
+  assert smem <= 227 * 1024
