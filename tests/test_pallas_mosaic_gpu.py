@@ -53,6 +53,12 @@ CASES = {
     "causal_gqa_d64_f16": (1, 4, 2, 130, 130, 64, jnp.float16, dict(causal=True), {}),
     "causal_rect_d64": (1, 2, 1, 64, 200, 64, jnp.bfloat16, dict(causal=True), {}),
     "window_d64": (1, 2, 1, 256, 256, 64, jnp.bfloat16, dict(window=(70, 20)), {}),
+    # kv blocks of 64: the two consumers of a CTA own different kv ranges, so each passes
+    # by blocks of the CTA's range (leading and trailing) that only the other computes
+    "window_d64_bk64": (1, 1, 1, 256, 256, 64, jnp.float16, dict(window=(70, 20)),
+                        dict(block_kv=64)),
+    "causal_one_consumer": (1, 2, 1, 150, 150, 128, jnp.bfloat16, dict(causal=True),
+                            dict(consumers=1)),
     "window_left_causal_d128": (1, 1, 1, 192, 160, 128, jnp.float16,
                                 dict(causal=True, window=(60, None)), {}),
     # rows q >= 97 attend nothing (kv >= q + 3): out 0, lse -inf
@@ -80,16 +86,18 @@ def test_forward_matches_float64_reference_without_races(name):
   _util.assert_close(lse, ref_lse, dtype, what=f"{name}/lse")
 
 
+@pytest.mark.parametrize("consumers", [1, 2])
 @pytest.mark.parametrize("skip", ["k_loaded", "v_loaded", "k_consumed", "v_consumed"])
-def test_interpreter_reports_a_removed_barrier_wait(skip):
+def test_interpreter_reports_a_removed_barrier_wait(skip, consumers):
   """Each wait of the K/V ring guards a real hazard: without it the race detector fires."""
-  q, k, v = _util.random_qkv(0, 1, 1, 1, 64, 256, 64, dtype=jnp.bfloat16)
-  cfg = _cfg(64, 256, 64)
+  Sq = 64 * consumers
+  q, k, v = _util.random_qkv(0, 1, 1, 1, Sq, 256, 64, dtype=jnp.bfloat16)
+  cfg = _cfg(Sq, 256, 64)
   _compat.reset_interpret_state()
   raised = None
   try:
     out, _ = _forward(cfg, q, k, v, None, None, None, None, None, (), block_kv=64, slots=2,
-                      _skip_wait=skip)
+                      consumers=consumers, _skip_wait=skip)
     out.block_until_ready()
   except Exception as e:  # the interpreter raises on a detected race (on_race="raise")
     raised = e

@@ -48,6 +48,10 @@ ROWS_PER_WARPGROUP = 64
 # The barrier waits a test may remove to check that the interpreter catches the race
 # (`_build(..., skip_wait=...)`; never set outside tests).
 SKIPPABLE_WAITS = ("k_loaded", "v_loaded", "k_consumed", "v_consumed", "q_loaded")
+# setmaxnreg with two consumer warpgroups (3 x 128 threads share 64K registers): the
+# consumers get what the TMA producer gives up (2 x 232 + 40 <= 512 per thread slot).
+CONSUMER_REGISTERS = 232
+PRODUCER_REGISTERS = 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +65,7 @@ class Plan:
   Skv: int
   D: int
   Dv: int
-  bq: int  # query rows per CTA (one consumer warpgroup: 64)
+  consumers: int  # consumer warpgroups per CTA, 64 query rows each
   bk: int  # kv rows per block (64 or 128)
   Dp: int  # head dims padded to a multiple of 64
   Dvp: int
@@ -70,6 +74,22 @@ class Plan:
   @property
   def G(self) -> int:
     return self.H // self.Hkv
+
+  @property
+  def rows(self) -> int:
+    """Query rows of one consumer warpgroup."""
+    return ROWS_PER_WARPGROUP
+
+  @property
+  def dv_chunk(self) -> int:
+    """Output columns per P V accumulator: chunks of <= 128 (at head dim 256 the running
+    output alone takes 128 registers a thread; a fresh [64, 256] accumulator would spill)."""
+    return min(self.Dvp, 128)
+
+  @property
+  def bq(self) -> int:
+    """Query rows of one CTA."""
+    return self.consumers * self.rows
 
   @property
   def nq(self) -> int:
@@ -100,23 +120,29 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | None = None
-         ) -> Plan:
-  """The launch sizes: 64 query rows per CTA, kv blocks of 128 (64 for head dims > 128 or
-  short sequences), a ring of 2-3 slots within the SMEM budget."""
+def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | None = None,
+         consumers: int | None = None) -> Plan:
+  """The launch sizes: two consumer warpgroups (128 query rows per CTA; one when the
+  sequence fits in 64 rows), kv blocks of 128 for head dims <= 128 and 64 above (the
+  consumer's registers: S, the output and a P V accumulator are live at once), and a
+  ring of 2-3 slots within the SMEM budget (FA3's Hopper forward at head dim 128: 64 rows
+  per consumer, kv blocks of 128, 2 slots)."""
   B, H, Sq, D = q_shape
   Hkv, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
   Dp, Dvp = _round_up(D, 64), _round_up(Dv, 64)
+  if consumers is None:
+    consumers = 1 if Sq <= ROWS_PER_WARPGROUP else 2
+  if consumers not in (1, 2):
+    raise ValueError(f"consumers must be 1 or 2, got {consumers}")
   if block_kv is None:
     block_kv = 128 if max(Dp, Dvp) <= 128 and Skv > 64 else 64
+  if block_kv not in (64, 128):
+    raise ValueError(f"block_kv must be 64 or 128, got {block_kv}")
   nk = _mask.num_blocks(Skv, block_kv)
+  make = lambda n: Plan(B, H, Hkv, Sq, Skv, D, Dv, consumers, block_kv, Dp, Dvp, n)
   if slots is None:
-    slots = 2
-    probe = Plan(B, H, Hkv, Sq, Skv, D, Dv, ROWS_PER_WARPGROUP, block_kv, Dp, Dvp, 3)
-    if probe.smem_bytes() <= _limits.SMEM_BUDGET:
-      slots = 3
-  slots = max(1, min(slots, nk))
-  return Plan(B, H, Hkv, Sq, Skv, D, Dv, ROWS_PER_WARPGROUP, block_kv, Dp, Dvp, slots)
+    slots = 3 if make(3).smem_bytes() <= _limits.SMEM_BUDGET else 2
+  return make(max(1, min(slots, nk)))
 
 
 def _build(cfg: AttentionConfig, p: Plan, dtype, *, interpret=None, skip_wait: str | None = None):
@@ -133,46 +159,59 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, interpret=None, skip_wait: s
   masked = (cfg.causal or cfg.window is not None or p.Skvp != p.Skv)
   scale2 = float(cfg.scale) * LOG2E
   neg = float(jnp.finfo(f32).min)
-  bq, bk, slots = p.bq, p.bk, p.slots
+  rows, bk, slots, nc = p.rows, p.bk, p.slots, p.consumers
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
 
   def wait(name, barrier):
     if skip_wait != name:
       mg.barrier_wait(barrier)
 
   def kv_blocks(i):
-    """[lo, hi) of the kv blocks q tile i visits, and the unmasked [f_lo, f_hi) inside."""
-    lo, hi = spec.kv_block_range(i, bq, bk, p.nk)
-    lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
-    if not masked:
-      return lo, hi, lo, hi
-    f_lo, f_hi = spec.full_kv_block_range(i, bq, bk)
-    f_lo = jnp.clip(jnp.asarray(f_lo, jnp.int32), lo, hi)
-    f_hi = jnp.clip(jnp.asarray(f_hi, jnp.int32), f_lo, hi)
-    return lo, hi, f_lo, f_hi
+    """[lo, hi) of the kv blocks CTA i fetches (all its consumers' blocks)."""
+    lo, hi = spec.kv_block_range(i, p.bq, bk, p.nk)
+    return i32(lo), i32(hi)
 
-  def consumer(refs, i, h, b):
+  def own_blocks(r, lo, hi):
+    """Within [lo, hi): the kv blocks of row block r (64 rows), and the unmasked ones."""
+    a, z = spec.kv_block_range(r, rows, bk, p.nk)
+    a = jnp.clip(i32(a), lo, hi)
+    z = jnp.clip(i32(z), a, hi)
+    if not masked:
+      return a, z, a, z
+    f_lo, f_hi = spec.full_kv_block_range(r, rows, bk)
+    f_lo = jnp.clip(i32(f_lo), a, z)
+    f_hi = jnp.clip(i32(f_hi), f_lo, z)
+    return a, z, f_lo, f_hi
+
+  def consumer(refs, w, i, h, b):
     (q_ref, out_ref, lse_ref, q_smem, o_smem, k_smem, v_smem, p_smem, lse_smem, q_bar,
      k_bar, v_bar, k_free, v_free) = refs
-    lo, hi, f_lo, f_hi = kv_blocks(i)
-    rows = pl_ds(i * bq, bq)
-    mg.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_bar.at[0])
-    wait("q_loaded", q_bar.at[0])
+    q_smem, o_smem, p_smem, lse_smem = (x.at[w] for x in (q_smem, o_smem, p_smem, lse_smem))
+    r = i * nc + w  # this warpgroup's 64-row block
+    lo, hi = kv_blocks(i)
+    a, z, f_lo, f_hi = own_blocks(r, lo, hi)
+    q_rows = pl_ds(r * rows, rows)
+    mg.copy_gmem_to_smem(q_ref.at[b, h, q_rows], q_smem, q_bar.at[w])
+    wait("q_loaded", q_bar.at[w])
+
+    def slot_of(t):
+      return lax.rem(t - lo, i32(slots))
 
     def step(t, carry, masked_step):
       m, l, acc = carry
-      slot = lax.rem(t - lo, jnp.asarray(slots, jnp.int32))
+      slot = slot_of(t)
       wait("k_loaded", k_bar.at[slot])
 
       def qk(acc_ref):
         mg.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
         return acc_ref[...]
 
-      s = _compat.run_scoped(qk, mg.ACC((bq, bk), f32))
+      s = _compat.run_scoped(qk, mg.ACC((rows, bk), f32))
       mg.barrier_arrive(k_free.at[slot])
       s = s * scale2
       if masked_step:
-        qi = i * bq + _compat.wgmma_iota((bq, bk), 0)
-        ki = t * bk + _compat.wgmma_iota((bq, bk), 1)
+        qi = r * rows + _compat.wgmma_iota((rows, bk), 0)
+        ki = t * bk + _compat.wgmma_iota((rows, bk), 1)
         ok = spec.allowed(qi, ki)
         m_new = jnp.maximum(m, jnp.where(ok, s, neg).max(axis=1))
         e = jnp.where(ok, s - _rows(m_new, s.shape), neg)
@@ -186,45 +225,63 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, interpret=None, skip_wait: s
       mg.commit_smem()  # the generic-proxy stores of P before the wgmma reads them
       wait("v_loaded", v_bar.at[slot])
 
-      def pv(acc_ref):
-        mg.wgmma(acc_ref, p_smem, v_smem.at[slot])
+      def pv(cols, acc_ref):
+        mg.wgmma(acc_ref, p_smem, v_smem.at[slot, :, cols])
         return acc_ref[...]
 
-      o = _compat.run_scoped(pv, mg.ACC((bq, p.Dvp), f32))
+      # P V in column chunks of <= 128 (one fresh [64, 128] accumulator live at a time)
+      new_acc = []
+      for n, part in enumerate(acc):
+        cols = pl_ds(n * p.dv_chunk, p.dv_chunk)
+        o = _compat.run_scoped(functools.partial(pv, cols), mg.ACC((rows, p.dv_chunk), f32))
+        new_acc.append(part * _rows(alpha, part.shape) + o)
       mg.barrier_arrive(v_free.at[slot])
-      acc = acc * _rows(alpha, acc.shape) + o
-      return m_new, l, acc
+      return m_new, l, tuple(new_acc)
+
+    def pass_by(t, carry):
+      """A block of the CTA's range outside this warpgroup's: keep the barrier phases in
+      step (every wait is counted per thread) and release the slot."""
+      slot = slot_of(t)
+      wait("k_loaded", k_bar.at[slot])
+      mg.barrier_arrive(k_free.at[slot])
+      wait("v_loaded", v_bar.at[slot])
+      mg.barrier_arrive(v_free.at[slot])
+      return carry
 
     def run(start, stop, masked_step, carry):
       return lax.fori_loop(start, stop, lambda t, c: step(t, c, masked_step), carry)
 
-    carry = (_compat.wgmma_row_vector(jnp.full((bq,), neg, f32)),
-             _compat.wgmma_row_vector(jnp.zeros((bq,), f32)),
-             _compat.wgmma_tile(jnp.zeros((bq, p.Dvp), f32)))
-    if masked:
-      carry = run(lo, f_lo, True, carry)
-      carry = run(f_lo, f_hi, False, carry)
-      carry = run(f_hi, hi, True, carry)
-    else:
-      carry = run(lo, hi, False, carry)
+    carry = (_compat.wgmma_row_vector(jnp.full((rows,), neg, f32)),
+             _compat.wgmma_row_vector(jnp.zeros((rows,), f32)),
+             tuple(_compat.wgmma_tile(jnp.zeros((rows, p.dv_chunk), f32))
+                   for _ in range(p.Dvp // p.dv_chunk)))
+    if nc > 1:
+      carry = lax.fori_loop(lo, a, pass_by, carry)
+    carry = run(a, f_lo, True, carry)
+    carry = run(f_lo, f_hi, False, carry)
+    carry = run(f_hi, z, True, carry)
+    if nc > 1:
+      carry = lax.fori_loop(z, hi, pass_by, carry)
     m, l, acc = carry
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
-    o_smem[...] = (acc / _rows(l_safe, acc.shape)).astype(dtype)
+    for n, part in enumerate(acc):
+      o_smem[:, pl_ds(n * p.dv_chunk, p.dv_chunk)] = (
+          part / _rows(l_safe, part.shape)).astype(dtype)
     lse_smem[...] = jnp.where(empty, neg, m * LN2 + jnp.log(l_safe))
     mg.commit_smem()
-    mg.copy_smem_to_gmem(o_smem, out_ref.at[b, h, rows])
-    mg.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows])
+    mg.copy_smem_to_gmem(o_smem, out_ref.at[b, h, q_rows])
+    mg.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, q_rows])
     mg.wait_smem_to_gmem(0)
 
   def producer(refs, i, h, b):
     (k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free) = refs
-    lo, hi, _, _ = kv_blocks(i)
+    lo, hi = kv_blocks(i)
     kvh = lax.div(h, jnp.asarray(p.G, h.dtype))
 
     def fetch(t, _):
       n = t - lo
-      slot = lax.rem(n, jnp.asarray(slots, jnp.int32))
+      slot = lax.rem(n, i32(slots))
       blk = pl_ds(t * bk, bk)
 
       @_compat.when(n >= slots)
@@ -249,35 +306,39 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, interpret=None, skip_wait: s
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
 
-    @_compat.when(wg == 0)
+    @_compat.when(wg < nc)
     def _():
+      if nc > 1:
+        mg.set_max_registers(CONSUMER_REGISTERS, action="increase")
       consumer((q_ref, out_ref, lse_ref, q_smem, o_smem, k_smem, v_smem, p_smem, lse_smem,
-                q_bar, k_bar, v_bar, k_free, v_free), i, h, b)
+                q_bar, k_bar, v_bar, k_free, v_free), wg, i, h, b)
 
-    @_compat.when(wg == 1)
+    @_compat.when(wg == nc)
     def _():
+      if nc > 1:
+        mg.set_max_registers(PRODUCER_REGISTERS, action="decrease")
       producer((k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free), i, h, b)
 
   def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
     smem = functools.partial(_compat.smem_tile, dtype=dtype)
-    tiles = (smem((bq, p.Dp)),
-             None if p.Dvp == p.Dp else smem((bq, p.Dvp)),
+    tiles = (smem((nc, rows, p.Dp)),
+             None if p.Dvp == p.Dp else smem((nc, rows, p.Dvp)),
              smem((slots, bk, p.Dp)),
              smem((slots, bk, p.Dvp)),
-             smem((bq, bk)),
-             mg.SMEM((bq,), f32))
-    bars = (mg.Barrier(num_barriers=1),
+             smem((nc, rows, bk)),
+             mg.SMEM((nc, rows), f32))
+    bars = (mg.Barrier(num_barriers=nc),
             mg.Barrier(num_barriers=slots),
             mg.Barrier(num_barriers=slots),
-            mg.Barrier(num_arrivals=1, num_barriers=slots),
-            mg.Barrier(num_arrivals=1, num_barriers=slots))
+            mg.Barrier(num_arrivals=nc, num_barriers=slots),
+            mg.Barrier(num_arrivals=nc, num_barriers=slots))
     _compat.run_scoped(lambda *s: body(q_ref, k_ref, v_ref, out_ref, lse_ref, s),
                        tiles, bars, collective_axes="wg")
 
   out_type = (jax.ShapeDtypeStruct((p.B, p.H, p.Sqp, p.Dvp), dtype),
               jax.ShapeDtypeStruct((p.B, p.H, p.Sqp), f32))
   return mg.kernel(entry, out_type=out_type, grid=(p.nq, p.H, p.B), grid_names=("q", "h", "b"),
-                   num_threads=2, thread_name="wg", interpret=interpret,
+                   num_threads=nc + 1, thread_name="wg", interpret=interpret,
                    compiler_params=mg.CompilerParams(approx_math=True))
 
 
@@ -292,7 +353,7 @@ def _rows(x, shape):
 
 def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None,
             offsets=None, *, block_kv: int | None = None, slots: int | None = None,
-            interpret=None, _skip_wait: str | None = None):
+            consumers: int | None = None, interpret=None, _skip_wait: str | None = None):
   """Mosaic-GPU forward with the interface of `flashvjp.pallas.triton.forward`.
 
   Args:
@@ -301,7 +362,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     q: [B, H, Sq, D]; k: [B, Hkv, Skv, D]; v: [B, Hkv, Skv, Dv]; float16 or bfloat16.
     bias, mask, q_seg, kv_seg, seed, consts, mod, offsets: must be absent (None / empty):
       the family refuses them (`_limits.forward_problem`) before building a kernel.
-    block_kv, slots: override the launch plan (tests).
+    block_kv, slots, consumers: override the launch plan (`plan`; tests).
 
   Returns:
     (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32, natural log, -inf for an empty
@@ -312,7 +373,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
                                     offsets=offsets)
   if problem is not None:
     raise NotImplementedError(f"pallas_mosaic_gpu forward: {problem}")
-  p = plan(q.shape, k.shape, v.shape, block_kv=block_kv, slots=slots)
+  p = plan(q.shape, k.shape, v.shape, block_kv=block_kv, slots=slots, consumers=consumers)
   if interpret is None and cfg.interpret:
     interpret = _compat.interpret_params(detect_races=True)
   kernel = _build(cfg, p, q.dtype, interpret=interpret, skip_wait=_skip_wait)
