@@ -20,6 +20,7 @@ import sys
 import textwrap
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from flashvjp import reference
@@ -34,9 +35,9 @@ pytestmark = pytest.mark.skipif(
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _cfg(Sq, Skv, D, causal=False, window=None, interpret=True):
+def _cfg(Sq, Skv, D, causal=False, window=None, interpret=True, dropout_rate=0.0):
   return AttentionConfig(scale=D ** -0.5, causal=causal, window=window, seq_q=Sq, seq_kv=Skv,
-                         dropout_rate=0.0, blocks=BlockSizes(), interpret=interpret,
+                         dropout_rate=dropout_rate, blocks=BlockSizes(), interpret=interpret,
                          implementation="pallas_mosaic_gpu")
 
 
@@ -65,23 +66,44 @@ CASES = {
     "empty_rows": (1, 1, 1, 100, 100, 64, jnp.bfloat16, dict(window=(-3, 5)), {}),
     "d256_causal": (1, 1, 1, 96, 96, 256, jnp.bfloat16, dict(causal=True), {}),
     "d32_padded_head": (1, 2, 1, 80, 80, 32, jnp.bfloat16, {}, {}),
+    # packed documents (segment ids: every visited block masked elementwise); batch 1's
+    # first q segment (id 0) has no kv of its id in the pair case: empty rows
+    "segments_causal": (2, 2, 1, 200, 200, 64, jnp.bfloat16,
+                        dict(causal=True, segments=([[30, 140], [90]], None)), {}),
+    "segment_pair_gqa": (2, 4, 2, 150, 190, 128, jnp.float16,
+                         dict(segments=([[40, 100], [20]], [[60, 120], [0, 77]])), {}),
     # a 4-block kv ring of 2 slots: every slot is refilled twice
     "ring_wraps": (1, 1, 1, 64, 256, 64, jnp.bfloat16, {}, dict(block_kv=64, slots=2)),
 }
+
+
+def _segment_ids(B, S, cuts):
+  """int32 [B, S]: id n + 1 from position cuts[b][n] on (batch b cycles through cuts)."""
+  ids = np.zeros((B, S), np.int32)
+  for b in range(B):
+    for c in cuts[b % len(cuts)]:
+      ids[b, c:] += 1
+  return jnp.asarray(ids)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_forward_matches_float64_reference_without_races(name):
   B, H, Hkv, Sq, Skv, D, dtype, mkw, launch = CASES[name]
   q, k, v = _util.random_qkv(sorted(CASES).index(name), B, H, Hkv, Sq, Skv, D, dtype=dtype)
+  mkw = dict(mkw)
+  q_seg = kv_seg = None
+  if "segments" in mkw:
+    q_cuts, kv_cuts = mkw.pop("segments")
+    q_seg = _segment_ids(B, Sq, q_cuts)
+    kv_seg = q_seg if kv_cuts is None else _segment_ids(B, Skv, kv_cuts)
   cfg = _cfg(Sq, Skv, D, **mkw)
   _compat.reset_interpret_state()
-  out, lse = _forward(cfg, q, k, v, None, None, None, None, None, (), **launch)
+  out, lse = _forward(cfg, q, k, v, None, None, q_seg, kv_seg, None, (), **launch)
   assert not _compat.interpret_races_found()
   assert out.shape == (B, H, Sq, D) and out.dtype == dtype
   assert lse.shape == (B, H, Sq) and lse.dtype == jnp.float32
-  ref_out, ref_lse = reference.attention(cfg, *_util.as64((q, k, v)), None, None, None, None,
-                                         None, ())
+  ref_out, ref_lse = reference.attention(cfg, *_util.as64((q, k, v)), None, None, q_seg,
+                                         kv_seg, None, ())
   _util.assert_close(out, ref_out, dtype, what=f"{name}/out")
   _util.assert_close(lse, ref_lse, dtype, what=f"{name}/lse")
 
@@ -117,7 +139,13 @@ def test_refuses_what_it_does_not_implement():
     _forward(cfg, q, k, v, bias, None, None, None, None, ())
   seg = jnp.zeros((1, 64), jnp.int32)
   with pytest.raises(NotImplementedError, match="segment ids"):
-    _forward(cfg, q, k, v, None, None, seg, seg, None, ())
+    _forward(cfg, q, k, v, None, None, seg, None, None, ())
+  mask = jnp.ones((1, 1, 64, 64), bool)
+  with pytest.raises(NotImplementedError, match="dense mask"):
+    _forward(cfg, q, k, v, None, mask, None, None, None, ())
+  with pytest.raises(NotImplementedError, match="dropout"):
+    _forward(_cfg(64, 64, 64, dropout_rate=0.1), q, k, v, None, None, None, None,
+             jnp.zeros((2,), jnp.uint32), ())
   q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
   with pytest.raises(NotImplementedError, match="float32"):
     _forward(cfg, q32, k32, v32, None, None, None, None, None, ())

@@ -87,6 +87,16 @@ def wgmma_row_vector(x):
   return mg.layout_cast(x, mg.Layout.WGMMA.reduce(1))
 
 
+def wgmma_row_layout():
+  """The layout of a per-row vector of a wgmma tile (the tile reduced over its columns)."""
+  return plgpu().Layout.WGMMA.reduce(1)
+
+
+def wgmma_col_layout():
+  """The layout of a per-column vector of a wgmma tile (the tile reduced over its rows)."""
+  return plgpu().Layout.WGMMA.reduce(0)
+
+
 def wgmma_iota(shape, dim):
   """int32 iota along `dim` of a [rows, cols] tile in the wgmma accumulator layout."""
   mg = plgpu()

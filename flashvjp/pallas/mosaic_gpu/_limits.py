@@ -4,11 +4,12 @@ Room: Pallas Mosaic-GPU limits. `supports(...)` answers before tracing (a value 
 reason), never a caught exception) and `forward_problem(...)` refuses, at the forward's
 entry, every operand the kernel does not implement yet, so nothing falls back silently.
 
-Now: float16 / bfloat16 inputs (compiled and interpret mode alike: the kernels run
-16-bit wgmma), head dims up to 256 (zero-padded to a multiple of 64), GQA / MQA,
-causal, window, any sequence lengths (padded to whole blocks). Not yet: bias, dense
-masks, segment ids, score_mod, mask_mod, dropout, global offsets (ring chunk pairs),
-a float32 out (a traced scale), float32 / float64 inputs.
+Forward now: float16 / bfloat16 inputs (compiled and interpret mode alike: the kernel
+runs 16-bit wgmma), head dims up to 256 (zero-padded to a multiple of 64), GQA / MQA,
+causal, window, segment ids, any sequence lengths (padded to whole blocks). Not yet:
+bias, dense masks, score_mod, mask_mod, dropout, global offsets (ring chunk pairs), a
+float32 out (a traced scale), float32 / float64 inputs. (`supports` sees no segment ids:
+what the backward kernels take is theirs to add.)
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def forward_problem(cfg, q, k, v, *, bias=None, mask=None, q_seg=None, kv_seg=No
   if missing is not None:
     return missing
   feats = [("bias", bias is not None), ("a dense mask", mask is not None),
-           ("segment ids", q_seg is not None or kv_seg is not None),
+           ("segment ids given for one side only", (q_seg is None) != (kv_seg is None)),
            ("score_mod", cfg.score_mod is not None or bool(tuple(consts or ()))),
            ("mask_mod", cfg.mask_mod is not None or mod is not None),
            ("dropout", cfg.dropout_active or seed is not None),

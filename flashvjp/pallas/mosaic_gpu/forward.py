@@ -1,29 +1,34 @@
 """Pallas Mosaic-GPU forward kernel (Hopper, sm_90a): TMA K/V ring, SS-wgmma, exp2 softmax.
 
-Room: Pallas Mosaic-GPU backend (forward). One CTA per (q tile, head, batch) runs two
-warpgroups: a producer streams K and V blocks by TMA into a ring of `slots` SMEM slots
-(per-slot "loaded" barriers the TMA completes, per-slot "consumed" barriers the consumer
-arrives on before a slot is refilled); the consumer keeps its [64, D] Q tile in SMEM and
-runs S = Q K^T on wgmma, the online softmax in the exp2 domain (log2(e) folded into the
-scale), stages P (input dtype) in SMEM and runs P V on wgmma with both operands in SMEM
-(SS-wgmma: the register-operand form is not simulated by the interpreter). The P V
-product of each block lands in a fresh accumulator that is added to the running output
-(no `pl.run_state`, which the interpreter does not handle either).
+Room: Pallas Mosaic-GPU backend (forward). One CTA per (128-row q tile, head, batch) runs
+three warpgroups (`Plan`): a producer streams K and V blocks by TMA into a ring of `slots`
+SMEM slots (per-slot "loaded" barriers the TMA completes, per-slot "consumed" barriers
+both consumers arrive on before a slot is refilled), and two consumers (setmaxnreg
+232 / 40) each own 64 query rows: Q tile in SMEM, S = Q K^T on wgmma, the online softmax
+in the exp2 domain (log2(e) folded into the scale), P staged in SMEM (input dtype) and
+P V on wgmma with both operands in SMEM (SS-wgmma: the register-operand form is not
+simulated by the interpreter). Each P V product lands in a fresh accumulator (column
+chunks of <= 128) added to the running output: no `pl.run_state`, which the interpreter
+does not handle either. One consumer (64 rows per CTA) when the queries fit in 64 rows.
 
-Causal / window / kv padding: only the kv blocks inside the mask model's static bounds
-(`MaskSpec.kv_block_range` on the q tile index) are fetched and computed, in three
-phases (`_mask.split_loop`'s): masked edge blocks, unmasked interior blocks, masked edge
-blocks; the elementwise mask runs only on the edge blocks. Masked scores use the finite
-`_common.mask_value` (no inf inside the kernel for finite inputs); an empty row gets
-l == 0, out 0 and lse -inf (made outside the kernel, as the Triton family does).
+Causal / window / kv padding: the producer fetches the kv blocks of the CTA's rows inside
+the mask model's static bounds (`MaskSpec.kv_block_range`); each consumer computes those
+of its own 64 rows in three phases (`_mask.split_loop`'s: masked edge blocks, unmasked
+interior blocks, masked edge blocks) and passes by the others (waiting and releasing the
+slot: barrier phases are counted per thread). The elementwise mask runs only on edge
+blocks. Segment ids (packed documents): the ids ride along (q ids with Q, kv ids in the
+ring with K) and every visited block is masked elementwise; blocks are skipped by the
+static bounds only, not by the ids. Masked scores use the finite `_common.mask_value`
+(no inf inside the kernel for finite inputs); an empty row gets l == 0, out 0 and lse
+-inf (made outside the kernel, as the Triton family does).
 
 GQA: the producer reads kv head h // G; K/V are never repeated in memory. Sequence
 lengths are zero-padded to whole blocks outside the kernel and head dims to a multiple
 of 64 (the 128-byte swizzle of a 16-bit row).
 
-What the family cannot do yet (bias, dense masks, segment ids, score_mod, mask_mod,
-dropout, global offsets, float32 / float64 inputs, a float32 out) is refused by
-`_limits.forward_problem` before any kernel is built.
+Not implemented (refused by `_limits.forward_problem` before any kernel is built): bias,
+dense masks, score_mod, mask_mod, dropout, global offsets, float32 / float64 inputs, a
+float32 out.
 """
 from __future__ import annotations
 
@@ -145,9 +150,12 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
   return make(max(1, min(slots, nk)))
 
 
-def _build(cfg: AttentionConfig, p: Plan, dtype, *, interpret=None, skip_wait: str | None = None):
-  """The kernel as a function (q, k, v) of padded [B, H|Hkv, S*p, D*p] -> (out, lse).
+def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, interpret=None,
+           skip_wait: str | None = None):
+  """The kernel as a function of padded operands -> (out, lse).
 
+  Operands: q [B, H, Sqp, Dp], k [B, Hkv, Skvp, Dp], v [B, Hkv, Skvp, Dvp], then with
+  `segments` the padded segment ids q_seg int32 [B, Sqp] and kv_seg int32 [B, Skvp].
   `skip_wait` (tests only) removes one barrier wait (`SKIPPABLE_WAITS`), to check that
   the interpreter's race detector sees the hazard it guards against.
   """
@@ -156,7 +164,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, interpret=None, skip_wait: s
   mg = _compat.plgpu()
   f32 = jnp.float32
   spec = C.mask_spec(cfg)
-  masked = (cfg.causal or cfg.window is not None or p.Skvp != p.Skv)
+  masked = segments or cfg.causal or cfg.window is not None or p.Skvp != p.Skv
   scale2 = float(cfg.scale) * LOG2E
   neg = float(jnp.finfo(f32).min)
   rows, bk, slots, nc = p.rows, p.bk, p.slots, p.consumers
@@ -172,47 +180,66 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, interpret=None, skip_wait: s
     return i32(lo), i32(hi)
 
   def own_blocks(r, lo, hi):
-    """Within [lo, hi): the kv blocks of row block r (64 rows), and the unmasked ones."""
+    """Within [lo, hi): the kv blocks of row block r (64 rows), and the unmasked ones
+    (none with segment ids: every block is masked elementwise)."""
     a, z = spec.kv_block_range(r, rows, bk, p.nk)
     a = jnp.clip(i32(a), lo, hi)
     z = jnp.clip(i32(z), a, hi)
     if not masked:
       return a, z, a, z
+    if segments:
+      return a, z, z, z
     f_lo, f_hi = spec.full_kv_block_range(r, rows, bk)
     f_lo = jnp.clip(i32(f_lo), a, z)
     f_hi = jnp.clip(i32(f_hi), f_lo, z)
     return a, z, f_lo, f_hi
 
-  def consumer(refs, w, i, h, b):
-    (q_ref, out_ref, lse_ref, q_smem, o_smem, k_smem, v_smem, p_smem, lse_smem, q_bar,
-     k_bar, v_bar, k_free, v_free) = refs
-    q_smem, o_smem, p_smem, lse_smem = (x.at[w] for x in (q_smem, o_smem, p_smem, lse_smem))
+  def consumer(R, w, i, h, b):
+    q_smem, o_smem, p_smem, lse_smem = (R[n].at[w] for n in ("q_s", "o_s", "p_s", "lse_s"))
     r = i * nc + w  # this warpgroup's 64-row block
     lo, hi = kv_blocks(i)
     a, z, f_lo, f_hi = own_blocks(r, lo, hi)
     q_rows = pl_ds(r * rows, rows)
-    mg.copy_gmem_to_smem(q_ref.at[b, h, q_rows], q_smem, q_bar.at[w])
-    wait("q_loaded", q_bar.at[w])
+    mg.copy_gmem_to_smem(R["q"].at[b, h, q_rows], q_smem, R["q_bar"].at[w])
+    if segments:
+      mg.copy_gmem_to_smem(R["q_seg"].at[b, q_rows], R["qseg_s"].at[w], R["qseg_bar"].at[w])
+      wait("q_loaded", R["qseg_bar"].at[w])
+      q_seg = mg.load(R["qseg_s"].at[w], layout=_compat.wgmma_row_layout())  # [rows]
+    wait("q_loaded", R["q_bar"].at[w])
 
     def slot_of(t):
       return lax.rem(t - lo, i32(slots))
 
+    def wait_k(slot):
+      """K (and the kv segment ids) of `slot` are in SMEM."""
+      wait("k_loaded", R["k_bar"].at[slot])
+      if segments:
+        wait("k_loaded", R["kseg_bar"].at[slot])
+
     def step(t, carry, masked_step):
       m, l, acc = carry
       slot = slot_of(t)
-      wait("k_loaded", k_bar.at[slot])
+      wait_k(slot)
 
       def qk(acc_ref):
-        mg.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+        mg.wgmma(acc_ref, q_smem, R["k_s"].at[slot].T)
         return acc_ref[...]
 
       s = _compat.run_scoped(qk, mg.ACC((rows, bk), f32))
-      mg.barrier_arrive(k_free.at[slot])
+      if not segments:
+        mg.barrier_arrive(R["k_free"].at[slot])
       s = s * scale2
       if masked_step:
         qi = r * rows + _compat.wgmma_iota((rows, bk), 0)
         ki = t * bk + _compat.wgmma_iota((rows, bk), 1)
-        ok = spec.allowed(qi, ki)
+        if segments:  # the slot's kv ids are read, then fenced against its TMA refill
+          kv_seg = mg.load(R["kseg_s"].at[slot], layout=_compat.wgmma_col_layout())  # [bk]
+          ok = spec.allowed(qi, ki, q_seg=_rows(q_seg, (rows, bk)),
+                            kv_seg=lax.broadcast_in_dim(kv_seg, (rows, bk), [1]))
+          mg.commit_smem()
+          mg.barrier_arrive(R["k_free"].at[slot])
+        else:
+          ok = spec.allowed(qi, ki)
         m_new = jnp.maximum(m, jnp.where(ok, s, neg).max(axis=1))
         e = jnp.where(ok, s - _rows(m_new, s.shape), neg)
       else:
@@ -223,10 +250,10 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, interpret=None, skip_wait: s
       l = alpha * l + prob.sum(axis=1)
       p_smem[...] = prob.astype(dtype)
       mg.commit_smem()  # the generic-proxy stores of P before the wgmma reads them
-      wait("v_loaded", v_bar.at[slot])
+      wait("v_loaded", R["v_bar"].at[slot])
 
       def pv(cols, acc_ref):
-        mg.wgmma(acc_ref, p_smem, v_smem.at[slot, :, cols])
+        mg.wgmma(acc_ref, p_smem, R["v_s"].at[slot, :, cols])
         return acc_ref[...]
 
       # P V in column chunks of <= 128 (one fresh [64, 128] accumulator live at a time)
@@ -235,17 +262,17 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, interpret=None, skip_wait: s
         cols = pl_ds(n * p.dv_chunk, p.dv_chunk)
         o = _compat.run_scoped(functools.partial(pv, cols), mg.ACC((rows, p.dv_chunk), f32))
         new_acc.append(part * _rows(alpha, part.shape) + o)
-      mg.barrier_arrive(v_free.at[slot])
+      mg.barrier_arrive(R["v_free"].at[slot])
       return m_new, l, tuple(new_acc)
 
     def pass_by(t, carry):
       """A block of the CTA's range outside this warpgroup's: keep the barrier phases in
       step (every wait is counted per thread) and release the slot."""
       slot = slot_of(t)
-      wait("k_loaded", k_bar.at[slot])
-      mg.barrier_arrive(k_free.at[slot])
-      wait("v_loaded", v_bar.at[slot])
-      mg.barrier_arrive(v_free.at[slot])
+      wait_k(slot)
+      mg.barrier_arrive(R["k_free"].at[slot])
+      wait("v_loaded", R["v_bar"].at[slot])
+      mg.barrier_arrive(R["v_free"].at[slot])
       return carry
 
     def run(start, stop, masked_step, carry):
@@ -270,12 +297,11 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, interpret=None, skip_wait: s
           part / _rows(l_safe, part.shape)).astype(dtype)
     lse_smem[...] = jnp.where(empty, neg, m * LN2 + jnp.log(l_safe))
     mg.commit_smem()
-    mg.copy_smem_to_gmem(o_smem, out_ref.at[b, h, q_rows])
-    mg.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, q_rows])
+    mg.copy_smem_to_gmem(o_smem, R["out"].at[b, h, q_rows])
+    mg.copy_smem_to_gmem(lse_smem, R["lse"].at[b, h, q_rows])
     mg.wait_smem_to_gmem(0)
 
-  def producer(refs, i, h, b):
-    (k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free) = refs
+  def producer(R, i, h, b):
     lo, hi = kv_blocks(i)
     kvh = lax.div(h, jnp.asarray(p.G, h.dtype))
 
@@ -286,23 +312,42 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, interpret=None, skip_wait: s
 
       @_compat.when(n >= slots)
       def _():
-        wait("k_consumed", k_free.at[slot])
+        wait("k_consumed", R["k_free"].at[slot])
 
-      mg.copy_gmem_to_smem(k_ref.at[b, kvh, blk], k_smem.at[slot], k_bar.at[slot])
+      mg.copy_gmem_to_smem(R["k"].at[b, kvh, blk], R["k_s"].at[slot], R["k_bar"].at[slot])
+      if segments:
+        mg.copy_gmem_to_smem(R["kv_seg"].at[b, blk], R["kseg_s"].at[slot],
+                             R["kseg_bar"].at[slot])
 
       @_compat.when(n >= slots)
       def _():
-        wait("v_consumed", v_free.at[slot])
+        wait("v_consumed", R["v_free"].at[slot])
 
-      mg.copy_gmem_to_smem(v_ref.at[b, kvh, blk], v_smem.at[slot], v_bar.at[slot])
+      mg.copy_gmem_to_smem(R["v"].at[b, kvh, blk], R["v_s"].at[slot], R["v_bar"].at[slot])
       return None
 
     lax.fori_loop(lo, hi, fetch, None)
 
-  def body(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch):
-    (q_smem, o_smem, k_smem, v_smem, p_smem, lse_smem), bars = scratch
-    q_bar, k_bar, v_bar, k_free, v_free = bars
-    o_smem = q_smem if o_smem is None else o_smem
+  in_names = ["q", "k", "v"] + (["q_seg", "kv_seg"] if segments else [])
+  smem = functools.partial(_compat.smem_tile, dtype=dtype)
+  tiles = {"q_s": smem((nc, rows, p.Dp)),
+           "o_s": None if p.Dvp == p.Dp else smem((nc, rows, p.Dvp)),
+           "k_s": smem((slots, bk, p.Dp)),
+           "v_s": smem((slots, bk, p.Dvp)),
+           "p_s": smem((nc, rows, bk)),
+           "lse_s": mg.SMEM((nc, rows), f32)}
+  bars = {"q_bar": mg.Barrier(num_barriers=nc),
+          "k_bar": mg.Barrier(num_barriers=slots),
+          "v_bar": mg.Barrier(num_barriers=slots),
+          "k_free": mg.Barrier(num_arrivals=nc, num_barriers=slots),
+          "v_free": mg.Barrier(num_arrivals=nc, num_barriers=slots)}
+  if segments:
+    tiles.update(qseg_s=mg.SMEM((nc, rows), jnp.int32), kseg_s=mg.SMEM((slots, bk), jnp.int32))
+    bars.update(qseg_bar=mg.Barrier(num_barriers=nc), kseg_bar=mg.Barrier(num_barriers=slots))
+
+  def body(R):
+    if R["o_s"] is None:
+      R["o_s"] = R["q_s"]
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
 
@@ -310,30 +355,24 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, interpret=None, skip_wait: s
     def _():
       if nc > 1:
         mg.set_max_registers(CONSUMER_REGISTERS, action="increase")
-      consumer((q_ref, out_ref, lse_ref, q_smem, o_smem, k_smem, v_smem, p_smem, lse_smem,
-                q_bar, k_bar, v_bar, k_free, v_free), wg, i, h, b)
+      consumer(R, wg, i, h, b)
 
     @_compat.when(wg == nc)
     def _():
       if nc > 1:
         mg.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-      producer((k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free), i, h, b)
+      producer(R, i, h, b)
 
-  def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
-    smem = functools.partial(_compat.smem_tile, dtype=dtype)
-    tiles = (smem((nc, rows, p.Dp)),
-             None if p.Dvp == p.Dp else smem((nc, rows, p.Dvp)),
-             smem((slots, bk, p.Dp)),
-             smem((slots, bk, p.Dvp)),
-             smem((nc, rows, bk)),
-             mg.SMEM((nc, rows), f32))
-    bars = (mg.Barrier(num_barriers=nc),
-            mg.Barrier(num_barriers=slots),
-            mg.Barrier(num_barriers=slots),
-            mg.Barrier(num_arrivals=nc, num_barriers=slots),
-            mg.Barrier(num_arrivals=nc, num_barriers=slots))
-    _compat.run_scoped(lambda *s: body(q_ref, k_ref, v_ref, out_ref, lse_ref, s),
-                       tiles, bars, collective_axes="wg")
+  def entry(*refs):
+    R = dict(zip(in_names + ["out", "lse"], refs))
+    t_names, b_names = list(tiles), list(bars)
+
+    def scoped(*allocs):
+      ts, bs = allocs
+      body(dict(R, **dict(zip(t_names, ts)), **dict(zip(b_names, bs))))
+
+    _compat.run_scoped(scoped, tuple(tiles.values()), tuple(bars.values()),
+                       collective_axes="wg")
 
   out_type = (jax.ShapeDtypeStruct((p.B, p.H, p.Sqp, p.Dvp), dtype),
               jax.ShapeDtypeStruct((p.B, p.H, p.Sqp), f32))
@@ -376,11 +415,15 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   p = plan(q.shape, k.shape, v.shape, block_kv=block_kv, slots=slots, consumers=consumers)
   if interpret is None and cfg.interpret:
     interpret = _compat.interpret_params(detect_races=True)
-  kernel = _build(cfg, p, q.dtype, interpret=interpret, skip_wait=_skip_wait)
-  qp = C.pad_seq_head(q, p.Sqp, p.Dp)
-  kp = C.pad_seq_head(k, p.Skvp, p.Dp)
-  vp = C.pad_seq_head(v, p.Skvp, p.Dvp)
-  out, lse = kernel(qp, kp, vp)
+  segments = q_seg is not None
+  kernel = _build(cfg, p, q.dtype, segments=segments, interpret=interpret,
+                  skip_wait=_skip_wait)
+  operands = [C.pad_seq_head(q, p.Sqp, p.Dp), C.pad_seq_head(k, p.Skvp, p.Dp),
+              C.pad_seq_head(v, p.Skvp, p.Dvp)]
+  if segments:  # padding repeats the edge id (the mask model masks padded positions)
+    q_seg_p, kv_seg_p = C.pad_segments(q_seg, kv_seg, p)
+    operands += [q_seg_p.astype(jnp.int32), kv_seg_p.astype(jnp.int32)]
+  out, lse = kernel(*operands)
   lse = lse[:, :, : p.Sq]
   # -inf at empty rows only, by log(0) there (as the Triton family: no -inf array built).
   empty = lse == C.mask_value(jnp.float32)
