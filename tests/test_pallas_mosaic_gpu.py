@@ -19,10 +19,12 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flashvjp import _dropout
 from flashvjp import reference
 from flashvjp._config import AttentionConfig
 from flashvjp._config import BlockSizes
@@ -72,6 +74,11 @@ CASES = {
                         dict(causal=True, segments=([[30, 140], [90]], None)), {}),
     "segment_pair_gqa": (2, 4, 2, 150, 190, 128, jnp.float16,
                          dict(segments=([[40, 100], [20]], [[60, 120], [0, 77]])), {}),
+    # dropout: the shared counter hash (the same keep bits as the reference's)
+    "dropout_causal_gqa": (2, 4, 2, 150, 150, 64, jnp.bfloat16,
+                           dict(causal=True, dropout_rate=0.3), {}),
+    "dropout_d128_segments": (1, 2, 1, 130, 100, 128, jnp.float16,
+                              dict(dropout_rate=0.2, segments=([[50]], [[30]])), {}),
     # a 4-block kv ring of 2 slots: every slot is refilled twice
     "ring_wraps": (1, 1, 1, 64, 256, 64, jnp.bfloat16, {}, dict(block_kv=64, slots=2)),
 }
@@ -97,13 +104,14 @@ def test_forward_matches_float64_reference_without_races(name):
     q_seg = _segment_ids(B, Sq, q_cuts)
     kv_seg = q_seg if kv_cuts is None else _segment_ids(B, Skv, kv_cuts)
   cfg = _cfg(Sq, Skv, D, **mkw)
+  seed = _dropout.seed_from_key(jax.random.key(11)) if cfg.dropout_active else None
   _compat.reset_interpret_state()
-  out, lse = _forward(cfg, q, k, v, None, None, q_seg, kv_seg, None, (), **launch)
+  out, lse = _forward(cfg, q, k, v, None, None, q_seg, kv_seg, seed, (), **launch)
   assert not _compat.interpret_races_found()
   assert out.shape == (B, H, Sq, D) and out.dtype == dtype
   assert lse.shape == (B, H, Sq) and lse.dtype == jnp.float32
   ref_out, ref_lse = reference.attention(cfg, *_util.as64((q, k, v)), None, None, q_seg,
-                                         kv_seg, None, ())
+                                         kv_seg, seed, ())
   _util.assert_close(out, ref_out, dtype, what=f"{name}/out")
   _util.assert_close(lse, ref_lse, dtype, what=f"{name}/lse")
 
@@ -143,9 +151,8 @@ def test_refuses_what_it_does_not_implement():
   mask = jnp.ones((1, 1, 64, 64), bool)
   with pytest.raises(NotImplementedError, match="dense mask"):
     _forward(cfg, q, k, v, None, mask, None, None, None, ())
-  with pytest.raises(NotImplementedError, match="dropout"):
-    _forward(_cfg(64, 64, 64, dropout_rate=0.1), q, k, v, None, None, None, None,
-             jnp.zeros((2,), jnp.uint32), ())
+  with pytest.raises(NotImplementedError, match="dropout without a seed"):
+    _forward(_cfg(64, 64, 64, dropout_rate=0.1), q, k, v, None, None, None, None, None, ())
   q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
   with pytest.raises(NotImplementedError, match="float32"):
     _forward(cfg, q32, k32, v32, None, None, None, None, None, ())
@@ -169,32 +176,49 @@ _COMPILE = textwrap.dedent("""
     from jax.experimental import topologies
     from flashvjp._config import AttentionConfig, BlockSizes
     from flashvjp.pallas.mosaic_gpu import forward as F
-    D, causal, S = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
+    D, S, variants = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
     tc = open(os.path.join("flashvjp", "pallas", "mosaic_gpu", "targets", "h100_sxm.txtpb")).read()
     topo = topologies.get_topology_desc(platform="cuda", target_config=tc, topology="1x1x1")
     mesh = topologies.make_mesh(topo, (1,), ("x",))
     sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    cfg = AttentionConfig(scale=D ** -0.5, causal=causal, window=None, seq_q=S, seq_kv=S,
-                          dropout_rate=0.0, blocks=BlockSizes())
-    f = lambda q, k, v: F.forward(cfg, q, k, v, None, None, None, None, None, ())
     q = jax.ShapeDtypeStruct((1, 4, S, D), jnp.bfloat16, sharding=sh)
     kv = jax.ShapeDtypeStruct((1, 2, S, D), jnp.bfloat16, sharding=sh)
-    jax.jit(f).lower(q, kv, kv).compile()
-    print("COMPILED")
+    seg = jax.ShapeDtypeStruct((1, S), jnp.int32, sharding=sh)
+    seed = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sh)
+    for variant in variants:  # one kernel each, dumped as entry_<n> in this order
+      cfg = AttentionConfig(scale=D ** -0.5, causal=True, window=None, seq_q=S, seq_kv=S,
+                            dropout_rate=0.1 if variant == "dropout" else 0.0,
+                            blocks=BlockSizes())
+      if variant == "segments":
+        f = lambda q, k, v, s: F.forward(cfg, q, k, v, None, None, s, s, None, ())
+        args = (q, kv, kv, seg)
+      elif variant == "dropout":
+        f = lambda q, k, v, r: F.forward(cfg, q, k, v, None, None, None, None, r, ())
+        args = (q, kv, kv, seed)
+      else:
+        f = lambda q, k, v: F.forward(cfg, q, k, v, None, None, None, None, None, ())
+        args = (q, kv, kv)
+      jax.jit(f).lower(*args).compile()
+      print("COMPILED", variant, flush=True)
 """)
+VARIANTS = ("causal", "segments", "dropout")
 
 
-def compile_sm90(D, causal, S, dump_dir):
-  """Compile the forward for H100 in a subprocess (JAX_PLATFORMS=cpu, the CUDA plugin's
-  Mosaic-GPU compiler and ptxas); returns (registers, spill bytes, smem bytes) from the dumps."""
+def compile_sm90(D, S, variants, dump_dir):
+  """Compile causal forwards for H100 in a subprocess (JAX_PLATFORMS=cpu, the CUDA plugin's
+  Mosaic-GPU compiler and ptxas): {variant: (registers, spill bytes, smem bytes)}."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(dump_dir),
              MOSAIC_GPU_DUMP_PTXAS="1", PYTHONPATH=ROOT)
-  r = subprocess.run([sys.executable, "-c", _COMPILE, str(D), str(int(causal)), str(S)],
+  r = subprocess.run([sys.executable, "-c", _COMPILE, str(D), str(S), ",".join(variants)],
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  assert "COMPILED" in r.stdout, r.stderr[-4000:]
-  ptxas = open(os.path.join(dump_dir, "entry_0.ptxas")).read()
-  resources = open(os.path.join(dump_dir, "entry_0.resources.txt")).read()
-  return parse_ptxas(ptxas) + (int(re.search(r"smem_scratch_bytes=(\d+)", resources)[1]),)
+  assert r.stdout.count("COMPILED") == len(variants), r.stderr[-4000:]
+  found = {}
+  for n, variant in enumerate(variants):
+    ptxas = open(os.path.join(dump_dir, f"entry_{n}.ptxas")).read()
+    resources = open(os.path.join(dump_dir, f"entry_{n}.resources.txt")).read()
+    smem = int(re.search(r"smem_scratch_bytes=(\d+)", resources)[1])
+    found[variant] = parse_ptxas(ptxas) + (smem,)
+  return found
 
 
 def parse_ptxas(text):
@@ -215,8 +239,18 @@ def test_parse_ptxas():
                     reason="the deviceless sm_90a compile needs jax-cuda12-plugin")
 @pytest.mark.parametrize("D", [64, 128])
 def test_compiles_for_sm90a_without_spills(D, tmp_path):
-  regs, spills, smem = compile_sm90(D, True, 1024, tmp_path)
-  print(f"sm_90a forward D={D} causal: {regs} registers, {spills} spill bytes, {smem} B smem")
-  assert spills == 0
-  assert regs <= 255
-  assert smem <= 227 * 1024
+  """Causal forwards (plain, segment ids, dropout) compile for H100 with no register spill
+  and within the SMEM of a Hopper block (227 KiB)."""
+  found = compile_sm90(D, 1024, VARIANTS, tmp_path)
+  for variant, (regs, spills, smem) in found.items():
+    print(f"sm_90a forward D={D} causal {variant}: {regs} registers (at launch; setmaxnreg"
+          f" {forward_module().CONSUMER_REGISTERS} / {forward_module().PRODUCER_REGISTERS}),"
+          f" {spills} spill bytes, {smem} B smem")
+    assert spills == 0, (variant, spills)
+    assert regs <= 255
+    assert smem <= 227 * 1024
+
+
+def forward_module():
+  from flashvjp.pallas.mosaic_gpu import forward as F
+  return F

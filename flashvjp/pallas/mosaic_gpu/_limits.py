@@ -6,10 +6,10 @@ entry, every operand the kernel does not implement yet, so nothing falls back si
 
 Forward now: float16 / bfloat16 inputs (compiled and interpret mode alike: the kernel
 runs 16-bit wgmma), head dims up to 256 (zero-padded to a multiple of 64), GQA / MQA,
-causal, window, segment ids, any sequence lengths (padded to whole blocks). Not yet:
-bias, dense masks, score_mod, mask_mod, dropout, global offsets (ring chunk pairs), a
-float32 out (a traced scale), float32 / float64 inputs. (`supports` sees no segment ids:
-what the backward kernels take is theirs to add.)
+causal, window, segment ids, dropout, any sequence lengths (padded to whole blocks). Not
+yet: bias, dense masks, score_mod, mask_mod, global offsets (ring chunk pairs), a
+float32 out (a traced scale), float32 / float64 inputs. (`supports` answers for the
+family: it refuses dropout until the backward kernels have it.)
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
   if mask_mod is not None:
     return False, "mask_mod: not implemented in the Mosaic-GPU kernels yet"
   if has_dropout:
-    return False, "dropout: not implemented in the Mosaic-GPU kernels yet"
+    return False, ("dropout: not implemented in all the Mosaic-GPU kernels yet (the forward"
+                   " has it)")
   if interpret:
     return True, f"Mosaic-GPU kernels in interpret mode on {platform!r}"
   if platform not in _COMPILED_PLATFORMS:
@@ -68,7 +69,7 @@ def forward_problem(cfg, q, k, v, *, bias=None, mask=None, q_seg=None, kv_seg=No
            ("segment ids given for one side only", (q_seg is None) != (kv_seg is None)),
            ("score_mod", cfg.score_mod is not None or bool(tuple(consts or ()))),
            ("mask_mod", cfg.mask_mod is not None or mod is not None),
-           ("dropout", cfg.dropout_active or seed is not None),
+           ("dropout without a seed", cfg.dropout_active and seed is None),
            ("global offsets (a ring chunk pair)", offsets is not None and any(
                not (isinstance(o, int) and o == 0) for o in offsets)),
            ("a float32 out (traced scale)", cfg.out_f32)]

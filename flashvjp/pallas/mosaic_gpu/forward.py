@@ -16,7 +16,9 @@ the mask model's static bounds (`MaskSpec.kv_block_range`); each consumer comput
 of its own 64 rows in three phases (`_mask.split_loop`'s: masked edge blocks, unmasked
 interior blocks, masked edge blocks) and passes by the others (waiting and releasing the
 slot: barrier phases are counted per thread). The elementwise mask runs only on edge
-blocks. Segment ids (packed documents): the ids ride along (q ids with Q, kv ids in the
+blocks. Dropout: the family's counter hash (`flashvjp._dropout`), its per-row words made
+by XLA ([B, H, 2, Sq], loaded with Q), each entry finished in registers: the same keep
+bits as every other implementation. Segment ids (packed documents): the ids ride along (q ids with Q, kv ids in the
 ring with K) and every visited block is masked elementwise; blocks are skipped by the
 static bounds only, not by the ids. Masked scores use the finite `_common.mask_value`
 (no inf inside the kernel for finite inputs); an empty row gets l == 0, out 0 and lse
@@ -27,7 +29,7 @@ lengths are zero-padded to whole blocks outside the kernel and head dims to a mu
 of 64 (the 128-byte swizzle of a 16-bit row).
 
 Not implemented (refused by `_limits.forward_problem` before any kernel is built): bias,
-dense masks, score_mod, mask_mod, dropout, global offsets, float32 / float64 inputs, a
+dense masks, score_mod, mask_mod, global offsets, float32 / float64 inputs, a
 float32 out.
 """
 from __future__ import annotations
@@ -40,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flashvjp import _dropout
 from flashvjp import _mask
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
@@ -126,12 +129,14 @@ def _round_up(x: int, m: int) -> int:
 
 
 def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | None = None,
-         consumers: int | None = None) -> Plan:
+         consumers: int | None = None, elementwise: bool = False) -> Plan:
   """The launch sizes: two consumer warpgroups (128 query rows per CTA; one when the
   sequence fits in 64 rows), kv blocks of 128 for head dims <= 128 and 64 above (the
   consumer's registers: S, the output and a P V accumulator are live at once), and a
   ring of 2-3 slots within the SMEM budget (FA3's Hopper forward at head dim 128: 64 rows
-  per consumer, kv blocks of 128, 2 slots)."""
+  per consumer, kv blocks of 128, 2 slots). `elementwise` (segment ids, dropout: more
+  per-entry work on every tile) takes kv blocks of 64: at 128 the consumer spills
+  (sm_90a, ptxas: 8-168 bytes), at 64 it does not."""
   B, H, Sq, D = q_shape
   Hkv, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
   Dp, Dvp = _round_up(D, 64), _round_up(Dv, 64)
@@ -140,7 +145,7 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
   if consumers not in (1, 2):
     raise ValueError(f"consumers must be 1 or 2, got {consumers}")
   if block_kv is None:
-    block_kv = 128 if max(Dp, Dvp) <= 128 and Skv > 64 else 64
+    block_kv = 128 if max(Dp, Dvp) <= 128 and Skv > 64 and not elementwise else 64
   if block_kv not in (64, 128):
     raise ValueError(f"block_kv must be 64 or 128, got {block_kv}")
   nk = _mask.num_blocks(Skv, block_kv)
@@ -155,7 +160,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, inte
   """The kernel as a function of padded operands -> (out, lse).
 
   Operands: q [B, H, Sqp, Dp], k [B, Hkv, Skvp, Dp], v [B, Hkv, Skvp, Dvp], then with
-  `segments` the padded segment ids q_seg int32 [B, Sqp] and kv_seg int32 [B, Skvp].
+  `segments` the padded segment ids q_seg int32 [B, Sqp] and kv_seg int32 [B, Skvp], then
+  with dropout the hash's per-row words uint32 [B, H, 2, Sqp] (`dropout_rows`).
   `skip_wait` (tests only) removes one barrier wait (`SKIPPABLE_WAITS`), to check that
   the interpreter's race detector sees the hazard it guards against.
   """
@@ -169,6 +175,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, inte
   neg = float(jnp.finfo(f32).min)
   rows, bk, slots, nc = p.rows, p.bk, p.slots, p.consumers
   i32 = lambda x: jnp.asarray(x, jnp.int32)
+  dropout = cfg.dropout_active
+  u32 = jnp.uint32
 
   def wait(name, barrier):
     if skip_wait != name:
@@ -205,7 +213,21 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, inte
       mg.copy_gmem_to_smem(R["q_seg"].at[b, q_rows], R["qseg_s"].at[w], R["qseg_bar"].at[w])
       wait("q_loaded", R["qseg_bar"].at[w])
       q_seg = mg.load(R["qseg_s"].at[w], layout=_compat.wgmma_row_layout())  # [rows]
+    if dropout:
+      mg.copy_gmem_to_smem(R["drop_rows"].at[b, h, :, q_rows], R["drop_s"].at[w],
+                           R["drop_bar"].at[w])
+      wait("q_loaded", R["drop_bar"].at[w])
+      row_words = tuple(mg.load(R["drop_s"].at[w, n], layout=_compat.wgmma_row_layout())
+                        for n in range(2))  # [rows] uint32 each
     wait("q_loaded", R["q_bar"].at[w])
+
+    def dropped(prob, t):
+      """prob / (1 - rate) where the shared counter hash keeps (t, q) entries, else 0."""
+      kv = (t * bk + _compat.wgmma_iota((rows, bk), 1)).astype(u32)
+      bits = _dropout.bits_from_row(_rows(row_words[0], prob.shape),
+                                    _rows(row_words[1], prob.shape), kv)
+      keep = bits >= u32(_dropout.threshold(cfg.dropout_rate))
+      return jnp.where(keep, prob * (1.0 / (1.0 - cfg.dropout_rate)), 0.0)
 
     def slot_of(t):
       return lax.rem(t - lo, i32(slots))
@@ -248,6 +270,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, inte
       prob = jnp.exp2(e)
       alpha = jnp.exp2(m - m_new)
       l = alpha * l + prob.sum(axis=1)
+      if dropout:
+        prob = dropped(prob, t)
       p_smem[...] = prob.astype(dtype)
       mg.commit_smem()  # the generic-proxy stores of P before the wgmma reads them
       wait("v_loaded", R["v_bar"].at[slot])
@@ -328,7 +352,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, inte
 
     lax.fori_loop(lo, hi, fetch, None)
 
-  in_names = ["q", "k", "v"] + (["q_seg", "kv_seg"] if segments else [])
+  in_names = (["q", "k", "v"] + (["q_seg", "kv_seg"] if segments else [])
+              + (["drop_rows"] if dropout else []))
   smem = functools.partial(_compat.smem_tile, dtype=dtype)
   tiles = {"q_s": smem((nc, rows, p.Dp)),
            "o_s": None if p.Dvp == p.Dp else smem((nc, rows, p.Dvp)),
@@ -344,6 +369,9 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, inte
   if segments:
     tiles.update(qseg_s=mg.SMEM((nc, rows), jnp.int32), kseg_s=mg.SMEM((slots, bk), jnp.int32))
     bars.update(qseg_bar=mg.Barrier(num_barriers=nc), kseg_bar=mg.Barrier(num_barriers=slots))
+  if dropout:
+    tiles.update(drop_s=mg.SMEM((nc, 2, rows), u32))
+    bars.update(drop_bar=mg.Barrier(num_barriers=nc))
 
   def body(R):
     if R["o_s"] is None:
@@ -381,6 +409,18 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, inte
                    compiler_params=mg.CompilerParams(approx_math=True))
 
 
+def dropout_rows(cfg: AttentionConfig, seed, p: Plan):
+  """uint32 [B, H, 2, Sqp]: the counter hash's per-row words (`_dropout.row_words`) of every
+  (b, h, q), computed by XLA; the kernel finishes each entry (`_dropout.bits_from_row`)."""
+  b = jnp.arange(p.B, dtype=jnp.int32)[:, None, None]
+  h = jnp.arange(p.H, dtype=jnp.int32)[None, :, None]
+  q = jnp.arange(p.Sqp, dtype=jnp.int32)[None, None, :]
+  b, h = _dropout.hash_coords(cfg.dropout_broadcast, b, h)
+  cq, cq2 = _dropout.row_words(seed[0], seed[1], b, h, q)
+  shape = (p.B, p.H, p.Sqp)
+  return jnp.stack([jnp.broadcast_to(cq, shape), jnp.broadcast_to(cq2, shape)], axis=2)
+
+
 def pl_ds(start, size):
   return _compat.ds(start, size)
 
@@ -412,7 +452,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
                                     offsets=offsets)
   if problem is not None:
     raise NotImplementedError(f"pallas_mosaic_gpu forward: {problem}")
-  p = plan(q.shape, k.shape, v.shape, block_kv=block_kv, slots=slots, consumers=consumers)
+  p = plan(q.shape, k.shape, v.shape, block_kv=block_kv, slots=slots, consumers=consumers,
+           elementwise=q_seg is not None or cfg.dropout_active)
   if interpret is None and cfg.interpret:
     interpret = _compat.interpret_params(detect_races=True)
   segments = q_seg is not None
@@ -423,6 +464,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   if segments:  # padding repeats the edge id (the mask model masks padded positions)
     q_seg_p, kv_seg_p = C.pad_segments(q_seg, kv_seg, p)
     operands += [q_seg_p.astype(jnp.int32), kv_seg_p.astype(jnp.int32)]
+  if cfg.dropout_active:
+    operands.append(dropout_rows(cfg, seed, p))
   out, lse = kernel(*operands)
   lse = lse[:, :, : p.Sq]
   # -inf at empty rows only, by log(0) there (as the Triton family: no -inf array built).
