@@ -79,6 +79,15 @@ CASES = {
                            dict(causal=True, dropout_rate=0.3), {}),
     "dropout_d128_segments": (1, 2, 1, 130, 100, 128, jnp.float16,
                               dict(dropout_rate=0.2, segments=([[50]], [[30]])), {}),
+    # bias: a full block per ring slot, a per-key vector per slot, a per-query vector
+    "bias_full_causal": (2, 2, 1, 150, 150, 64, jnp.bfloat16,
+                         dict(causal=True, bias=(2, 2, 150, 150)), {}),
+    "bias_2d_f32_d128": (1, 2, 2, 100, 130, 128, jnp.float16, dict(bias=(1, 1, 100, 130),
+                                                                   bias_dtype=jnp.float32), {}),
+    "bias_head_kv_segments": (2, 4, 2, 130, 130, 64, jnp.bfloat16,
+                              dict(bias=(1, 4, 1, 130), segments=([[70]], None)), {}),
+    "bias_per_query_window": (1, 2, 1, 200, 200, 64, jnp.float16,
+                              dict(bias=(1, 2, 200, 1), window=(40, 40)), {}),
     # a 4-block kv ring of 2 slots: every slot is refilled twice
     "ring_wraps": (1, 1, 1, 64, 256, 64, jnp.bfloat16, {}, dict(block_kv=64, slots=2)),
 }
@@ -103,14 +112,18 @@ def test_forward_matches_float64_reference_without_races(name):
     q_cuts, kv_cuts = mkw.pop("segments")
     q_seg = _segment_ids(B, Sq, q_cuts)
     kv_seg = q_seg if kv_cuts is None else _segment_ids(B, Skv, kv_cuts)
+  bias = None
+  if "bias" in mkw:
+    shape, bias_dtype = mkw.pop("bias"), mkw.pop("bias_dtype", dtype)
+    bias = jax.random.normal(jax.random.key(5), shape, jnp.float64).astype(bias_dtype)
   cfg = _cfg(Sq, Skv, D, **mkw)
   seed = _dropout.seed_from_key(jax.random.key(11)) if cfg.dropout_active else None
   _compat.reset_interpret_state()
-  out, lse = _forward(cfg, q, k, v, None, None, q_seg, kv_seg, seed, (), **launch)
+  out, lse = _forward(cfg, q, k, v, bias, None, q_seg, kv_seg, seed, (), **launch)
   assert not _compat.interpret_races_found()
   assert out.shape == (B, H, Sq, D) and out.dtype == dtype
   assert lse.shape == (B, H, Sq) and lse.dtype == jnp.float32
-  ref_out, ref_lse = reference.attention(cfg, *_util.as64((q, k, v)), None, None, q_seg,
+  ref_out, ref_lse = reference.attention(cfg, *_util.as64((q, k, v, bias)), None, q_seg,
                                          kv_seg, seed, ())
   _util.assert_close(out, ref_out, dtype, what=f"{name}/out")
   _util.assert_close(lse, ref_lse, dtype, what=f"{name}/lse")
@@ -142,9 +155,6 @@ def test_refuses_what_it_does_not_implement():
   from flashvjp.pallas.mosaic_gpu import _limits
   q, k, v = _util.random_qkv(0, 1, 2, 1, 64, 64, 64, dtype=jnp.bfloat16)
   cfg = _cfg(64, 64, 64)
-  bias = jnp.zeros((1, 1, 64, 64), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="bias"):
-    _forward(cfg, q, k, v, bias, None, None, None, None, ())
   seg = jnp.zeros((1, 64), jnp.int32)
   with pytest.raises(NotImplementedError, match="segment ids"):
     _forward(cfg, q, k, v, None, None, seg, None, None, ())
@@ -195,13 +205,16 @@ _COMPILE = textwrap.dedent("""
       elif variant == "dropout":
         f = lambda q, k, v, r: F.forward(cfg, q, k, v, None, None, None, None, r, ())
         args = (q, kv, kv, seed)
+      elif variant == "bias":  # a full [B, H, S, S] bias: a [128, 64] block per ring slot
+        f = lambda q, k, v, a: F.forward(cfg, q, k, v, a, None, None, None, None, ())
+        args = (q, kv, kv, jax.ShapeDtypeStruct((1, 4, S, S), jnp.bfloat16, sharding=sh))
       else:
         f = lambda q, k, v: F.forward(cfg, q, k, v, None, None, None, None, None, ())
         args = (q, kv, kv)
       jax.jit(f).lower(*args).compile()
       print("COMPILED", variant, flush=True)
 """)
-VARIANTS = ("causal", "segments", "dropout")
+VARIANTS = ("causal", "segments", "dropout", "bias")
 
 
 def compile_sm90(D, S, variants, dump_dir):
@@ -239,7 +252,7 @@ def test_parse_ptxas():
                     reason="the deviceless sm_90a compile needs jax-cuda12-plugin")
 @pytest.mark.parametrize("D", [64, 128])
 def test_compiles_for_sm90a_without_spills(D, tmp_path):
-  """Causal forwards (plain, segment ids, dropout) compile for H100 with no register spill
+  """Causal forwards (plain, segment ids, dropout, bias) compile for H100 with no register spill
   and within the SMEM of a Hopper block (227 KiB)."""
   found = compile_sm90(D, 1024, VARIANTS, tmp_path)
   for variant, (regs, spills, smem) in found.items():

@@ -87,6 +87,11 @@ def wgmma_row_vector(x):
   return mg.layout_cast(x, mg.Layout.WGMMA.reduce(1))
 
 
+def wgmma_layout():
+  """The wgmma accumulator layout (of a [rows, cols] register tile)."""
+  return plgpu().Layout.WGMMA
+
+
 def wgmma_row_layout():
   """The layout of a per-row vector of a wgmma tile (the tile reduced over its columns)."""
   return plgpu().Layout.WGMMA.reduce(1)

@@ -6,8 +6,8 @@ entry, every operand the kernel does not implement yet, so nothing falls back si
 
 Forward now: float16 / bfloat16 inputs (compiled and interpret mode alike: the kernel
 runs 16-bit wgmma), head dims up to 256 (zero-padded to a multiple of 64), GQA / MQA,
-causal, window, segment ids, dropout, any sequence lengths (padded to whole blocks). Not
-yet: bias, dense masks, score_mod, mask_mod, global offsets (ring chunk pairs), a
+causal, window, segment ids, dropout, bias, any sequence lengths (padded to whole
+blocks). Not yet: dense masks, score_mod, mask_mod, global offsets (ring chunk pairs), a
 float32 out (a traced scale), float32 / float64 inputs. (`supports` answers for the
 family: it refuses dropout until the backward kernels have it.)
 """
@@ -65,7 +65,7 @@ def forward_problem(cfg, q, k, v, *, bias=None, mask=None, q_seg=None, kv_seg=No
   missing = _compat.unavailable()
   if missing is not None:
     return missing
-  feats = [("bias", bias is not None), ("a dense mask", mask is not None),
+  feats = [("a dense mask", mask is not None),
            ("segment ids given for one side only", (q_seg is None) != (kv_seg is None)),
            ("score_mod", cfg.score_mod is not None or bool(tuple(consts or ()))),
            ("mask_mod", cfg.mask_mod is not None or mod is not None),

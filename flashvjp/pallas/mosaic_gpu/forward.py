@@ -28,8 +28,12 @@ GQA: the producer reads kv head h // G; K/V are never repeated in memory. Sequen
 lengths are zero-padded to whole blocks outside the kernel and head dims to a multiple
 of 64 (the 128-byte swizzle of a 16-bit row).
 
-Not implemented (refused by `_limits.forward_problem` before any kernel is built): bias,
-dense masks, score_mod, mask_mod, global offsets, float32 / float64 inputs, a
+Bias (`BiasForm`): a full [Sq, Skv] bias streams through the ring with K (a [128, bk] block
+per slot), a per-key [1, Skv] one as a vector per slot, a per-query [Sq, 1] one is loaded
+once per consumer; added to the scores in the exp2 domain.
+
+Not implemented (refused by `_limits.forward_problem` before any kernel is built): dense
+masks, score_mod, mask_mod, global offsets, float32 / float64 inputs, a
 float32 out.
 """
 from __future__ import annotations
@@ -78,6 +82,7 @@ class Plan:
   Dp: int  # head dims padded to a multiple of 64
   Dvp: int
   slots: int  # K/V ring depth
+  slot_extra: int = 0  # bytes per ring slot besides K and V (kv segment ids, a bias block)
 
   @property
   def G(self) -> int:
@@ -121,7 +126,7 @@ class Plan:
     o = 0 if self.Dvp == self.Dp else self.bq * self.Dvp
     ring = self.slots * self.bk * (self.Dp + self.Dvp)
     p = self.bq * self.bk
-    return (q + o + ring + p) * itemsize + 4 * self.bq
+    return (q + o + ring + p) * itemsize + 4 * self.bq + self.slots * self.slot_extra
 
 
 def _round_up(x: int, m: int) -> int:
@@ -129,14 +134,16 @@ def _round_up(x: int, m: int) -> int:
 
 
 def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | None = None,
-         consumers: int | None = None, elementwise: bool = False) -> Plan:
+         consumers: int | None = None, elementwise: bool = False,
+         slot_extra=lambda bq, bk: 0) -> Plan:
   """The launch sizes: two consumer warpgroups (128 query rows per CTA; one when the
   sequence fits in 64 rows), kv blocks of 128 for head dims <= 128 and 64 above (the
   consumer's registers: S, the output and a P V accumulator are live at once), and a
   ring of 2-3 slots within the SMEM budget (FA3's Hopper forward at head dim 128: 64 rows
   per consumer, kv blocks of 128, 2 slots). `elementwise` (segment ids, dropout: more
   per-entry work on every tile) takes kv blocks of 64: at 128 the consumer spills
-  (sm_90a, ptxas: 8-168 bytes), at 64 it does not."""
+  (sm_90a, ptxas: 8-168 bytes), at 64 it does not. `slot_extra(bq, bk)`: the bytes each
+  ring slot holds besides K and V."""
   B, H, Sq, D = q_shape
   Hkv, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
   Dp, Dvp = _round_up(D, 64), _round_up(Dv, 64)
@@ -149,19 +156,21 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
   if block_kv not in (64, 128):
     raise ValueError(f"block_kv must be 64 or 128, got {block_kv}")
   nk = _mask.num_blocks(Skv, block_kv)
-  make = lambda n: Plan(B, H, Hkv, Sq, Skv, D, Dv, consumers, block_kv, Dp, Dvp, n)
+  extra = slot_extra(consumers * ROWS_PER_WARPGROUP, block_kv)
+  make = lambda n: Plan(B, H, Hkv, Sq, Skv, D, Dv, consumers, block_kv, Dp, Dvp, n, extra)
   if slots is None:
     slots = 3 if make(3).smem_bytes() <= _limits.SMEM_BUDGET else 2
   return make(max(1, min(slots, nk)))
 
 
-def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, interpret=None,
-           skip_wait: str | None = None):
+def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias=None,
+           interpret=None, skip_wait: str | None = None):
   """The kernel as a function of padded operands -> (out, lse).
 
   Operands: q [B, H, Sqp, Dp], k [B, Hkv, Skvp, Dp], v [B, Hkv, Skvp, Dvp], then with
   `segments` the padded segment ids q_seg int32 [B, Sqp] and kv_seg int32 [B, Skvp], then
-  with dropout the hash's per-row words uint32 [B, H, 2, Sqp] (`dropout_rows`).
+  with dropout the hash's per-row words uint32 [B, H, 2, Sqp] (`dropout_rows`), then a
+  bias in one of the forms of `bias_operand` (`bias`: its `BiasForm`).
   `skip_wait` (tests only) removes one barrier wait (`SKIPPABLE_WAITS`), to check that
   the interpreter's race detector sees the hazard it guards against.
   """
@@ -177,6 +186,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, inte
   i32 = lambda x: jnp.asarray(x, jnp.int32)
   dropout = cfg.dropout_active
   u32 = jnp.uint32
+  # per-slot side data read after the QK product: the slot is released only after it
+  late_release = segments or (bias is not None and bias.kind in ("kv", "tile"))
 
   def wait(name, barrier):
     if skip_wait != name:
@@ -219,6 +230,11 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, inte
       wait("q_loaded", R["drop_bar"].at[w])
       row_words = tuple(mg.load(R["drop_s"].at[w, n], layout=_compat.wgmma_row_layout())
                         for n in range(2))  # [rows] uint32 each
+    if bias is not None and bias.kind == "q":
+      bb, hb = bias.index(b, h)
+      mg.copy_gmem_to_smem(R["bias"].at[bb, hb, q_rows], R["bias_s"].at[w], R["bias_bar"].at[w])
+      wait("q_loaded", R["bias_bar"].at[w])
+      bias_q = mg.load(R["bias_s"].at[w], layout=_compat.wgmma_row_layout()) * LOG2E
     wait("q_loaded", R["q_bar"].at[w])
 
     def dropped(prob, t):
@@ -237,6 +253,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, inte
       wait("k_loaded", R["k_bar"].at[slot])
       if segments:
         wait("k_loaded", R["kseg_bar"].at[slot])
+      if late_release and bias is not None:
+        wait("k_loaded", R["bias_bar"].at[slot])
 
     def step(t, carry, masked_step):
       m, l, acc = carry
@@ -248,18 +266,28 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, inte
         return acc_ref[...]
 
       s = _compat.run_scoped(qk, mg.ACC((rows, bk), f32))
-      if not segments:
-        mg.barrier_arrive(R["k_free"].at[slot])
       s = s * scale2
+      if bias is not None:  # in the exp2 domain: bias * log2(e)
+        if bias.kind == "q":
+          s = s + _rows(bias_q, s.shape)
+        elif bias.kind == "kv":
+          col = mg.load(R["bias_s"].at[slot], layout=_compat.wgmma_col_layout())
+          s = s + lax.broadcast_in_dim(col * LOG2E, s.shape, [1])
+        else:
+          tile = mg.load(R["bias_s"].at[slot, pl_ds(w * rows, rows)],
+                         layout=_compat.wgmma_layout())
+          s = s + tile.astype(f32) * LOG2E
+      if segments:
+        kv_seg = mg.load(R["kseg_s"].at[slot], layout=_compat.wgmma_col_layout())  # [bk]
+      if late_release:  # the slot's side data is read: fence it against the TMA refill
+        mg.commit_smem()
+      mg.barrier_arrive(R["k_free"].at[slot])
       if masked_step:
         qi = r * rows + _compat.wgmma_iota((rows, bk), 0)
         ki = t * bk + _compat.wgmma_iota((rows, bk), 1)
-        if segments:  # the slot's kv ids are read, then fenced against its TMA refill
-          kv_seg = mg.load(R["kseg_s"].at[slot], layout=_compat.wgmma_col_layout())  # [bk]
+        if segments:
           ok = spec.allowed(qi, ki, q_seg=_rows(q_seg, (rows, bk)),
                             kv_seg=lax.broadcast_in_dim(kv_seg, (rows, bk), [1]))
-          mg.commit_smem()
-          mg.barrier_arrive(R["k_free"].at[slot])
         else:
           ok = spec.allowed(qi, ki)
         m_new = jnp.maximum(m, jnp.where(ok, s, neg).max(axis=1))
@@ -342,6 +370,11 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, inte
       if segments:
         mg.copy_gmem_to_smem(R["kv_seg"].at[b, blk], R["kseg_s"].at[slot],
                              R["kseg_bar"].at[slot])
+      if late_release and bias is not None:
+        bb, hb = bias.index(b, h)
+        src = (R["bias"].at[bb, hb, blk] if bias.kind == "kv"
+               else R["bias"].at[bb, hb, pl_ds(i * p.bq, p.bq), blk])
+        mg.copy_gmem_to_smem(src, R["bias_s"].at[slot], R["bias_bar"].at[slot])
 
       @_compat.when(n >= slots)
       def _():
@@ -353,7 +386,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, inte
     lax.fori_loop(lo, hi, fetch, None)
 
   in_names = (["q", "k", "v"] + (["q_seg", "kv_seg"] if segments else [])
-              + (["drop_rows"] if dropout else []))
+              + (["drop_rows"] if dropout else []) + (["bias"] if bias is not None else []))
   smem = functools.partial(_compat.smem_tile, dtype=dtype)
   tiles = {"q_s": smem((nc, rows, p.Dp)),
            "o_s": None if p.Dvp == p.Dp else smem((nc, rows, p.Dvp)),
@@ -372,6 +405,10 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, inte
   if dropout:
     tiles.update(drop_s=mg.SMEM((nc, 2, rows), u32))
     bars.update(drop_bar=mg.Barrier(num_barriers=nc))
+  if bias is not None:
+    shape = {"q": (nc, rows), "kv": (slots, bk), "tile": (slots, p.bq, bk)}[bias.kind]
+    tiles.update(bias_s=mg.SMEM(shape, bias.dtype))
+    bars.update(bias_bar=mg.Barrier(num_barriers=nc if bias.kind == "q" else slots))
 
   def body(R):
     if R["o_s"] is None:
@@ -407,6 +444,47 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, inte
   return mg.kernel(entry, out_type=out_type, grid=(p.nq, p.H, p.B), grid_names=("q", "h", "b"),
                    num_threads=nc + 1, thread_name="wg", interpret=interpret,
                    compiler_params=mg.CompilerParams(approx_math=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class BiasForm:
+  """How a rank-4 bias (each dim 1 or full) reaches the kernel.
+
+  kind "tile" ([.., Sq, Skv]): a [128, bk] block per ring slot, in the bias's dtype;
+  "kv" ([.., 1, Skv]): a float32 [bk] vector per ring slot; "q" ([.., Sq | 1, 1]): a
+  float32 [64] vector per consumer, loaded once. `per_batch` / `per_head`: whether the
+  batch / head dims are full (else index 0 is read for every b / h).
+  """
+
+  kind: str
+  dtype: object
+  per_batch: bool
+  per_head: bool
+
+  @staticmethod
+  def of(bias) -> BiasForm:
+    Bb, Hb, Sq2, Sk2 = bias.shape
+    kind = "q" if Sk2 == 1 else ("kv" if Sq2 == 1 else "tile")
+    dtype = jnp.dtype(bias.dtype)
+    if kind != "tile" or dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+      dtype = jnp.dtype(jnp.float32)
+    return BiasForm(kind, dtype, Bb != 1, Hb != 1)
+
+  def index(self, b, h):
+    zero = jnp.zeros((), jnp.int32)
+    return (b if self.per_batch else zero), (h if self.per_head else zero)
+
+  def slot_bytes(self, bq: int, bk: int) -> int:
+    return {"q": 0, "kv": 4 * bk, "tile": bq * bk * self.dtype.itemsize}[self.kind]
+
+  def operand(self, bias, p: Plan):
+    """The padded bias the kernel reads: [Bb, Hb, Sqp, Skvp], [Bb, Hb, Skvp] or [Bb, Hb, Sqp]."""
+    if self.kind == "tile":
+      return C.pad_pair(bias.astype(self.dtype), p)
+    if self.kind == "kv":
+      return _mask.pad_axis(bias[:, :, 0, :].astype(jnp.float32), 2, p.Skvp)
+    col = jnp.broadcast_to(bias[:, :, :, 0], bias.shape[:2] + (p.Sq,)).astype(jnp.float32)
+    return _mask.pad_axis(col, 2, p.Sqp)
 
 
 def dropout_rows(cfg: AttentionConfig, seed, p: Plan):
@@ -452,12 +530,15 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
                                     offsets=offsets)
   if problem is not None:
     raise NotImplementedError(f"pallas_mosaic_gpu forward: {problem}")
+  form = None if bias is None else BiasForm.of(bias)
   p = plan(q.shape, k.shape, v.shape, block_kv=block_kv, slots=slots, consumers=consumers,
-           elementwise=q_seg is not None or cfg.dropout_active)
+           elementwise=q_seg is not None or cfg.dropout_active or bias is not None,
+           slot_extra=lambda bq, bk: (4 * bk if q_seg is not None else 0) + (
+               0 if form is None else form.slot_bytes(bq, bk)))
   if interpret is None and cfg.interpret:
     interpret = _compat.interpret_params(detect_races=True)
   segments = q_seg is not None
-  kernel = _build(cfg, p, q.dtype, segments=segments, interpret=interpret,
+  kernel = _build(cfg, p, q.dtype, segments=segments, bias=form, interpret=interpret,
                   skip_wait=_skip_wait)
   operands = [C.pad_seq_head(q, p.Sqp, p.Dp), C.pad_seq_head(k, p.Skvp, p.Dp),
               C.pad_seq_head(v, p.Skvp, p.Dvp)]
@@ -466,6 +547,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     operands += [q_seg_p.astype(jnp.int32), kv_seg_p.astype(jnp.int32)]
   if cfg.dropout_active:
     operands.append(dropout_rows(cfg, seed, p))
+  if form is not None:
+    operands.append(form.operand(bias, p))
   out, lse = kernel(*operands)
   lse = lse[:, :, : p.Sq]
   # -inf at empty rows only, by log(0) there (as the Triton family: no -inf array built).
