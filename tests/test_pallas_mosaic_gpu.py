@@ -51,11 +51,11 @@ def _forward(*args, **kw):
 # name -> (B, H, Hkv, Sq, Skv, D, dtype, mask kwargs, launch overrides)
 CASES = {
     "plain_d64": (1, 2, 2, 128, 128, 64, jnp.bfloat16, {}, {}),
-    "plain_d128_f16_padded": (2, 2, 1, 100, 77, 128, jnp.float16, {}, {}),
-    "causal_d128_padded": (1, 2, 2, 200, 200, 128, jnp.bfloat16, dict(causal=True), {}),
+    "plain_d128_f16_padded": (2, 1, 1, 100, 77, 128, jnp.float16, {}, {}),
+    "causal_d128_padded": (1, 1, 1, 200, 200, 128, jnp.bfloat16, dict(causal=True), {}),
     "causal_gqa_d64_f16": (1, 4, 2, 130, 130, 64, jnp.float16, dict(causal=True), {}),
-    "causal_rect_d64": (1, 2, 1, 64, 200, 64, jnp.bfloat16, dict(causal=True), {}),
-    "window_d64": (1, 2, 1, 256, 256, 64, jnp.bfloat16, dict(window=(70, 20)), {}),
+    "causal_rect_d64": (1, 1, 1, 64, 200, 64, jnp.bfloat16, dict(causal=True), {}),
+    "window_d64": (1, 1, 1, 256, 256, 64, jnp.bfloat16, dict(window=(70, 20)), {}),
     # kv blocks of 64: the two consumers of a CTA own different kv ranges, so each passes
     # by blocks of the CTA's range (leading and trailing) that only the other computes
     "window_d64_bk64": (1, 1, 1, 256, 256, 64, jnp.float16, dict(window=(70, 20)),
@@ -70,24 +70,31 @@ CASES = {
     "d32_padded_head": (1, 2, 1, 80, 80, 32, jnp.bfloat16, {}, {}),
     # packed documents (segment ids: every visited block masked elementwise); batch 1's
     # first q segment (id 0) has no kv of its id in the pair case: empty rows
-    "segments_causal": (2, 2, 1, 200, 200, 64, jnp.bfloat16,
+    "segments_causal": (2, 1, 1, 200, 200, 64, jnp.bfloat16,
                         dict(causal=True, segments=([[30, 140], [90]], None)), {}),
     "segment_pair_gqa": (2, 4, 2, 150, 190, 128, jnp.float16,
                          dict(segments=([[40, 100], [20]], [[60, 120], [0, 77]])), {}),
     # dropout: the shared counter hash (the same keep bits as the reference's)
-    "dropout_causal_gqa": (2, 4, 2, 150, 150, 64, jnp.bfloat16,
+    "dropout_causal_gqa": (1, 4, 2, 130, 130, 64, jnp.bfloat16,
                            dict(causal=True, dropout_rate=0.3), {}),
     "dropout_d128_segments": (1, 2, 1, 130, 100, 128, jnp.float16,
                               dict(dropout_rate=0.2, segments=([[50]], [[30]])), {}),
     # bias: a full block per ring slot, a per-key vector per slot, a per-query vector
-    "bias_full_causal": (2, 2, 1, 150, 150, 64, jnp.bfloat16,
-                         dict(causal=True, bias=(2, 2, 150, 150)), {}),
+    "bias_full_causal": (2, 2, 1, 130, 130, 64, jnp.bfloat16,
+                         dict(causal=True, bias=(2, 2, 130, 130)), {}),
     "bias_2d_f32_d128": (1, 2, 2, 100, 130, 128, jnp.float16, dict(bias=(1, 1, 100, 130),
                                                                    bias_dtype=jnp.float32), {}),
-    "bias_head_kv_segments": (2, 4, 2, 130, 130, 64, jnp.bfloat16,
-                              dict(bias=(1, 4, 1, 130), segments=([[70]], None)), {}),
+    "bias_head_kv_segments": (2, 2, 1, 130, 130, 64, jnp.bfloat16,
+                              dict(bias=(1, 2, 1, 130), segments=([[70], [20, 90]], None)), {}),
     "bias_per_query_window": (1, 2, 1, 200, 200, 64, jnp.float16,
                               dict(bias=(1, 2, 200, 1), window=(40, 40)), {}),
+    # dense masks (bfloat16 0 / 1 blocks in the ring, vectors): rows 3 and 40-43 of batch 1
+    # attend nothing (empty rows); per-key and per-query masks with causal
+    "mask_full": (2, 2, 1, 100, 120, 64, jnp.bfloat16, dict(mask="full"), {}),
+    "mask_per_key_causal_d128": (1, 2, 1, 130, 130, 128, jnp.float16,
+                                 dict(mask="per_key", causal=True), {}),
+    "mask_per_query_bias": (2, 2, 2, 90, 90, 64, jnp.bfloat16,
+                            dict(mask="per_query", bias=(2, 2, 90, 90)), {}),
     # a 4-block kv ring of 2 slots: every slot is refilled twice
     "ring_wraps": (1, 1, 1, 64, 256, 64, jnp.bfloat16, {}, dict(block_kv=64, slots=2)),
 }
@@ -100,6 +107,16 @@ def _segment_ids(B, S, cuts):
     for c in cuts[b % len(cuts)]:
       ids[b, c:] += 1
   return jnp.asarray(ids)
+
+
+def _dense_mask(form, B, H, Sq, Skv):
+  """A random bool mask of the given broadcast form, with empty rows where it has rows."""
+  shape = {"full": (B, 1, Sq, Skv), "per_key": (1, H, 1, Skv), "per_query": (B, H, Sq, 1)}[form]
+  m = np.random.default_rng(0).random(shape) > 0.4
+  if form != "per_key":
+    m[-1, :, 3] = False
+    m[-1, :, 40:44] = False
+  return jnp.asarray(m)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -116,14 +133,15 @@ def test_forward_matches_float64_reference_without_races(name):
   if "bias" in mkw:
     shape, bias_dtype = mkw.pop("bias"), mkw.pop("bias_dtype", dtype)
     bias = jax.random.normal(jax.random.key(5), shape, jnp.float64).astype(bias_dtype)
+  mask = None if "mask" not in mkw else _dense_mask(mkw.pop("mask"), B, H, Sq, Skv)
   cfg = _cfg(Sq, Skv, D, **mkw)
   seed = _dropout.seed_from_key(jax.random.key(11)) if cfg.dropout_active else None
   _compat.reset_interpret_state()
-  out, lse = _forward(cfg, q, k, v, bias, None, q_seg, kv_seg, seed, (), **launch)
+  out, lse = _forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, (), **launch)
   assert not _compat.interpret_races_found()
   assert out.shape == (B, H, Sq, D) and out.dtype == dtype
   assert lse.shape == (B, H, Sq) and lse.dtype == jnp.float32
-  ref_out, ref_lse = reference.attention(cfg, *_util.as64((q, k, v, bias)), None, q_seg,
+  ref_out, ref_lse = reference.attention(cfg, *_util.as64((q, k, v, bias)), mask, q_seg,
                                          kv_seg, seed, ())
   _util.assert_close(out, ref_out, dtype, what=f"{name}/out")
   _util.assert_close(lse, ref_lse, dtype, what=f"{name}/lse")
@@ -156,13 +174,14 @@ def test_refuses_what_it_does_not_implement():
   q, k, v = _util.random_qkv(0, 1, 2, 1, 64, 64, 64, dtype=jnp.bfloat16)
   cfg = _cfg(64, 64, 64)
   seg = jnp.zeros((1, 64), jnp.int32)
-  with pytest.raises(NotImplementedError, match="segment ids"):
+  with pytest.raises(NotImplementedError, match="segment ids must be given for both"):
     _forward(cfg, q, k, v, None, None, seg, None, None, ())
-  mask = jnp.ones((1, 1, 64, 64), bool)
-  with pytest.raises(NotImplementedError, match="dense mask"):
-    _forward(cfg, q, k, v, None, mask, None, None, None, ())
-  with pytest.raises(NotImplementedError, match="dropout without a seed"):
+  with pytest.raises(NotImplementedError, match="dropout needs a seed"):
     _forward(_cfg(64, 64, 64, dropout_rate=0.1), q, k, v, None, None, None, None, None, ())
+  with pytest.raises(NotImplementedError, match="score_mod"):
+    _forward(cfg, q, k, v, None, None, None, None, None, (jnp.ones((2,)),))
+  with pytest.raises(NotImplementedError, match="global offsets"):
+    _forward(cfg, q, k, v, None, None, None, None, None, (), offsets=(0, 0, 64, 0))
   q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
   with pytest.raises(NotImplementedError, match="float32"):
     _forward(cfg, q32, k32, v32, None, None, None, None, None, ())
@@ -208,13 +227,16 @@ _COMPILE = textwrap.dedent("""
       elif variant == "bias":  # a full [B, H, S, S] bias: a [128, 64] block per ring slot
         f = lambda q, k, v, a: F.forward(cfg, q, k, v, a, None, None, None, None, ())
         args = (q, kv, kv, jax.ShapeDtypeStruct((1, 4, S, S), jnp.bfloat16, sharding=sh))
+      elif variant == "mask":  # a dense [S, S] mask: bfloat16 0 / 1 blocks in the ring
+        f = lambda q, k, v, m: F.forward(cfg, q, k, v, None, m, None, None, None, ())
+        args = (q, kv, kv, jax.ShapeDtypeStruct((1, 1, S, S), jnp.bool_, sharding=sh))
       else:
         f = lambda q, k, v: F.forward(cfg, q, k, v, None, None, None, None, None, ())
         args = (q, kv, kv)
       jax.jit(f).lower(*args).compile()
       print("COMPILED", variant, flush=True)
 """)
-VARIANTS = ("causal", "segments", "dropout", "bias")
+VARIANTS = ("causal", "segments", "dropout", "bias", "mask")
 
 
 def compile_sm90(D, S, variants, dump_dir):
@@ -252,8 +274,8 @@ def test_parse_ptxas():
                     reason="the deviceless sm_90a compile needs jax-cuda12-plugin")
 @pytest.mark.parametrize("D", [64, 128])
 def test_compiles_for_sm90a_without_spills(D, tmp_path):
-  """Causal forwards (plain, segment ids, dropout, bias) compile for H100 with no register spill
-  and within the SMEM of a Hopper block (227 KiB)."""
+  """Causal forwards (plain, segment ids, dropout, bias, dense mask) compile for H100 with no
+  register spill and within the SMEM of a Hopper block (227 KiB)."""
   found = compile_sm90(D, 1024, VARIANTS, tmp_path)
   for variant, (regs, spills, smem) in found.items():
     print(f"sm_90a forward D={D} causal {variant}: {regs} registers (at launch; setmaxnreg"

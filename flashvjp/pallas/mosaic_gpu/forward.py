@@ -28,12 +28,13 @@ GQA: the producer reads kv head h // G; K/V are never repeated in memory. Sequen
 lengths are zero-padded to whole blocks outside the kernel and head dims to a multiple
 of 64 (the 128-byte swizzle of a 16-bit row).
 
-Bias (`BiasForm`): a full [Sq, Skv] bias streams through the ring with K (a [128, bk] block
-per slot), a per-key [1, Skv] one as a vector per slot, a per-query [Sq, 1] one is loaded
-once per consumer; added to the scores in the exp2 domain.
+Bias and dense masks (`PairForm`): a full [Sq, Skv] one streams through the ring with K (a
+[128, bk] block per slot), a per-key [1, Skv] one as a vector per slot, a per-query
+[Sq, 1] one is loaded once per consumer. The bias is added to the scores in the exp2
+domain; the mask (bfloat16 0 / 1 blocks, float32 vectors) joins the elementwise mask of
+every visited block (blocks are skipped by the static bounds only, not by the mask).
 
-Not implemented (refused by `_limits.forward_problem` before any kernel is built): dense
-masks, score_mod, mask_mod, global offsets, float32 / float64 inputs, a
+Not implemented (refused by `_limits.forward_problem` before any kernel is built): score_mod, mask_mod, global offsets, float32 / float64 inputs, a
 float32 out.
 """
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Plan:
   Dp: int  # head dims padded to a multiple of 64
   Dvp: int
   slots: int  # K/V ring depth
-  slot_extra: int = 0  # bytes per ring slot besides K and V (kv segment ids, a bias block)
+  slot_extra: int = 0  # bytes per ring slot besides K and V (kv segment ids, bias / mask)
 
   @property
   def G(self) -> int:
@@ -164,13 +165,13 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
 
 
 def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias=None,
-           interpret=None, skip_wait: str | None = None):
+           mask=None, interpret=None, skip_wait: str | None = None):
   """The kernel as a function of padded operands -> (out, lse).
 
   Operands: q [B, H, Sqp, Dp], k [B, Hkv, Skvp, Dp], v [B, Hkv, Skvp, Dvp], then with
   `segments` the padded segment ids q_seg int32 [B, Sqp] and kv_seg int32 [B, Skvp], then
   with dropout the hash's per-row words uint32 [B, H, 2, Sqp] (`dropout_rows`), then a
-  bias in one of the forms of `bias_operand` (`bias`: its `BiasForm`).
+  bias, then a dense mask, each in its `PairForm` (`bias`, `mask`: the forms).
   `skip_wait` (tests only) removes one barrier wait (`SKIPPABLE_WAITS`), to check that
   the interpreter's race detector sees the hazard it guards against.
   """
@@ -179,7 +180,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
   mg = _compat.plgpu()
   f32 = jnp.float32
   spec = C.mask_spec(cfg)
-  masked = segments or cfg.causal or cfg.window is not None or p.Skvp != p.Skv
+  masked = (segments or mask is not None or cfg.causal or cfg.window is not None
+            or p.Skvp != p.Skv)
   scale2 = float(cfg.scale) * LOG2E
   neg = float(jnp.finfo(f32).min)
   rows, bk, slots, nc = p.rows, p.bk, p.slots, p.consumers
@@ -187,7 +189,9 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
   dropout = cfg.dropout_active
   u32 = jnp.uint32
   # per-slot side data read after the QK product: the slot is released only after it
-  late_release = segments or (bias is not None and bias.kind in ("kv", "tile"))
+  pairs = {n: f for n, f in (("bias", bias), ("mask", mask)) if f is not None}
+  streamed = [n for n, f in pairs.items() if f.kind != "q"]  # read from the ring slots
+  late_release = segments or bool(streamed)
 
   def wait(name, barrier):
     if skip_wait != name:
@@ -200,13 +204,13 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
 
   def own_blocks(r, lo, hi):
     """Within [lo, hi): the kv blocks of row block r (64 rows), and the unmasked ones
-    (none with segment ids: every block is masked elementwise)."""
+    (none with segment ids or a dense mask: every block is masked elementwise)."""
     a, z = spec.kv_block_range(r, rows, bk, p.nk)
     a = jnp.clip(i32(a), lo, hi)
     z = jnp.clip(i32(z), a, hi)
     if not masked:
       return a, z, a, z
-    if segments:
+    if segments or mask is not None:
       return a, z, z, z
     f_lo, f_hi = spec.full_kv_block_range(r, rows, bk)
     f_lo = jnp.clip(i32(f_lo), a, z)
@@ -230,11 +234,13 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       wait("q_loaded", R["drop_bar"].at[w])
       row_words = tuple(mg.load(R["drop_s"].at[w, n], layout=_compat.wgmma_row_layout())
                         for n in range(2))  # [rows] uint32 each
-    if bias is not None and bias.kind == "q":
-      bb, hb = bias.index(b, h)
-      mg.copy_gmem_to_smem(R["bias"].at[bb, hb, q_rows], R["bias_s"].at[w], R["bias_bar"].at[w])
-      wait("q_loaded", R["bias_bar"].at[w])
-      bias_q = mg.load(R["bias_s"].at[w], layout=_compat.wgmma_row_layout()) * LOG2E
+    per_query = {}  # pairs of kind "q": [rows] float32, loaded once
+    for n, f in pairs.items():
+      if f.kind == "q":
+        bb, hb = f.index(b, h)
+        mg.copy_gmem_to_smem(R[n].at[bb, hb, q_rows], R[n + "_s"].at[w], R[n + "_bar"].at[w])
+        wait("q_loaded", R[n + "_bar"].at[w])
+        per_query[n] = mg.load(R[n + "_s"].at[w], layout=_compat.wgmma_row_layout())
     wait("q_loaded", R["q_bar"].at[w])
 
     def dropped(prob, t):
@@ -253,8 +259,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       wait("k_loaded", R["k_bar"].at[slot])
       if segments:
         wait("k_loaded", R["kseg_bar"].at[slot])
-      if late_release and bias is not None:
-        wait("k_loaded", R["bias_bar"].at[slot])
+      for n in streamed:
+        wait("k_loaded", R[n + "_bar"].at[slot])
 
     def step(t, carry, masked_step):
       m, l, acc = carry
@@ -267,16 +273,21 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
 
       s = _compat.run_scoped(qk, mg.ACC((rows, bk), f32))
       s = s * scale2
+
+      def pair_value(n):
+        """The [rows, bk] float32 values of bias / mask `n` on this tile."""
+        kind = pairs[n].kind
+        if kind == "q":
+          return _rows(per_query[n], (rows, bk))
+        if kind == "kv":
+          col = mg.load(R[n + "_s"].at[slot], layout=_compat.wgmma_col_layout())
+          return lax.broadcast_in_dim(col, (rows, bk), [1])
+        tile = mg.load(R[n + "_s"].at[slot, pl_ds(w * rows, rows)], layout=_compat.wgmma_layout())
+        return tile.astype(f32)
+
       if bias is not None:  # in the exp2 domain: bias * log2(e)
-        if bias.kind == "q":
-          s = s + _rows(bias_q, s.shape)
-        elif bias.kind == "kv":
-          col = mg.load(R["bias_s"].at[slot], layout=_compat.wgmma_col_layout())
-          s = s + lax.broadcast_in_dim(col * LOG2E, s.shape, [1])
-        else:
-          tile = mg.load(R["bias_s"].at[slot, pl_ds(w * rows, rows)],
-                         layout=_compat.wgmma_layout())
-          s = s + tile.astype(f32) * LOG2E
+        s = s + pair_value("bias") * LOG2E
+      dense = None if mask is None else pair_value("mask") != 0.0
       if segments:
         kv_seg = mg.load(R["kseg_s"].at[slot], layout=_compat.wgmma_col_layout())  # [bk]
       if late_release:  # the slot's side data is read: fence it against the TMA refill
@@ -287,9 +298,9 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         ki = t * bk + _compat.wgmma_iota((rows, bk), 1)
         if segments:
           ok = spec.allowed(qi, ki, q_seg=_rows(q_seg, (rows, bk)),
-                            kv_seg=lax.broadcast_in_dim(kv_seg, (rows, bk), [1]))
+                            kv_seg=lax.broadcast_in_dim(kv_seg, (rows, bk), [1]), dense=dense)
         else:
-          ok = spec.allowed(qi, ki)
+          ok = spec.allowed(qi, ki, dense=dense)
         m_new = jnp.maximum(m, jnp.where(ok, s, neg).max(axis=1))
         e = jnp.where(ok, s - _rows(m_new, s.shape), neg)
       else:
@@ -370,11 +381,11 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       if segments:
         mg.copy_gmem_to_smem(R["kv_seg"].at[b, blk], R["kseg_s"].at[slot],
                              R["kseg_bar"].at[slot])
-      if late_release and bias is not None:
-        bb, hb = bias.index(b, h)
-        src = (R["bias"].at[bb, hb, blk] if bias.kind == "kv"
-               else R["bias"].at[bb, hb, pl_ds(i * p.bq, p.bq), blk])
-        mg.copy_gmem_to_smem(src, R["bias_s"].at[slot], R["bias_bar"].at[slot])
+      for name in streamed:
+        bb, hb = pairs[name].index(b, h)
+        src = (R[name].at[bb, hb, blk] if pairs[name].kind == "kv"
+               else R[name].at[bb, hb, pl_ds(i * p.bq, p.bq), blk])
+        mg.copy_gmem_to_smem(src, R[name + "_s"].at[slot], R[name + "_bar"].at[slot])
 
       @_compat.when(n >= slots)
       def _():
@@ -386,7 +397,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
     lax.fori_loop(lo, hi, fetch, None)
 
   in_names = (["q", "k", "v"] + (["q_seg", "kv_seg"] if segments else [])
-              + (["drop_rows"] if dropout else []) + (["bias"] if bias is not None else []))
+              + (["drop_rows"] if dropout else []) + list(pairs))
   smem = functools.partial(_compat.smem_tile, dtype=dtype)
   tiles = {"q_s": smem((nc, rows, p.Dp)),
            "o_s": None if p.Dvp == p.Dp else smem((nc, rows, p.Dvp)),
@@ -405,10 +416,10 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
   if dropout:
     tiles.update(drop_s=mg.SMEM((nc, 2, rows), u32))
     bars.update(drop_bar=mg.Barrier(num_barriers=nc))
-  if bias is not None:
-    shape = {"q": (nc, rows), "kv": (slots, bk), "tile": (slots, p.bq, bk)}[bias.kind]
-    tiles.update(bias_s=mg.SMEM(shape, bias.dtype))
-    bars.update(bias_bar=mg.Barrier(num_barriers=nc if bias.kind == "q" else slots))
+  for n, f in pairs.items():
+    shape = {"q": (nc, rows), "kv": (slots, bk), "tile": (slots, p.bq, bk)}[f.kind]
+    tiles[n + "_s"] = mg.SMEM(shape, f.dtype)
+    bars[n + "_bar"] = mg.Barrier(num_barriers=nc if f.kind == "q" else slots)
 
   def body(R):
     if R["o_s"] is None:
@@ -447,13 +458,14 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
 
 
 @dataclasses.dataclass(frozen=True)
-class BiasForm:
-  """How a rank-4 bias (each dim 1 or full) reaches the kernel.
+class PairForm:
+  """How a rank-4 bias or dense mask (each dim 1 or full) reaches the kernel.
 
-  kind "tile" ([.., Sq, Skv]): a [128, bk] block per ring slot, in the bias's dtype;
-  "kv" ([.., 1, Skv]): a float32 [bk] vector per ring slot; "q" ([.., Sq | 1, 1]): a
-  float32 [64] vector per consumer, loaded once. `per_batch` / `per_head`: whether the
-  batch / head dims are full (else index 0 is read for every b / h).
+  kind "tile" ([.., Sq, Skv]): a [128, bk] block per ring slot, 16-bit (a bias in its own
+  dtype when that is 16-bit, a mask as bfloat16 0 / 1), else float32; "kv" ([.., 1, Skv]):
+  a float32 [bk] vector per ring slot; "q" ([.., Sq | 1, 1]): a float32 [64] vector per
+  consumer, loaded once. `per_batch` / `per_head`: whether the batch / head dims are full
+  (else index 0 is read for every b / h).
   """
 
   kind: str
@@ -462,13 +474,13 @@ class BiasForm:
   per_head: bool
 
   @staticmethod
-  def of(bias) -> BiasForm:
-    Bb, Hb, Sq2, Sk2 = bias.shape
+  def of(x) -> PairForm:
+    Bb, Hb, Sq2, Sk2 = x.shape
     kind = "q" if Sk2 == 1 else ("kv" if Sq2 == 1 else "tile")
-    dtype = jnp.dtype(bias.dtype)
+    dtype = jnp.dtype(jnp.bfloat16 if x.dtype == jnp.bool_ else x.dtype)
     if kind != "tile" or dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
       dtype = jnp.dtype(jnp.float32)
-    return BiasForm(kind, dtype, Bb != 1, Hb != 1)
+    return PairForm(kind, dtype, Bb != 1, Hb != 1)
 
   def index(self, b, h):
     zero = jnp.zeros((), jnp.int32)
@@ -477,13 +489,14 @@ class BiasForm:
   def slot_bytes(self, bq: int, bk: int) -> int:
     return {"q": 0, "kv": 4 * bk, "tile": bq * bk * self.dtype.itemsize}[self.kind]
 
-  def operand(self, bias, p: Plan):
-    """The padded bias the kernel reads: [Bb, Hb, Sqp, Skvp], [Bb, Hb, Skvp] or [Bb, Hb, Sqp]."""
+  def operand(self, x, p: Plan):
+    """The padded array the kernel reads: [Bb, Hb, Sqp, Skvp], [Bb, Hb, Skvp] or [Bb, Hb, Sqp]
+    (a mask's padding is False, i.e. masked)."""
     if self.kind == "tile":
-      return C.pad_pair(bias.astype(self.dtype), p)
+      return C.pad_pair(x.astype(self.dtype), p)
     if self.kind == "kv":
-      return _mask.pad_axis(bias[:, :, 0, :].astype(jnp.float32), 2, p.Skvp)
-    col = jnp.broadcast_to(bias[:, :, :, 0], bias.shape[:2] + (p.Sq,)).astype(jnp.float32)
+      return _mask.pad_axis(x[:, :, 0, :].astype(jnp.float32), 2, p.Skvp)
+    col = jnp.broadcast_to(x[:, :, :, 0], x.shape[:2] + (p.Sq,)).astype(jnp.float32)
     return _mask.pad_axis(col, 2, p.Sqp)
 
 
@@ -530,16 +543,17 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
                                     offsets=offsets)
   if problem is not None:
     raise NotImplementedError(f"pallas_mosaic_gpu forward: {problem}")
-  form = None if bias is None else BiasForm.of(bias)
+  forms = [None if x is None else PairForm.of(x) for x in (bias, mask)]
   p = plan(q.shape, k.shape, v.shape, block_kv=block_kv, slots=slots, consumers=consumers,
-           elementwise=q_seg is not None or cfg.dropout_active or bias is not None,
-           slot_extra=lambda bq, bk: (4 * bk if q_seg is not None else 0) + (
-               0 if form is None else form.slot_bytes(bq, bk)))
+           elementwise=(q_seg is not None or cfg.dropout_active or bias is not None
+                        or mask is not None),
+           slot_extra=lambda bq, bk: (4 * bk if q_seg is not None else 0) + sum(
+               f.slot_bytes(bq, bk) for f in forms if f is not None))
   if interpret is None and cfg.interpret:
     interpret = _compat.interpret_params(detect_races=True)
   segments = q_seg is not None
-  kernel = _build(cfg, p, q.dtype, segments=segments, bias=form, interpret=interpret,
-                  skip_wait=_skip_wait)
+  kernel = _build(cfg, p, q.dtype, segments=segments, bias=forms[0], mask=forms[1],
+                  interpret=interpret, skip_wait=_skip_wait)
   operands = [C.pad_seq_head(q, p.Sqp, p.Dp), C.pad_seq_head(k, p.Skvp, p.Dp),
               C.pad_seq_head(v, p.Skvp, p.Dvp)]
   if segments:  # padding repeats the edge id (the mask model masks padded positions)
@@ -547,8 +561,9 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     operands += [q_seg_p.astype(jnp.int32), kv_seg_p.astype(jnp.int32)]
   if cfg.dropout_active:
     operands.append(dropout_rows(cfg, seed, p))
-  if form is not None:
-    operands.append(form.operand(bias, p))
+  for x, f in zip((bias, mask), forms):
+    if f is not None:
+      operands.append(f.operand(x, p))
   out, lse = kernel(*operands)
   lse = lse[:, :, : p.Sq]
   # -inf at empty rows only, by log(0) there (as the Triton family: no -inf array built).
