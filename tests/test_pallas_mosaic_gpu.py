@@ -60,7 +60,7 @@ CASES = {
     # by blocks of the CTA's range (leading and trailing) that only the other computes
     "window_d64_bk64": (1, 1, 1, 256, 256, 64, jnp.float16, dict(window=(70, 20)),
                         dict(block_kv=64)),
-    "causal_one_consumer": (1, 2, 1, 150, 150, 128, jnp.bfloat16, dict(causal=True),
+    "causal_one_consumer": (1, 1, 1, 150, 150, 128, jnp.bfloat16, dict(causal=True),
                             dict(consumers=1)),
     "window_left_causal_d128": (1, 1, 1, 192, 160, 128, jnp.float16,
                                 dict(causal=True, window=(60, None)), {}),
@@ -72,17 +72,17 @@ CASES = {
     # first q segment (id 0) has no kv of its id in the pair case: empty rows
     "segments_causal": (2, 1, 1, 200, 200, 64, jnp.bfloat16,
                         dict(causal=True, segments=([[30, 140], [90]], None)), {}),
-    "segment_pair_gqa": (2, 4, 2, 150, 190, 128, jnp.float16,
+    "segment_pair_gqa": (2, 2, 1, 150, 190, 128, jnp.float16,
                          dict(segments=([[40, 100], [20]], [[60, 120], [0, 77]])), {}),
     # dropout: the shared counter hash (the same keep bits as the reference's)
     "dropout_causal_gqa": (1, 4, 2, 130, 130, 64, jnp.bfloat16,
                            dict(causal=True, dropout_rate=0.3), {}),
-    "dropout_d128_segments": (1, 2, 1, 130, 100, 128, jnp.float16,
+    "dropout_d128_segments": (1, 1, 1, 130, 100, 128, jnp.float16,
                               dict(dropout_rate=0.2, segments=([[50]], [[30]])), {}),
     # bias: a full block per ring slot, a per-key vector per slot, a per-query vector
     "bias_full_causal": (2, 2, 1, 130, 130, 64, jnp.bfloat16,
                          dict(causal=True, bias=(2, 2, 130, 130)), {}),
-    "bias_2d_f32_d128": (1, 2, 2, 100, 130, 128, jnp.float16, dict(bias=(1, 1, 100, 130),
+    "bias_2d_f32_d128": (1, 1, 1, 100, 130, 128, jnp.float16, dict(bias=(1, 1, 100, 130),
                                                                    bias_dtype=jnp.float32), {}),
     "bias_head_kv_segments": (2, 2, 1, 130, 130, 64, jnp.bfloat16,
                               dict(bias=(1, 2, 1, 130), segments=([[70], [20, 90]], None)), {}),
@@ -93,7 +93,7 @@ CASES = {
     "mask_full": (2, 2, 1, 100, 120, 64, jnp.bfloat16, dict(mask="full"), {}),
     "mask_per_key_causal_d128": (1, 2, 1, 130, 130, 128, jnp.float16,
                                  dict(mask="per_key", causal=True), {}),
-    "mask_per_query_bias": (2, 2, 2, 90, 90, 64, jnp.bfloat16,
+    "mask_per_query_bias": (1, 2, 1, 90, 90, 64, jnp.bfloat16,
                             dict(mask="per_query", bias=(2, 2, 90, 90)), {}),
     # a 4-block kv ring of 2 slots: every slot is refilled twice
     "ring_wraps": (1, 1, 1, 64, 256, 64, jnp.bfloat16, {}, dict(block_kv=64, slots=2)),
@@ -169,6 +169,33 @@ def test_interpreter_reports_a_removed_barrier_wait(skip, consumers):
     assert "RACE" in str(raised) or "arrier" in str(raised), str(raised)[:2000]
 
 
+def test_dropout_at_global_offsets():
+  """A chunk pair of a longer sequence (ring attention): dropout's hash at the global
+  (b, h, q, kv), traced offsets, the static mask (causal) local; out matches the float64
+  reference's chunk (the same keep bits)."""
+  B, H, S, D = 1, 2, 160, 64
+  q, k, v = _util.random_qkv(3, B, H, H, S, S, D, dtype=jnp.bfloat16)
+  seed = _dropout.seed_from_key(jax.random.key(2))
+  off = (1, 2, 300, 70)
+  cfg = _cfg(S, S, D, causal=True, dropout_rate=0.25)
+  _compat.reset_interpret_state()
+  run = jax.jit(lambda q, k, v, o: _forward(cfg, q, k, v, None, None, None, None, seed, (),
+                                             offsets=tuple(o[n] for n in range(4))))
+  out, lse = run(q, k, v, jnp.asarray(off, jnp.int32))
+  assert not _compat.interpret_races_found()
+  # the reference over a [b0 + B, h0 + H, q0 + S, kv0 + S] problem whose chunk this is
+  b0, h0, q0, kv0 = off
+  big = [jnp.zeros((b0 + B, h0 + H, n + S, D), jnp.float64) for n in (q0, kv0, kv0)]
+  big = [x.at[b0:, h0:, -S:].set(y.astype(jnp.float64)) for x, y in zip(big, (q, k, v))]
+  allowed = np.zeros((1, 1, q0 + S, kv0 + S), bool)
+  allowed[..., q0:, kv0:] = np.tril(np.ones((S, S), bool))  # causal in local positions
+  big_cfg = _cfg(q0 + S, kv0 + S, D, dropout_rate=0.25)
+  ref_out, ref_lse = reference.attention(big_cfg, *big, None, jnp.asarray(allowed), None, None,
+                                         seed, ())
+  _util.assert_close(out, ref_out[b0:, h0:, q0:], jnp.bfloat16, what="offsets/out")
+  _util.assert_close(lse, ref_lse[b0:, h0:, q0:], jnp.bfloat16, what="offsets/lse")
+
+
 def test_refuses_what_it_does_not_implement():
   from flashvjp.pallas.mosaic_gpu import _limits
   q, k, v = _util.random_qkv(0, 1, 2, 1, 64, 64, 64, dtype=jnp.bfloat16)
@@ -180,8 +207,8 @@ def test_refuses_what_it_does_not_implement():
     _forward(_cfg(64, 64, 64, dropout_rate=0.1), q, k, v, None, None, None, None, None, ())
   with pytest.raises(NotImplementedError, match="score_mod"):
     _forward(cfg, q, k, v, None, None, None, None, None, (jnp.ones((2,)),))
-  with pytest.raises(NotImplementedError, match="global offsets"):
-    _forward(cfg, q, k, v, None, None, None, None, None, (), offsets=(0, 0, 64, 0))
+  with pytest.raises(NotImplementedError, match="offsets must be"):
+    _forward(cfg, q, k, v, None, None, None, None, None, (), offsets=(0, 64))
   q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
   with pytest.raises(NotImplementedError, match="float32"):
     _forward(cfg, q32, k32, v32, None, None, None, None, None, ())

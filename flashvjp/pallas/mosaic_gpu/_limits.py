@@ -6,8 +6,8 @@ entry, every operand the kernel does not implement yet, so nothing falls back si
 
 Forward now: float16 / bfloat16 inputs (compiled and interpret mode alike: the kernel
 runs 16-bit wgmma), head dims up to 256 (zero-padded to a multiple of 64), GQA / MQA,
-causal, window, segment ids, dropout, bias, dense masks, any sequence lengths (padded
-to whole blocks). Not yet: score_mod, mask_mod, global offsets (ring chunk pairs), a
+causal, window, segment ids, dropout, bias, dense masks, global offsets (ring chunk
+pairs), any sequence lengths (padded to whole blocks). Not yet: score_mod, mask_mod, a
 float32 out (a traced scale), float32 / float64 inputs. (`supports` answers for the
 family: it refuses dropout until the backward kernels have it.)
 """
@@ -69,10 +69,10 @@ def forward_problem(cfg, q, k, v, *, bias=None, mask=None, q_seg=None, kv_seg=No
     return "segment ids must be given for both queries and keys (or neither)"
   if cfg.dropout_active and seed is None:
     return "dropout needs a seed"
+  if offsets is not None and len(tuple(offsets)) != 4:
+    return f"offsets must be (b0, h0, q0, kv0), got {offsets!r}"
   feats = [("score_mod", cfg.score_mod is not None or bool(tuple(consts or ()))),
            ("mask_mod", cfg.mask_mod is not None or mod is not None),
-           ("global offsets (a ring chunk pair)", offsets is not None and any(
-               not (isinstance(o, int) and o == 0) for o in offsets)),
            ("a float32 out (traced scale)", cfg.out_f32)]
   used = [name for name, on in feats if on]
   if used:

@@ -34,8 +34,12 @@ Bias and dense masks (`PairForm`): a full [Sq, Skv] one streams through the ring
 domain; the mask (bfloat16 0 / 1 blocks, float32 vectors) joins the elementwise mask of
 every visited block (blocks are skipped by the static bounds only, not by the mask).
 
-Not implemented (refused by `_limits.forward_problem` before any kernel is built): score_mod, mask_mod, global offsets, float32 / float64 inputs, a
-float32 out.
+Global offsets (a ring chunk pair, `offsets`): only dropout reads global positions here
+(the static mask is local); its per-row words are made at the global (b, h, q), and the
+global kv offset rides along as a third word.
+
+Not implemented (refused by `_limits.forward_problem` before any kernel is built):
+score_mod, mask_mod, float32 / float64 inputs, a float32 out.
 """
 from __future__ import annotations
 
@@ -170,7 +174,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
 
   Operands: q [B, H, Sqp, Dp], k [B, Hkv, Skvp, Dp], v [B, Hkv, Skvp, Dvp], then with
   `segments` the padded segment ids q_seg int32 [B, Sqp] and kv_seg int32 [B, Skvp], then
-  with dropout the hash's per-row words uint32 [B, H, 2, Sqp] (`dropout_rows`), then a
+  with dropout the hash's per-row words uint32 [B, H, 3, Sqp] (`dropout_rows`), then a
   bias, then a dense mask, each in its `PairForm` (`bias`, `mask`: the forms).
   `skip_wait` (tests only) removes one barrier wait (`SKIPPABLE_WAITS`), to check that
   the interpreter's race detector sees the hazard it guards against.
@@ -233,7 +237,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
                            R["drop_bar"].at[w])
       wait("q_loaded", R["drop_bar"].at[w])
       row_words = tuple(mg.load(R["drop_s"].at[w, n], layout=_compat.wgmma_row_layout())
-                        for n in range(2))  # [rows] uint32 each
+                        for n in range(3))  # [rows] uint32 each: cq, cq2, kv0
     per_query = {}  # pairs of kind "q": [rows] float32, loaded once
     for n, f in pairs.items():
       if f.kind == "q":
@@ -245,7 +249,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
 
     def dropped(prob, t):
       """prob / (1 - rate) where the shared counter hash keeps (t, q) entries, else 0."""
-      kv = (t * bk + _compat.wgmma_iota((rows, bk), 1)).astype(u32)
+      kv = ((t * bk + _compat.wgmma_iota((rows, bk), 1)).astype(u32)
+            + _rows(row_words[2], prob.shape))  # the global kv position (mod 2^32)
       bits = _dropout.bits_from_row(_rows(row_words[0], prob.shape),
                                     _rows(row_words[1], prob.shape), kv)
       keep = bits >= u32(_dropout.threshold(cfg.dropout_rate))
@@ -414,7 +419,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
     tiles.update(qseg_s=mg.SMEM((nc, rows), jnp.int32), kseg_s=mg.SMEM((slots, bk), jnp.int32))
     bars.update(qseg_bar=mg.Barrier(num_barriers=nc), kseg_bar=mg.Barrier(num_barriers=slots))
   if dropout:
-    tiles.update(drop_s=mg.SMEM((nc, 2, rows), u32))
+    tiles.update(drop_s=mg.SMEM((nc, 3, rows), u32))
     bars.update(drop_bar=mg.Barrier(num_barriers=nc))
   for n, f in pairs.items():
     shape = {"q": (nc, rows), "kv": (slots, bk), "tile": (slots, p.bq, bk)}[f.kind]
@@ -500,16 +505,21 @@ class PairForm:
     return _mask.pad_axis(col, 2, p.Sqp)
 
 
-def dropout_rows(cfg: AttentionConfig, seed, p: Plan):
-  """uint32 [B, H, 2, Sqp]: the counter hash's per-row words (`_dropout.row_words`) of every
-  (b, h, q), computed by XLA; the kernel finishes each entry (`_dropout.bits_from_row`)."""
-  b = jnp.arange(p.B, dtype=jnp.int32)[:, None, None]
-  h = jnp.arange(p.H, dtype=jnp.int32)[None, :, None]
-  q = jnp.arange(p.Sqp, dtype=jnp.int32)[None, None, :]
+def dropout_rows(cfg: AttentionConfig, seed, p: Plan, offsets=None):
+  """uint32 [B, H, 3, Sqp]: the counter hash's per-row words (`_dropout.row_words`) of every
+  (b, h, q) at its global position, computed by XLA, and the global kv offset (the same in
+  every row); the kernel finishes each entry (`_dropout.bits_from_row`) at kv0 + its local kv.
+  `offsets`: None or the global (b0, h0, q0, kv0) of local element 0 (ints or traced)."""
+  b0, h0, q0, kv0 = (0, 0, 0, 0) if offsets is None else tuple(offsets)
+  i32 = lambda o: jnp.asarray(o, jnp.int32)
+  b = jnp.arange(p.B, dtype=jnp.int32)[:, None, None] + i32(b0)
+  h = jnp.arange(p.H, dtype=jnp.int32)[None, :, None] + i32(h0)
+  q = jnp.arange(p.Sqp, dtype=jnp.int32)[None, None, :] + i32(q0)
   b, h = _dropout.hash_coords(cfg.dropout_broadcast, b, h)
   cq, cq2 = _dropout.row_words(seed[0], seed[1], b, h, q)
   shape = (p.B, p.H, p.Sqp)
-  return jnp.stack([jnp.broadcast_to(cq, shape), jnp.broadcast_to(cq2, shape)], axis=2)
+  words = (cq, cq2, i32(kv0).astype(jnp.uint32))
+  return jnp.stack([jnp.broadcast_to(x, shape) for x in words], axis=2)
 
 
 def pl_ds(start, size):
@@ -560,7 +570,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     q_seg_p, kv_seg_p = C.pad_segments(q_seg, kv_seg, p)
     operands += [q_seg_p.astype(jnp.int32), kv_seg_p.astype(jnp.int32)]
   if cfg.dropout_active:
-    operands.append(dropout_rows(cfg, seed, p))
+    operands.append(dropout_rows(cfg, seed, p, offsets))
   for x, f in zip((bias, mask), forms):
     if f is not None:
       operands.append(f.operand(x, p))
