@@ -60,6 +60,8 @@ CASES = {
     # by blocks of the CTA's range (leading and trailing) that only the other computes
     "window_d64_bk64": (1, 1, 1, 256, 256, 64, jnp.float16, dict(window=(70, 20)),
                         dict(block_kv=64)),
+    "window_no_pingpong": (1, 1, 1, 200, 200, 64, jnp.float16, dict(window=(30, 10)),
+                           dict(pingpong=False)),
     "causal_one_consumer": (1, 1, 1, 150, 150, 128, jnp.bfloat16, dict(causal=True),
                             dict(consumers=1)),
     "window_left_causal_d128": (1, 1, 1, 192, 160, 128, jnp.float16,
@@ -94,7 +96,7 @@ CASES = {
     "mask_per_key_causal_d128": (1, 2, 1, 130, 130, 128, jnp.float16,
                                  dict(mask="per_key", causal=True), {}),
     "mask_per_query_bias": (1, 2, 1, 90, 90, 64, jnp.bfloat16,
-                            dict(mask="per_query", bias=(2, 2, 90, 90)), {}),
+                            dict(mask="per_query", bias=(1, 2, 90, 90)), {}),
     # a 4-block kv ring of 2 slots: every slot is refilled twice
     "ring_wraps": (1, 1, 1, 64, 256, 64, jnp.bfloat16, {}, dict(block_kv=64, slots=2)),
 }

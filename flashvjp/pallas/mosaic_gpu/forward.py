@@ -15,28 +15,29 @@ Causal / window / kv padding: the producer fetches the kv blocks of the CTA's ro
 the mask model's static bounds (`MaskSpec.kv_block_range`); each consumer computes those
 of its own 64 rows in three phases (`_mask.split_loop`'s: masked edge blocks, unmasked
 interior blocks, masked edge blocks) and passes by the others (waiting and releasing the
-slot: barrier phases are counted per thread). The elementwise mask runs only on edge
-blocks. Dropout: the family's counter hash (`flashvjp._dropout`), its per-row words made
-by XLA ([B, H, 2, Sq], loaded with Q), each entry finished in registers: the same keep
-bits as every other implementation. Segment ids (packed documents): the ids ride along (q ids with Q, kv ids in the
-ring with K) and every visited block is masked elementwise; blocks are skipped by the
-static bounds only, not by the ids. Masked scores use the finite `_common.mask_value`
-(no inf inside the kernel for finite inputs); an empty row gets l == 0, out 0 and lse
--inf (made outside the kernel, as the Triton family does).
+slot: barrier phases are counted per thread). So both consumers take part in every step
+of the CTA and FA3's ping-pong schedule barrier pairs up (`Plan.pingpong`: one
+consumer's softmax overlaps the other's wgmma). The elementwise mask runs only on edge
+blocks. Masked scores use the finite `_common.mask_value` (no inf inside the kernel for
+finite inputs); an empty row gets l == 0, out 0 and lse -inf (made outside the kernel, as
+the Triton family does).
+
+Segment ids (packed documents): the ids ride along (q ids with Q, kv ids in the ring with
+K) and every visited block is masked elementwise; blocks are skipped by the static bounds
+only, not by the ids. Bias and dense masks (`PairForm`): a full [Sq, Skv] one streams
+through the ring with K (a [128, bk] block per slot), a per-key [1, Skv] one as a vector
+per slot, a per-query [Sq, 1] one is loaded once per consumer. The bias is added to the
+scores in the exp2 domain; the mask (bfloat16 0 / 1 blocks, float32 vectors) joins the
+elementwise mask of every visited block (no block skipping by the mask either). Dropout:
+the family's counter hash (`flashvjp._dropout`), its per-row words made by XLA
+([B, H, 3, Sq], loaded with Q), each entry finished in registers: the same keep bits as
+every other implementation. Global offsets (a ring chunk pair, `offsets`): only dropout
+reads global positions here (the static mask is local); its row words are made at the
+global (b, h, q) and the global kv offset rides along as the third word.
 
 GQA: the producer reads kv head h // G; K/V are never repeated in memory. Sequence
 lengths are zero-padded to whole blocks outside the kernel and head dims to a multiple
 of 64 (the 128-byte swizzle of a 16-bit row).
-
-Bias and dense masks (`PairForm`): a full [Sq, Skv] one streams through the ring with K (a
-[128, bk] block per slot), a per-key [1, Skv] one as a vector per slot, a per-query
-[Sq, 1] one is loaded once per consumer. The bias is added to the scores in the exp2
-domain; the mask (bfloat16 0 / 1 blocks, float32 vectors) joins the elementwise mask of
-every visited block (blocks are skipped by the static bounds only, not by the mask).
-
-Global offsets (a ring chunk pair, `offsets`): only dropout reads global positions here
-(the static mask is local); its per-row words are made at the global (b, h, q), and the
-global kv offset rides along as a third word.
 
 Not implemented (refused by `_limits.forward_problem` before any kernel is built):
 score_mod, mask_mod, float32 / float64 inputs, a float32 out.
@@ -88,6 +89,7 @@ class Plan:
   Dvp: int
   slots: int  # K/V ring depth
   slot_extra: int = 0  # bytes per ring slot besides K and V (kv segment ids, bias / mask)
+  pingpong: bool = True  # two consumers take turns on the tensor cores (FA3's schedule)
 
   @property
   def G(self) -> int:
@@ -140,7 +142,7 @@ def _round_up(x: int, m: int) -> int:
 
 def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | None = None,
          consumers: int | None = None, elementwise: bool = False,
-         slot_extra=lambda bq, bk: 0) -> Plan:
+         slot_extra=lambda bq, bk: 0, pingpong: bool = True) -> Plan:
   """The launch sizes: two consumer warpgroups (128 query rows per CTA; one when the
   sequence fits in 64 rows), kv blocks of 128 for head dims <= 128 and 64 above (the
   consumer's registers: S, the output and a P V accumulator are live at once), and a
@@ -148,7 +150,8 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
   per consumer, kv blocks of 128, 2 slots). `elementwise` (segment ids, dropout: more
   per-entry work on every tile) takes kv blocks of 64: at 128 the consumer spills
   (sm_90a, ptxas: 8-168 bytes), at 64 it does not. `slot_extra(bq, bk)`: the bytes each
-  ring slot holds besides K and V."""
+  ring slot holds besides K and V. `pingpong`: with two consumers, FA3's schedule barrier
+  (one consumer's softmax overlaps the other's wgmma)."""
   B, H, Sq, D = q_shape
   Hkv, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
   Dp, Dvp = _round_up(D, 64), _round_up(Dv, 64)
@@ -162,7 +165,8 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
     raise ValueError(f"block_kv must be 64 or 128, got {block_kv}")
   nk = _mask.num_blocks(Skv, block_kv)
   extra = slot_extra(consumers * ROWS_PER_WARPGROUP, block_kv)
-  make = lambda n: Plan(B, H, Hkv, Sq, Skv, D, Dv, consumers, block_kv, Dp, Dvp, n, extra)
+  make = lambda n: Plan(B, H, Hkv, Sq, Skv, D, Dv, consumers, block_kv, Dp, Dvp, n, extra,
+                        pingpong and consumers == 2)
   if slots is None:
     slots = 3 if make(3).smem_bytes() <= _limits.SMEM_BUDGET else 2
   return make(max(1, min(slots, nk)))
@@ -259,6 +263,13 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
     def slot_of(t):
       return lax.rem(t - lo, i32(slots))
 
+    def rendezvous():
+      """Both consumers meet here (FA3's ping-pong: with consumer 1 one meeting behind,
+      each one's wgmma runs while the other does its softmax)."""
+      if p.pingpong:
+        mg.barrier_arrive(R["sched"])
+        mg.barrier_wait(R["sched"])
+
     def wait_k(slot):
       """K (and the kv segment ids) of `slot` are in SMEM."""
       wait("k_loaded", R["k_bar"].at[slot])
@@ -274,6 +285,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
 
       def qk(acc_ref):
         mg.wgmma(acc_ref, q_smem, R["k_s"].at[slot].T)
+        rendezvous()  # the other consumer's turn (its softmax ran during this wgmma)
         return acc_ref[...]
 
       s = _compat.run_scoped(qk, mg.ACC((rows, bk), f32))
@@ -318,7 +330,11 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         prob = dropped(prob, t)
       p_smem[...] = prob.astype(dtype)
       mg.commit_smem()  # the generic-proxy stores of P before the wgmma reads them
+      if p.pingpong:
+        mg.barrier_arrive(R["sched"])  # softmax done
       wait("v_loaded", R["v_bar"].at[slot])
+      if p.pingpong:
+        mg.barrier_wait(R["sched"])  # the tensor cores are ours again
 
       def pv(cols, acc_ref):
         mg.wgmma(acc_ref, p_smem, R["v_s"].at[slot, :, cols])
@@ -341,6 +357,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       mg.barrier_arrive(R["k_free"].at[slot])
       wait("v_loaded", R["v_bar"].at[slot])
       mg.barrier_arrive(R["v_free"].at[slot])
+      rendezvous()  # the two meetings of a computed step
+      rendezvous()
       return carry
 
     def run(start, stop, masked_step, carry):
@@ -350,6 +368,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
              _compat.wgmma_row_vector(jnp.zeros((rows,), f32)),
              tuple(_compat.wgmma_tile(jnp.zeros((rows, p.dv_chunk), f32))
                    for _ in range(p.Dvp // p.dv_chunk)))
+    if p.pingpong:
+      _compat.when(w == 1)(rendezvous)
     if nc > 1:
       carry = lax.fori_loop(lo, a, pass_by, carry)
     carry = run(a, f_lo, True, carry)
@@ -357,6 +377,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
     carry = run(f_hi, z, True, carry)
     if nc > 1:
       carry = lax.fori_loop(z, hi, pass_by, carry)
+    if p.pingpong:
+      _compat.when(w == 0)(rendezvous)
     m, l, acc = carry
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
@@ -418,6 +440,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
   if segments:
     tiles.update(qseg_s=mg.SMEM((nc, rows), jnp.int32), kseg_s=mg.SMEM((slots, bk), jnp.int32))
     bars.update(qseg_bar=mg.Barrier(num_barriers=nc), kseg_bar=mg.Barrier(num_barriers=slots))
+  if p.pingpong:
+    bars["sched"] = mg.Barrier(num_arrivals=nc)
   if dropout:
     tiles.update(drop_s=mg.SMEM((nc, 3, rows), u32))
     bars.update(drop_bar=mg.Barrier(num_barriers=nc))
@@ -533,7 +557,8 @@ def _rows(x, shape):
 
 def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None,
             offsets=None, *, block_kv: int | None = None, slots: int | None = None,
-            consumers: int | None = None, interpret=None, _skip_wait: str | None = None):
+            consumers: int | None = None, pingpong: bool = True, interpret=None,
+            _skip_wait: str | None = None):
   """Mosaic-GPU forward with the interface of `flashvjp.pallas.triton.forward`.
 
   Args:
@@ -542,7 +567,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     q: [B, H, Sq, D]; k: [B, Hkv, Skv, D]; v: [B, Hkv, Skv, Dv]; float16 or bfloat16.
     bias, mask, q_seg, kv_seg, seed, consts, mod, offsets: must be absent (None / empty):
       the family refuses them (`_limits.forward_problem`) before building a kernel.
-    block_kv, slots, consumers: override the launch plan (`plan`; tests).
+    block_kv, slots, consumers, pingpong: override the launch plan (`plan`; tests).
 
   Returns:
     (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32, natural log, -inf for an empty
@@ -558,7 +583,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
            elementwise=(q_seg is not None or cfg.dropout_active or bias is not None
                         or mask is not None),
            slot_extra=lambda bq, bk: (4 * bk if q_seg is not None else 0) + sum(
-               f.slot_bytes(bq, bk) for f in forms if f is not None))
+               f.slot_bytes(bq, bk) for f in forms if f is not None), pingpong=pingpong)
   if interpret is None and cfg.interpret:
     interpret = _compat.interpret_params(detect_races=True)
   segments = q_seg is not None
