@@ -70,6 +70,8 @@ CASES = {
     "empty_rows": (1, 1, 1, 100, 100, 64, jnp.bfloat16, dict(window=(-3, 5)), {}),
     "d256_causal": (1, 1, 1, 96, 96, 256, jnp.bfloat16, dict(causal=True), {}),
     "d32_padded_head": (1, 2, 1, 80, 80, 32, jnp.bfloat16, {}, {}),
+    # head_dim_v != head_dim: the output tile gets its own SMEM buffer
+    "dv64_d128_causal": (1, 2, 1, 130, 130, 128, jnp.bfloat16, dict(causal=True, Dv=64), {}),
     # packed documents (segment ids: every visited block masked elementwise); batch 1's
     # first q segment (id 0) has no kv of its id in the pair case: empty rows
     "segments_causal": (2, 1, 1, 200, 200, 64, jnp.bfloat16,
@@ -124,8 +126,9 @@ def _dense_mask(form, B, H, Sq, Skv):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_forward_matches_float64_reference_without_races(name):
   B, H, Hkv, Sq, Skv, D, dtype, mkw, launch = CASES[name]
-  q, k, v = _util.random_qkv(sorted(CASES).index(name), B, H, Hkv, Sq, Skv, D, dtype=dtype)
   mkw = dict(mkw)
+  Dv = mkw.pop("Dv", D)
+  q, k, v = _util.random_qkv(sorted(CASES).index(name), B, H, Hkv, Sq, Skv, D, Dv, dtype=dtype)
   q_seg = kv_seg = None
   if "segments" in mkw:
     q_cuts, kv_cuts = mkw.pop("segments")
@@ -141,7 +144,7 @@ def test_forward_matches_float64_reference_without_races(name):
   _compat.reset_interpret_state()
   out, lse = _forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, (), **launch)
   assert not _compat.interpret_races_found()
-  assert out.shape == (B, H, Sq, D) and out.dtype == dtype
+  assert out.shape == (B, H, Sq, Dv) and out.dtype == dtype
   assert lse.shape == (B, H, Sq) and lse.dtype == jnp.float32
   ref_out, ref_lse = reference.attention(cfg, *_util.as64((q, k, v, bias)), mask, q_seg,
                                          kv_seg, seed, ())
