@@ -168,7 +168,13 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
   make = lambda n: Plan(B, H, Hkv, Sq, Skv, D, Dv, consumers, block_kv, Dp, Dvp, n, extra,
                         pingpong and consumers == 2)
   if slots is None:
-    slots = 3 if make(3).smem_bytes() <= _limits.SMEM_BUDGET else 2
+    fits = [n for n in (3, 2, 1) if make(n).smem_bytes() <= _limits.SMEM_BUDGET]
+    if not fits:
+      raise NotImplementedError(
+          f"pallas_mosaic_gpu forward: head dims {D} / {Dv} with kv blocks of {block_kv} need"
+          f" {make(1).smem_bytes()} bytes of SMEM for one ring slot (budget"
+          f" {_limits.SMEM_BUDGET})")
+    slots = fits[0]
   return make(max(1, min(slots, nk)))
 
 
@@ -196,9 +202,10 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
   i32 = lambda x: jnp.asarray(x, jnp.int32)
   dropout = cfg.dropout_active
   u32 = jnp.uint32
-  # per-slot side data read after the QK product: the slot is released only after it
   pairs = {n: f for n, f in (("bias", bias), ("mask", mask)) if f is not None}
   streamed = [n for n, f in pairs.items() if f.kind != "q"]  # read from the ring slots
+  # per-slot side data (kv ids, bias / mask blocks) is read after the QK product with
+  # generic loads: the K slot is released only after them, behind a proxy fence
   late_release = segments or bool(streamed)
 
   def wait(name, barrier):
