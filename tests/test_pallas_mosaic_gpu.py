@@ -68,6 +68,9 @@ CASES = {
                                 dict(causal=True, window=(60, None)), {}),
     # rows q >= 97 attend nothing (kv >= q + 3): out 0, lse -inf
     "empty_rows": (1, 1, 1, 100, 100, 64, jnp.bfloat16, dict(window=(-3, 5)), {}),
+    # kv >= q + 150: the second CTA (rows 128..199) has no kv block at all (no TMA, no
+    # wgmma; its consumers only meet at the ping-pong barrier)
+    "empty_cta": (1, 1, 1, 200, 200, 64, jnp.bfloat16, dict(window=(-150, None)), {}),
     "d256_causal": (1, 1, 1, 96, 96, 256, jnp.bfloat16, dict(causal=True), {}),
     "d32_padded_head": (1, 2, 1, 80, 80, 32, jnp.bfloat16, {}, {}),
     # head_dim_v != head_dim: the output tile gets its own SMEM buffer

@@ -151,7 +151,10 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
   per-entry work on every tile) takes kv blocks of 64: at 128 the consumer spills
   (sm_90a, ptxas: 8-168 bytes), at 64 it does not. `slot_extra(bq, bk)`: the bytes each
   ring slot holds besides K and V. `pingpong`: with two consumers, FA3's schedule barrier
-  (one consumer's softmax overlaps the other's wgmma)."""
+  (one consumer's softmax overlaps the other's wgmma).
+
+  Head dim 256 spills on sm_90a either way (ptxas, causal, S=2048: two consumers 548 bytes,
+  one consumer at 255 registers 356 bytes); two are kept, unmeasured on a GPU."""
   B, H, Sq, D = q_shape
   Hkv, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
   Dp, Dvp = _round_up(D, 64), _round_up(Dv, 64)
