@@ -42,3 +42,37 @@ def plgpu():
 def interpret_params(detect_races: bool = True):
   """`plgpu.InterpretGPUParams` for CPU runs (simulated SMEM, TMA, barriers, wgmma)."""
   return plgpu().InterpretGPUParams(detect_races=detect_races)
+
+
+# ---- backward kernels (flashvjp/pallas/mosaic_gpu/backward.py) ------------------------
+
+def mma_transforms(dtype):
+  """SMEM transforms of a wgmma operand tile of `dtype`: (8, 128 bytes) tiles, 128-byte
+  swizzle (the tile's last dim must be a multiple of 128 bytes: 64 16-bit elements)."""
+  import numpy as np
+  pg = plgpu()
+  swizzle = 128
+  return (pg.TilingTransform((8, swizzle // np.dtype(dtype).itemsize)),
+          pg.SwizzleTransform(swizzle))
+
+
+def layouts():
+  """(WGMMA, its row vector layout, its column vector layout): the register layouts of a
+  wgmma accumulator tile and of a per-row / per-column vector broadcast against it."""
+  wgmma = plgpu().Layout.WGMMA
+  return wgmma, wgmma.reduce(1), wgmma.reduce(0)
+
+
+def _gpu_callbacks():
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  return gpu_callbacks
+
+
+def races_found() -> bool:
+  """Whether GPU interpret mode's race detector reported a race since the last reset."""
+  return bool(_gpu_callbacks().get_races().races_found)
+
+
+def reset_interpret_state() -> None:
+  """Clear GPU interpret mode's global state (races, allocations), e.g. after a failure."""
+  _gpu_callbacks().reset_gpu_interpret_mode_state()
