@@ -1,0 +1,174 @@
+"""The Mosaic-GPU backward kernels under GPU interpret mode on CPU (race detection on).
+
+dq, dk, dv of `flashvjp.pallas.mosaic_gpu.backward` against autodiff of float64 naive
+attention (the forward residuals out / lse come from that float64 reference, so these
+tests need no Mosaic-GPU forward), for plain, causal, window, GQA / MQA, head dims 64 / 128
+(and a padded 80), sequence lengths that are not multiples of the 64-blocks, an lse
+cotangent, empty rows and kv blocks no query sees. Every run asserts that the interpreter
+found no race. Mutation tests remove one synchronisation step each (test-only flag) and
+assert that the interpreter reports it. Unsupported features are refused by name.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from flashvjp import reference
+from flashvjp._config import AttentionConfig
+from flashvjp._config import BlockSizes
+from flashvjp.pallas.mosaic_gpu import _compat
+from tests import _util
+
+_WHY = _compat.unavailable()
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"Mosaic-GPU Pallas: {_WHY}")
+
+if _WHY is None:
+  from flashvjp.pallas.mosaic_gpu import backward as mgpu_backward
+
+
+def _cfg(Sq, Skv, D, causal=False, window=None):
+  return AttentionConfig(scale=D ** -0.5, causal=causal, window=window, seq_q=Sq, seq_kv=Skv,
+                         dropout_rate=0.0, blocks=BlockSizes(), interpret=True)
+
+
+def _inputs(B, H, Hkv, Sq, Skv, D, dtype, seed=0):
+  q, k, v = _util.random_qkv(seed, B, H, Hkv, Sq, Skv, D, dtype=dtype)
+  kd, kl = jax.random.split(jax.random.key(seed + 1))
+  do = jax.random.normal(kd, (B, H, Sq, D), jnp.float64).astype(dtype)
+  dlse = jax.random.normal(kl, (B, H, Sq), jnp.float64).astype(jnp.float32)
+  return q, k, v, do, dlse
+
+
+def _reference(cfg, q, k, v, do, dlse):
+  """(out, lse, (dq, dk, dv)) of float64 naive attention; dlse None: no lse cotangent."""
+  f64 = _util.as64
+  fwd = lambda q, k, v: reference.attention(cfg, q, k, v, None, None, None, None, None, ())
+  (out, lse), vjp = jax.vjp(fwd, f64(q), f64(k), f64(v))
+  lse_ct = jnp.zeros_like(lse) if dlse is None else f64(dlse)
+  return out, lse, vjp((f64(do), lse_ct))
+
+
+def _run(cfg, q, k, v, do, dlse, out, lse):
+  _compat.reset_interpret_state()
+  got = mgpu_backward.backward(cfg, q, k, v, None, None, None, None, None, (),
+                               out.astype(q.dtype), lse.astype(jnp.float32), do, dlse)
+  got = jax.block_until_ready(got)
+  assert not _compat.races_found(), "GPU interpret mode reported a race"
+  return got
+
+
+CASES = {
+    # name: (B, H, Hkv, Sq, Skv, D, dtype, causal, window, with dlse)
+    "plain_d64": (1, 2, 2, 128, 128, 64, jnp.bfloat16, False, None, False),
+    "causal_gqa_ragged_dlse": (1, 4, 2, 200, 136, 64, jnp.bfloat16, True, None, True),
+    "window_mqa_d128_f16": (1, 2, 1, 96, 160, 128, jnp.float16, False, (40, 10), False),
+    "causal_d128_full_blocks": (1, 2, 1, 192, 192, 128, jnp.bfloat16, True, None, False),
+    "padded_head_batch": (2, 1, 1, 130, 70, 80, jnp.bfloat16, False, None, True),
+    "causal_kv_blocks_unseen": (1, 1, 1, 64, 192, 64, jnp.float16, True, None, False),
+    "empty_rows": (1, 2, 1, 128, 128, 64, jnp.bfloat16, False, (None, -70), True),
+    "mqa_h4_window_causal": (1, 4, 1, 160, 160, 64, jnp.bfloat16, True, (70, None), False),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_grads_match_float64_autodiff(name):
+  B, H, Hkv, Sq, Skv, D, dtype, causal, window, with_dlse = CASES[name]
+  cfg = _cfg(Sq, Skv, D, causal, window)
+  q, k, v, do, dlse = _inputs(B, H, Hkv, Sq, Skv, D, dtype)
+  dlse = dlse if with_dlse else None
+  out, lse, ref = _reference(cfg, q, k, v, do, dlse)
+  if name == "empty_rows":
+    assert bool(jnp.any(jnp.isneginf(lse))), "the case must have empty rows"
+  dq, dk, dv, dbias, dconsts = _run(cfg, q, k, v, do, dlse, out, lse)
+  assert dbias is None and dconsts == ()
+  assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+  assert dq.dtype == dk.dtype == dv.dtype == jnp.dtype(dtype)
+  _util.assert_close((dq, dk, dv), ref, dtype, what=f"mosaic_gpu backward {name}")
+
+
+def test_deterministic():
+  cfg = _cfg(136, 136, 64, causal=True)
+  q, k, v, do, dlse = _inputs(1, 2, 1, 136, 136, 64, jnp.bfloat16, seed=3)
+  out, lse, _ = _reference(cfg, q, k, v, do, dlse)
+  a = _run(cfg, q, k, v, do, dlse, out, lse)
+  b = _run(cfg, q, k, v, do, dlse, out, lse)
+  for x, y in zip(a[:3], b[:3]):
+    assert bool(jnp.all(x == y))
+
+
+# ---- mutation: the race detector sees a missing synchronisation -----------------------
+
+@pytest.fixture
+def mutation(monkeypatch):
+  def set_(name):
+    assert name in mgpu_backward._MUTATIONS
+    monkeypatch.setattr(mgpu_backward, "_TEST_MUTATION", name)
+  yield set_
+  monkeypatch.setattr(mgpu_backward, "_TEST_MUTATION", None)
+  _compat.reset_interpret_state()
+  jax.clear_caches()
+
+
+# What the interpreter says about a broken protocol: a race between two accesses, or a
+# barrier phase that completed while nobody waited on the one before (which one comes first
+# depends on the simulated threads' interleaving).
+_REPORTS = ("RACE DETECTED", "no threads observed phase")
+
+
+@pytest.mark.parametrize("name", [
+    # The compute warpgroup reads a Q slot without waiting for its TMA.
+    "skip_loaded_wait",
+    # The producer refills a slot the compute warpgroup may still read.
+    "skip_free_wait",
+    # No proxy fence between the generic lse / delta loads and the TMA refill of their slot
+    # (the race of JAX's own dkv kernel).
+    "skip_lse_fence",
+])
+def test_mutation_is_caught(mutation, name):
+  S, D = 192, 64
+  cfg = _cfg(S, S, D)
+  q = jnp.ones((1, 1, S, D), jnp.bfloat16)
+  lse = jnp.zeros((1, 1, S), jnp.float32)
+  run = lambda: mgpu_backward.backward(cfg, q, q, q, None, None, None, None, None, (), q, lse,
+                                       q, None)
+  _compat.reset_interpret_state()
+  jax.block_until_ready(run())  # the same call, unmutated: clean
+  assert not _compat.races_found()
+  mutation(name)
+  _compat.reset_interpret_state()
+  with pytest.raises(Exception) as info:
+    jax.block_until_ready(run())
+  text = str(info.value)
+  assert any(r in text for r in _REPORTS), text[-2000:]
+
+
+# ---- what the kernels refuse -------------------------------------------------------------
+
+def test_unsupported_features_are_named():
+  S, D = 64, 64
+  q = jnp.zeros((1, 1, S, D), jnp.bfloat16)
+  cfg = _cfg(S, S, D)
+  seg = jnp.zeros((1, S), jnp.int32)
+
+  def call(cfg=cfg, q=q, bias=None, mask=None, seg=None, consts=(), offsets=None):
+    lse_ = jnp.zeros(q.shape[:3], jnp.float32)
+    return mgpu_backward.backward(cfg, q, q, q, bias, mask, seg, seg, None, consts, q, lse_, q,
+                                  None, offsets=offsets)
+
+  with pytest.raises(NotImplementedError, match="bias"):
+    call(bias=jnp.zeros((1, 1, S, S), jnp.float32))
+  with pytest.raises(NotImplementedError, match="mask"):
+    call(mask=jnp.ones((1, 1, S, S), bool))
+  with pytest.raises(NotImplementedError, match="segment ids"):
+    call(seg=seg)
+  with pytest.raises(NotImplementedError, match="score_mod"):
+    call(cfg=dataclasses.replace(cfg, score_mod=lambda s, b, h, qi, ki: s))
+  with pytest.raises(NotImplementedError, match="dropout"):
+    call(cfg=dataclasses.replace(cfg, dropout_rate=0.1))
+  with pytest.raises(NotImplementedError, match="offsets"):
+    call(offsets=(0, 0, 64, 0))
+  with pytest.raises(ValueError, match="bfloat16 or float16"):
+    call(q=q.astype(jnp.float32))
+  with pytest.raises(ValueError, match="head dims"):
+    call(q=jnp.zeros((1, 1, S, 256), jnp.bfloat16))
