@@ -9,6 +9,11 @@ found no race. Mutation tests remove one synchronisation step each (test-only fl
 assert that the interpreter reports it. Unsupported features are refused by name.
 """
 import dataclasses
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -172,3 +177,67 @@ def test_unsupported_features_are_named():
     call(q=q.astype(jnp.float32))
   with pytest.raises(ValueError, match="head dims"):
     call(q=jnp.zeros((1, 1, S, 256), jnp.bfloat16))
+
+
+# ---- deviceless sm_90a compile (the CUDA plugin's Mosaic compiler and ptxas, no GPU) ----------
+
+_TARGET = (pathlib.Path(__file__).resolve().parent.parent / "flashvjp" / "pallas" / "mosaic_gpu"
+           / "targets" / "h100_sxm.txtpb")
+_H100_SMEM_OPTIN = 232448  # 227 KiB per block
+
+# Run in a fresh process: JAX_PLATFORMS=cpu with the CUDA plugin present, as jax's own
+# deviceless AOT test (the test session's jax may have initialised without it).
+_COMPILE = r"""
+import sys
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec
+from flashvjp._config import AttentionConfig, BlockSizes
+from flashvjp.pallas.mosaic_gpu import backward as mgpu_backward
+target, D = open(sys.argv[1]).read(), int(sys.argv[2])
+topo = topologies.get_topology_desc(platform="cuda", target_config=target, topology="1x1x1")
+sh = NamedSharding(topologies.make_mesh(topo, (1,), ("x",)), PartitionSpec())
+B, H, Hkv, S = 1, 4, 2, 1024
+cfg = AttentionConfig(scale=D ** -0.5, causal=True, window=None, seq_q=S, seq_kv=S,
+                      dropout_rate=0.0, blocks=BlockSizes(), interpret=False)
+f = lambda q, k, v, o, lse, do: mgpu_backward.backward(
+    cfg, q, k, v, None, None, None, None, None, (), o, lse, do, None)[:3]
+a = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+jax.jit(f).lower(a((B, H, S, D)), a((B, Hkv, S, D)), a((B, Hkv, S, D)), a((B, H, S, D)),
+                 a((B, H, S), jnp.float32), a((B, H, S, D))).compile()
+print("COMPILED")
+"""
+
+
+def _cuda_plugin() -> bool:
+  import importlib.util
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except ModuleNotFoundError:
+    return False
+
+
+@pytest.mark.skipif(not _cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
+                    "sm_90a compile); no GPU needed")
+@pytest.mark.parametrize("D", [64, 128])
+def test_sm90a_compile_no_spills(D, tmp_path):
+  """Both kernels (causal, GQA, bf16, S=1024) compile for sm_90a with the CUDA plugin's
+  Mosaic compiler; ptxas reports no spill and shared memory fits an H100 / H200 block."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(tmp_path),
+             MOSAIC_GPU_DUMP_PTXAS="1", PYTHONPATH=str(root))
+  proc = subprocess.run([sys.executable, "-c", _COMPILE, str(_TARGET), str(D)], env=env,
+                        cwd=root, capture_output=True, text=True, timeout=600)
+  for log in tmp_path.glob("*.mlir-passes.log"):  # tens of MB each, not read here
+    log.unlink()
+  assert "COMPILED" in proc.stdout, proc.stderr[-4000:]
+  for kernel in ("flashvjp_bwd_dkdv", "flashvjp_bwd_dq"):
+    (ptxas,) = tmp_path.glob(f"{kernel}_*.ptxas")
+    report = ptxas.read_text()
+    assert "sm_90a" in report, report
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    assert spills and not any(spills), report
+    (resources,) = tmp_path.glob(f"{kernel}_*.resources.txt")
+    smem = int(re.search(r"smem_scratch_bytes=(\d+)", resources.read_text()).group(1))
+    assert smem <= _H100_SMEM_OPTIN, (kernel, smem)

@@ -281,7 +281,7 @@ def _dkdv(cfg, g: _Geo, qp, kp, vp, dop, lse2, delta, masked_any):
                 jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), dt)),
       scratch_types=(smem, loaded, plgpu.Barrier(num_barriers=_STAGES),
                      plgpu.Barrier(num_barriers=2)),
-      grid=(g.B, g.Hkv, g.nk), grid_names=("b", "h", "kv"),
+      grid=(g.B, g.Hkv, g.nk), grid_names=("b", "h", "kv"), kernel_name="flashvjp_bwd_dkdv",
       num_threads=2, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_interpret(cfg))
@@ -386,7 +386,7 @@ def _dq(cfg, g: _Geo, qp, kp, vp, dop, lse2, delta, masked_any):
       out_type=jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dp), dt),
       scratch_types=(smem, loaded, plgpu.Barrier(num_barriers=_STAGES),
                      plgpu.Barrier(num_barriers=4)),
-      grid=(g.B, g.H, g.nq), grid_names=("b", "h", "q"),
+      grid=(g.B, g.H, g.nq), grid_names=("b", "h", "q"), kernel_name="flashvjp_bwd_dq",
       num_threads=2, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_interpret(cfg))
