@@ -45,18 +45,18 @@ def _inputs(B, H, Hkv, Sq, Skv, D, dtype, seed=0):
   return q, k, v, do, dlse
 
 
-def _reference(cfg, q, k, v, do, dlse):
+def _reference(cfg, q, k, v, do, dlse, segs=(None, None)):
   """(out, lse, (dq, dk, dv)) of float64 naive attention; dlse None: no lse cotangent."""
   f64 = _util.as64
-  fwd = lambda q, k, v: reference.attention(cfg, q, k, v, None, None, None, None, None, ())
+  fwd = lambda q, k, v: reference.attention(cfg, q, k, v, None, None, *segs, None, ())
   (out, lse), vjp = jax.vjp(fwd, f64(q), f64(k), f64(v))
   lse_ct = jnp.zeros_like(lse) if dlse is None else f64(dlse)
   return out, lse, vjp((f64(do), lse_ct))
 
 
-def _run(cfg, q, k, v, do, dlse, out, lse):
+def _run(cfg, q, k, v, do, dlse, out, lse, segs=(None, None)):
   _compat.reset_interpret_state()
-  got = mgpu_backward.backward(cfg, q, k, v, None, None, None, None, None, (),
+  got = mgpu_backward.backward(cfg, q, k, v, None, None, *segs, None, (),
                                out.astype(q.dtype), lse.astype(jnp.float32), do, dlse)
   got = jax.block_until_ready(got)
   assert not _compat.races_found(), "GPU interpret mode reported a race"
@@ -90,6 +90,22 @@ def test_grads_match_float64_autodiff(name):
   assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
   assert dq.dtype == dk.dtype == dv.dtype == jnp.dtype(dtype)
   _util.assert_close((dq, dk, dv), ref, dtype, what=f"mosaic_gpu backward {name}")
+
+
+def test_segment_ids():
+  """Packed documents (ids not aligned to the 64-blocks), causal, GQA, ragged lengths, dlse;
+  a q position whose segment has no kv position gives an empty row."""
+  B, H, Hkv, Sq, Skv, D = 2, 2, 1, 150, 150, 64
+  cfg = _cfg(Sq, Skv, D, causal=True)
+  q, k, v, do, dlse = _inputs(B, H, Hkv, Sq, Skv, D, jnp.bfloat16, seed=5)
+  pos = jnp.arange(Sq, dtype=jnp.int32)
+  q_seg = jnp.stack([pos // 40, jnp.where(pos < 90, 0, 1)])
+  kv_seg = q_seg.at[1, 90:100].set(7)  # q 90..99 (segment 1): no kv of theirs before them
+  segs = (q_seg, kv_seg)
+  out, lse, ref = _reference(cfg, q, k, v, do, dlse, segs)
+  assert bool(jnp.any(jnp.isneginf(lse))), "the case must have empty rows"
+  got = _run(cfg, q, k, v, do, dlse, out, lse, segs)
+  _util.assert_close(got[:3], ref, jnp.bfloat16, what="mosaic_gpu backward segment ids")
 
 
 def test_deterministic():
@@ -154,19 +170,16 @@ def test_unsupported_features_are_named():
   S, D = 64, 64
   q = jnp.zeros((1, 1, S, D), jnp.bfloat16)
   cfg = _cfg(S, S, D)
-  seg = jnp.zeros((1, S), jnp.int32)
 
-  def call(cfg=cfg, q=q, bias=None, mask=None, seg=None, consts=(), offsets=None):
+  def call(cfg=cfg, q=q, bias=None, mask=None, consts=(), offsets=None):
     lse_ = jnp.zeros(q.shape[:3], jnp.float32)
-    return mgpu_backward.backward(cfg, q, q, q, bias, mask, seg, seg, None, consts, q, lse_, q,
+    return mgpu_backward.backward(cfg, q, q, q, bias, mask, None, None, None, consts, q, lse_, q,
                                   None, offsets=offsets)
 
   with pytest.raises(NotImplementedError, match="bias"):
     call(bias=jnp.zeros((1, 1, S, S), jnp.float32))
   with pytest.raises(NotImplementedError, match="mask"):
     call(mask=jnp.ones((1, 1, S, S), bool))
-  with pytest.raises(NotImplementedError, match="segment ids"):
-    call(seg=seg)
   with pytest.raises(NotImplementedError, match="score_mod"):
     call(cfg=dataclasses.replace(cfg, score_mod=lambda s, b, h, qi, ki: s))
   with pytest.raises(NotImplementedError, match="dropout"):
@@ -195,17 +208,18 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 from flashvjp._config import AttentionConfig, BlockSizes
 from flashvjp.pallas.mosaic_gpu import backward as mgpu_backward
-target, D = open(sys.argv[1]).read(), int(sys.argv[2])
+target, D, seg = open(sys.argv[1]).read(), int(sys.argv[2]), sys.argv[3] == "seg"
 topo = topologies.get_topology_desc(platform="cuda", target_config=target, topology="1x1x1")
 sh = NamedSharding(topologies.make_mesh(topo, (1,), ("x",)), PartitionSpec())
 B, H, Hkv, S = 1, 4, 2, 1024
 cfg = AttentionConfig(scale=D ** -0.5, causal=True, window=None, seq_q=S, seq_kv=S,
                       dropout_rate=0.0, blocks=BlockSizes(), interpret=False)
-f = lambda q, k, v, o, lse, do: mgpu_backward.backward(
-    cfg, q, k, v, None, None, None, None, None, (), o, lse, do, None)[:3]
+f = lambda q, k, v, o, lse, do, *segs: mgpu_backward.backward(
+    cfg, q, k, v, None, None, *(segs or (None, None)), None, (), o, lse, do, None)[:3]
 a = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+segs = (a((B, S), jnp.int32), a((B, S), jnp.int32)) if seg else ()
 jax.jit(f).lower(a((B, H, S, D)), a((B, Hkv, S, D)), a((B, Hkv, S, D)), a((B, H, S, D)),
-                 a((B, H, S), jnp.float32), a((B, H, S, D))).compile()
+                 a((B, H, S), jnp.float32), a((B, H, S, D)), *segs).compile()
 print("COMPILED")
 """
 
@@ -220,14 +234,15 @@ def _cuda_plugin() -> bool:
 
 @pytest.mark.skipif(not _cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
                     "sm_90a compile); no GPU needed")
-@pytest.mark.parametrize("D", [64, 128])
-def test_sm90a_compile_no_spills(D, tmp_path):
-  """Both kernels (causal, GQA, bf16, S=1024) compile for sm_90a with the CUDA plugin's
-  Mosaic compiler; ptxas reports no spill and shared memory fits an H100 / H200 block."""
+@pytest.mark.parametrize("D,seg", [(64, ""), (128, ""), (128, "seg")])
+def test_sm90a_compile_no_spills(D, seg, tmp_path):
+  """Both kernels (causal, GQA, bf16, S=1024; with segment ids) compile for sm_90a with the
+  CUDA plugin's Mosaic compiler; ptxas reports no spill and shared memory fits an H100 /
+  H200 block."""
   root = pathlib.Path(__file__).resolve().parent.parent
   env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(tmp_path),
              MOSAIC_GPU_DUMP_PTXAS="1", PYTHONPATH=str(root))
-  proc = subprocess.run([sys.executable, "-c", _COMPILE, str(_TARGET), str(D)], env=env,
+  proc = subprocess.run([sys.executable, "-c", _COMPILE, str(_TARGET), str(D), seg], env=env,
                         cwd=root, capture_output=True, text=True, timeout=600)
   for log in tmp_path.glob("*.mlir-passes.log"):  # tens of MB each, not read here
     log.unlink()
