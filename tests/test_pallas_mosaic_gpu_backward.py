@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from flashvjp import _dropout
 from flashvjp import reference
 from flashvjp._config import AttentionConfig
 from flashvjp._config import BlockSizes
@@ -32,9 +33,10 @@ if _WHY is None:
   from flashvjp.pallas.mosaic_gpu import backward as mgpu_backward
 
 
-def _cfg(Sq, Skv, D, causal=False, window=None):
+def _cfg(Sq, Skv, D, causal=False, window=None, **kw):
+  kw.setdefault("dropout_rate", 0.0)
   return AttentionConfig(scale=D ** -0.5, causal=causal, window=window, seq_q=Sq, seq_kv=Skv,
-                         dropout_rate=0.0, blocks=BlockSizes(), interpret=True)
+                         blocks=BlockSizes(), interpret=True, **kw)
 
 
 def _inputs(B, H, Hkv, Sq, Skv, D, dtype, seed=0):
@@ -45,18 +47,18 @@ def _inputs(B, H, Hkv, Sq, Skv, D, dtype, seed=0):
   return q, k, v, do, dlse
 
 
-def _reference(cfg, q, k, v, do, dlse, segs=(None, None)):
+def _reference(cfg, q, k, v, do, dlse, segs=(None, None), seed=None):
   """(out, lse, (dq, dk, dv)) of float64 naive attention; dlse None: no lse cotangent."""
   f64 = _util.as64
-  fwd = lambda q, k, v: reference.attention(cfg, q, k, v, None, None, *segs, None, ())
+  fwd = lambda q, k, v: reference.attention(cfg, q, k, v, None, None, *segs, seed, ())
   (out, lse), vjp = jax.vjp(fwd, f64(q), f64(k), f64(v))
   lse_ct = jnp.zeros_like(lse) if dlse is None else f64(dlse)
   return out, lse, vjp((f64(do), lse_ct))
 
 
-def _run(cfg, q, k, v, do, dlse, out, lse, segs=(None, None)):
+def _run(cfg, q, k, v, do, dlse, out, lse, segs=(None, None), seed=None):
   _compat.reset_interpret_state()
-  got = mgpu_backward.backward(cfg, q, k, v, None, None, *segs, None, (),
+  got = mgpu_backward.backward(cfg, q, k, v, None, None, *segs, seed, (),
                                out.astype(q.dtype), lse.astype(jnp.float32), do, dlse)
   got = jax.block_until_ready(got)
   assert not _compat.races_found(), "GPU interpret mode reported a race"
@@ -106,6 +108,35 @@ def test_segment_ids():
   assert bool(jnp.any(jnp.isneginf(lse))), "the case must have empty rows"
   got = _run(cfg, q, k, v, do, dlse, out, lse, segs)
   _util.assert_close(got[:3], ref, jnp.bfloat16, what="mosaic_gpu backward segment ids")
+
+
+@pytest.mark.parametrize("broadcast", [(False, False), (True, False), (False, True)])
+def test_dropout_hash_split(broadcast):
+  """The kernels' dropout bits (per-row words from XLA, finished per element in the kernel)
+  are exactly `_dropout.keep`'s, for every (b, h, q, kv) of a small grid (no kernel run)."""
+  B, H, S = 2, 3, 80
+  cfg = _cfg(S, S, 64, dropout_rate=0.3, dropout_broadcast=broadcast)
+  g = mgpu_backward._Geo(B=B, H=H, Hkv=H, Sq=S, Skv=S, Dp=64, Dvp=64)
+  seed = jnp.asarray([0x1234567, 0x89ABCDE], jnp.uint32)
+  cq, cq2 = mgpu_backward._dropout_rows(cfg, seed, g)
+  kv = jnp.arange(S, dtype=jnp.int32)[None, None, None, :]
+  got = mgpu_backward._keep(cfg, kv, cq[..., :S, None], cq2[..., :S, None]) > 0
+  b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
+  h = jnp.arange(H, dtype=jnp.int32)[None, :, None, None]
+  q = jnp.arange(S, dtype=jnp.int32)[None, None, :, None]
+  want = _dropout.keep(seed[0], seed[1], b, h, q, kv, 0.3, broadcast)
+  assert bool(jnp.all(got == want))
+
+
+def test_dropout():
+  """Dropout (rate 0.25, the shared counter hash), causal, GQA, ragged, dlse."""
+  B, H, Hkv, Sq, Skv, D = 1, 2, 1, 136, 136, 64
+  cfg = _cfg(Sq, Skv, D, causal=True, dropout_rate=0.25)
+  q, k, v, do, dlse = _inputs(B, H, Hkv, Sq, Skv, D, jnp.bfloat16, seed=7)
+  seed = _dropout.seed_from_key(jax.random.key(11))
+  out, lse, ref = _reference(cfg, q, k, v, do, dlse, seed=seed)
+  got = _run(cfg, q, k, v, do, dlse, out, lse, seed=seed)
+  _util.assert_close(got[:3], ref, jnp.bfloat16, what="mosaic_gpu backward dropout")
 
 
 def test_deterministic():
@@ -182,7 +213,7 @@ def test_unsupported_features_are_named():
     call(mask=jnp.ones((1, 1, S, S), bool))
   with pytest.raises(NotImplementedError, match="score_mod"):
     call(cfg=dataclasses.replace(cfg, score_mod=lambda s, b, h, qi, ki: s))
-  with pytest.raises(NotImplementedError, match="dropout"):
+  with pytest.raises(ValueError, match="seed"):
     call(cfg=dataclasses.replace(cfg, dropout_rate=0.1))
   with pytest.raises(NotImplementedError, match="offsets"):
     call(offsets=(0, 0, 64, 0))
@@ -208,14 +239,16 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 from flashvjp._config import AttentionConfig, BlockSizes
 from flashvjp.pallas.mosaic_gpu import backward as mgpu_backward
-target, D, seg = open(sys.argv[1]).read(), int(sys.argv[2]), sys.argv[3] == "seg"
+target, D, features = open(sys.argv[1]).read(), int(sys.argv[2]), sys.argv[3].split("+")
+seg, rate = "seg" in features, (0.1 if "drop" in features else 0.0)
 topo = topologies.get_topology_desc(platform="cuda", target_config=target, topology="1x1x1")
 sh = NamedSharding(topologies.make_mesh(topo, (1,), ("x",)), PartitionSpec())
 B, H, Hkv, S = 1, 4, 2, 1024
 cfg = AttentionConfig(scale=D ** -0.5, causal=True, window=None, seq_q=S, seq_kv=S,
-                      dropout_rate=0.0, blocks=BlockSizes(), interpret=False)
+                      dropout_rate=rate, blocks=BlockSizes(), interpret=False)
+seed = jnp.asarray([1, 2], jnp.uint32) if rate else None
 f = lambda q, k, v, o, lse, do, *segs: mgpu_backward.backward(
-    cfg, q, k, v, None, None, *(segs or (None, None)), None, (), o, lse, do, None)[:3]
+    cfg, q, k, v, None, None, *(segs or (None, None)), seed, (), o, lse, do, None)[:3]
 a = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
 segs = (a((B, S), jnp.int32), a((B, S), jnp.int32)) if seg else ()
 jax.jit(f).lower(a((B, H, S, D)), a((B, Hkv, S, D)), a((B, Hkv, S, D)), a((B, H, S, D)),
@@ -234,15 +267,16 @@ def _cuda_plugin() -> bool:
 
 @pytest.mark.skipif(not _cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
                     "sm_90a compile); no GPU needed")
-@pytest.mark.parametrize("D,seg", [(64, ""), (128, ""), (128, "seg")])
-def test_sm90a_compile_no_spills(D, seg, tmp_path):
-  """Both kernels (causal, GQA, bf16, S=1024; with segment ids) compile for sm_90a with the
-  CUDA plugin's Mosaic compiler; ptxas reports no spill and shared memory fits an H100 /
-  H200 block."""
+@pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (128, "seg+drop")])
+def test_sm90a_compile_no_spills(D, features, tmp_path):
+  """Both kernels (causal, GQA, bf16, S=1024; with segment ids and dropout) compile for
+  sm_90a with the CUDA plugin's Mosaic compiler; ptxas reports no spill and shared memory
+  fits an H100 / H200 block."""
   root = pathlib.Path(__file__).resolve().parent.parent
   env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(tmp_path),
              MOSAIC_GPU_DUMP_PTXAS="1", PYTHONPATH=str(root))
-  proc = subprocess.run([sys.executable, "-c", _COMPILE, str(_TARGET), str(D), seg], env=env,
+  proc = subprocess.run([sys.executable, "-c", _COMPILE, str(_TARGET), str(D), features],
+                        env=env,
                         cwd=root, capture_output=True, text=True, timeout=600)
   for log in tmp_path.glob("*.mlir-passes.log"):  # tens of MB each, not read here
     log.unlink()

@@ -46,12 +46,12 @@ def interpret_params(detect_races: bool = True):
 
 # ---- backward kernels (flashvjp/pallas/mosaic_gpu/backward.py) ------------------------
 
-def mma_transforms(dtype):
-  """SMEM transforms of a wgmma operand tile of `dtype`: (8, 128 bytes) tiles, 128-byte
-  swizzle (the tile's last dim must be a multiple of 128 bytes: 64 16-bit elements)."""
+def mma_transforms(dtype, minor: int):
+  """SMEM transforms of a wgmma operand tile of `dtype` whose last dim has `minor` elements:
+  (8, swizzle bytes) tiles and the largest swizzle (32, 64 or 128 bytes) the row fills."""
   import numpy as np
   pg = plgpu()
-  swizzle = 128
+  swizzle = min(128, minor * np.dtype(dtype).itemsize)
   return (pg.TilingTransform((8, swizzle // np.dtype(dtype).itemsize)),
           pg.SwizzleTransform(swizzle))
 

@@ -35,10 +35,18 @@ Segment ids: the q block's ids travel with it (ring slot or resident SMEM, 1-D T
 every block inside the static bounds is visited with the elementwise mask (no block
 skipping by segment yet: packed documents cost like their causal / window bounds).
 
+Dropout: the counter hash of `flashvjp._dropout` (the same keep bits as every other
+implementation), split where its inputs split: the per-(b, h, q) words are computed by XLA
+and travel like lse; the kernels finish the hash per element (`_keep`).
+
+Blocks: block_kv = 64 (one wgmma M tile per compute warpgroup), block_q = 64 for dQ and
+for dK/dV up to head dim 64, 32 for dK/dV above (`_dkdv_block_q`: registers). The caller's
+cfg.blocks are not read yet.
+
 Supported: bfloat16 / float16 inputs (float32 accumulation), head dims <= 128 (padded with
-zeros to a multiple of 64), GQA / MQA, causal, window, segment ids, any sequence lengths
-(padded to whole 64-blocks), a cotangent on lse (folded into delta). Not yet: bias / dbias,
-a dense mask, score_mod, mask_mod, dropout, global offsets; `backward` refuses them by
+zeros to a multiple of 64), GQA / MQA, causal, window, segment ids, dropout, any sequence
+lengths (padded to whole 64-blocks), a cotangent on lse (folded into delta). Not yet:
+bias / dbias, a dense mask, score_mod, mask_mod, global offsets; `backward` refuses them by
 name before any kernel runs.
 """
 from __future__ import annotations
@@ -52,6 +60,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from flashvjp import _dropout
 from flashvjp import _mask
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
@@ -110,6 +119,16 @@ def _pad_head(d: int) -> int:
   return -(-d // 64) * 64
 
 
+def _dkdv_block_q(g: _Geo) -> int:
+  """The dK/dV kernel's q block. Its tiles are [bk, bq] (bq is the wgmma N dim, so 32 is
+  legal; the kernel's SMEM tiles then share a 64-byte swizzle). Above head dim 64 the dK
+  and dV accumulators alone take 128 registers a thread: 64 spilled (180 B at head dim 128
+  with segment ids and dropout, sm_90a ptxas), 32 does not (the Triton family's launch
+  table makes the same choice). Speed not measured (no GPU here). The operands stay padded
+  to 64-blocks (the dQ kernel's)."""
+  return 32 if max(g.Dp, g.Dvp) > 64 else 64
+
+
 def _i32(x):
   """A scalar as int32 (with jax_enable_x64 a Python int would make int64 indices)."""
   return jnp.asarray(x, jnp.int32)
@@ -135,8 +154,45 @@ def _preprocess(out, lse, dout, dlse, g: _Geo):
   return jnp.pad(lse2, pad, constant_values=big), jnp.pad(delta, pad)
 
 
-def _smem(shape, dtype):
-  return _compat.plgpu().SMEM(shape, dtype, transforms=_compat.mma_transforms(dtype))
+def _dropout_rows(cfg, seed, g: _Geo):
+  """(cq, cq2), uint32 [B, H, Sqp]: the per-(b, h, q) part of `_dropout.random_bits`.
+
+  The counter hash is split where its inputs split: everything before the kv position is
+  a function of (seed, b, h, q) and is computed here, by XLA, once per row; the kernels
+  finish it per element (`_keep`): bits = fmix(fmix(kv * K ^ cq) + cq2). The same bits as
+  `_dropout.keep` (tests/test_pallas_mosaic_gpu_backward.py checks the split).
+  """
+  u32 = jnp.uint32
+  fmix = _dropout._fmix
+  b = jnp.arange(g.B, dtype=jnp.int32)[:, None, None]
+  h = jnp.arange(g.H, dtype=jnp.int32)[None, :, None]
+  q = jnp.arange(g.Sqp, dtype=jnp.int32)[None, None, :]
+  b, h = _dropout.hash_coords(cfg.dropout_broadcast, b, h)
+  seed = jnp.asarray(seed).astype(u32)
+  c = fmix(seed[0] ^ fmix(seed[1] + u32(0x9E3779B9)))
+  c = fmix(c ^ (jnp.asarray(b).astype(u32) * u32(0x27D4EB2F)))
+  c = fmix(c + jnp.asarray(h).astype(u32) * u32(0x165667B1))
+  cq = fmix(c ^ (q.astype(u32) * u32(0x9E3779B1)))
+  cq2 = fmix(cq + u32(0x7FEB352D))
+  shape = (g.B, g.H, g.Sqp)
+  return jnp.broadcast_to(cq, shape), jnp.broadcast_to(cq2, shape)
+
+
+def _keep(cfg, kv_idx, cq, cq2):
+  """float32 dropout multiplier of a tile: 1 / (1 - rate) where kept, 0 where dropped."""
+  u32 = jnp.uint32
+  fmix = _dropout._fmix
+  kv = lax.bitcast_convert_type(kv_idx, u32)  # positions are >= 0
+  bits = fmix(fmix((kv * u32(0x85EBCA77)) ^ cq) + cq2)
+  keep = bits >= u32(_dropout.threshold(cfg.dropout_rate))
+  return jnp.where(keep, jnp.float32(1.0 / (1.0 - cfg.dropout_rate)), jnp.float32(0.0))
+
+
+def _smem(shape, dtype, minor):
+  """A wgmma operand tile in SMEM, swizzled for rows of `minor` elements: every operand of
+  one wgmma must share its swizzle, so a kernel uses one for all its tiles (the narrowest
+  tile's)."""
+  return _compat.plgpu().SMEM(shape, dtype, transforms=_compat.mma_transforms(dtype, minor))
 
 
 def _visit(run, lo, hi, full, masked_any):
@@ -155,26 +211,31 @@ def _visit(run, lo, hi, full, masked_any):
   run(f_hi, hi, True)
 
 
-def _tile_probs(cfg, s, lse2, delta, dp, q_idx, kv_idx, masked, q_seg=None, kv_seg=None):
-  """(p, ds) of one tile from raw scores s = q k (any orientation; lse2 / delta, the
-  indices and segment ids already broadcast to the tile). ds is dL/d(q k): the softmax
-  scale included."""
+def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
+  """(p, ok, m) of one tile from raw scores s = q k (any orientation; lse2, the indices and
+  the per-row / per-column vectors `v` (segment ids, dropout words) already broadcast to
+  the tile): the probabilities, the mask (None when not `masked`) and the dropout
+  multiplier (None without dropout)."""
   f32 = jnp.float32
   d = s * f32(cfg.scale * LOG2E) - lse2
   ok = None
   if masked:
-    ok = C.mask_spec(cfg).allowed(q_idx, kv_idx, q_seg=q_seg, kv_seg=kv_seg)
+    ok = C.mask_spec(cfg).allowed(q_idx, kv_idx, q_seg=v.get("q_seg"), kv_seg=v.get("kv_seg"))
     d = jnp.where(ok, d, C.mask_value(f32))
-  p = jnp.exp2(d)
+  m = _keep(cfg, kv_idx, v["cq"], v["cq2"]) if cfg.dropout_active else None
+  return jnp.exp2(d), ok, m
+
+
+def _dscores(cfg, p, dp, delta, ok, m):
+  """dL/d(q k) of one tile (the softmax scale included) from `_probs` and dp = dO v."""
+  f32 = jnp.float32
+  if m is not None:
+    dp = dp * m
   ds = p * (dp - delta)
   if ok is not None:
     # A select, not p * (...): a masked entry contributes exactly nothing.
     ds = jnp.where(ok, ds, f32(0.0))
-  return p, ds * f32(cfg.scale)
-
-
-def _split_refs(refs, n_in, n_out):
-  return refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
+  return ds * f32(cfg.scale)
 
 
 def _mm_t(shape, a, b):
@@ -213,15 +274,67 @@ def _produce(total, fill, free):
   lax.fori_loop(_i32(0), total, body, None)
 
 
+def _block(ref, b, h, sl):
+  """The TMA source of one block of a [B, H, S, D], [B, H, S] or [B, S] operand."""
+  if len(ref.shape) == 4:
+    return ref.at[b, h, sl, :]
+  if len(ref.shape) == 3:
+    return ref.at[b, h, sl]
+  return ref.at[b, sl]
+
+
+def _operands(kind, has_seg, has_drop):
+  """(ring, resident) operand names of a kernel ("dkdv" or "dq"), in their SMEM order."""
+  q_side = ["q", "do", "lse", "delta"] + ["q_seg"] * has_seg + ["cq", "cq2"] * has_drop
+  kv_side = ["k", "v"] + ["kv_seg"] * has_seg
+  return (q_side, kv_side) if kind == "dkdv" else (kv_side, q_side)
+
+
+def _scratch(kind, arrays, ring, resident, g: _Geo):
+  """SMEM (rings [_STAGES, ...] then resident buffers, then P / dS tiles) and barriers."""
+  plgpu = _compat.plgpu()
+  rows = {"dkdv": (g.bq, g.bk), "dq": (g.bk, g.bq)}[kind]  # (ring block, resident block)
+  minor = min(g.bq, g.bk, g.Dp, g.Dvp)
+
+  def buf(name, block, stages=()):
+    x = arrays[name]
+    if x.ndim == 4:
+      return _smem(stages + (block, x.shape[3]), x.dtype, minor)
+    return plgpu.SMEM(stages + (block,), x.dtype)
+
+  dt = arrays["q"].dtype
+  tiles = 2 if kind == "dkdv" else 1  # P and dS ([bk, bq]), or dS ([bq, bk])
+  tile = (g.bk, g.bq) if kind == "dkdv" else (g.bq, g.bk)
+  smem = (tuple(buf(n, rows[0], (_STAGES,)) for n in ring),
+          tuple(buf(n, rows[1]) for n in resident),
+          tuple(_smem(tile, dt, minor) for _ in range(tiles)))
+  return (smem, tuple(plgpu.Barrier(num_barriers=_STAGES) for _ in ring),
+          plgpu.Barrier(num_barriers=_STAGES), plgpu.Barrier(num_barriers=len(resident)))
+
+
+def _load_resident(srcs, dsts, bars):
+  plgpu = _compat.plgpu()
+  for n_bar, (src, dst) in enumerate(zip(srcs, dsts)):
+    plgpu.copy_gmem_to_smem(src, dst, bars.at[n_bar])
+  for n_bar in range(len(srcs)):
+    plgpu.barrier_wait(bars.at[n_bar])
+
+
+# Per-q vectors broadcast to a tile (loaded from SMEM with the wgmma layout's row / column
+# vector layout); the kv ones ("kv_seg") are per kv position.
+_Q_VECTORS = ("q_seg", "cq", "cq2")
+
+
 # ---- dK / dV ----------------------------------------------------------------------
 
-def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, has_seg):
+def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
   plgpu = _compat.plgpu()
   wgmma_layout, row, col = _compat.layouts()
-  ins, (dk_ref, dv_ref), (smem, loaded, free, kv_bars) = _split_refs(refs, 6 + 2 * has_seg, 2)
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
-  k_smem, v_smem, rings, p_smem, ds_smem, resident = smem
-  q_ring, do_ring, lse_ring, delta_ring = rings[:4]
+  r = dict(zip(names, refs))
+  dk_ref, dv_ref = refs[len(names):len(names) + 2]
+  (ring_smem, res_smem, (p_smem, ds_smem)), loaded, free, res_bars = refs[len(names) + 2:]
+  rs = dict(zip(ring, ring_smem))
+  res = dict(zip(resident, res_smem))
   b, hk, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("kv")
   wg = lax.axis_index("wg")
   spec = C.mask_spec(cfg)
@@ -235,52 +348,46 @@ def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, has_seg):
   def _producer():
     def fill(t, slot):
       gi, i = lax.div(t, n), lo + lax.rem(t, n)
-      h = hk * G + gi
       rows = pl.ds(i * g.bq, g.bq)
-      srcs = [q_ref.at[b, h, rows, :], do_ref.at[b, h, rows, :], lse_ref.at[b, h, rows],
-              delta_ref.at[b, h, rows]]
-      if has_seg:
-        srcs.append(ins[6].at[b, rows])
-      for src, ring, bar in zip(srcs, rings, loaded):
-        plgpu.copy_gmem_to_smem(src, ring.at[slot], bar.at[slot])
+      for name, bar in zip(ring, loaded):
+        plgpu.copy_gmem_to_smem(_block(r[name], b, hk * G + gi, rows), rs[name].at[slot],
+                                bar.at[slot])
 
     _produce(G * n, fill, free)
 
   @pl.when(wg == 0)
   def _compute():
-    srcs = [k_ref.at[b, hk, cols, :], v_ref.at[b, hk, cols, :]]
-    if has_seg:
-      srcs.append(ins[7].at[b, cols])
-    for n_bar, (src, dst) in enumerate(zip(srcs, (k_smem, v_smem) + tuple(resident))):
-      plgpu.copy_gmem_to_smem(src, dst, kv_bars.at[n_bar])
-    for n_bar in range(len(srcs)):
-      plgpu.barrier_wait(kv_bars.at[n_bar])
+    _load_resident([_block(r[x], b, hk, cols) for x in resident],
+                   [res[x] for x in resident], res_bars)
+    k_smem, v_smem = res["k"], res["v"]
     shape = (g.bk, g.bq)
     kv_idx = j * g.bk + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
     q_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
     per_q = lambda x: lax.broadcast_in_dim(x, shape, [1])
-    kv_seg = None
-    if has_seg:
-      kv_seg = lax.broadcast_in_dim(plgpu.load(resident[0], layout=row), shape, [0])
+    vecs = {}
+    if "kv_seg" in res:
+      vecs["kv_seg"] = lax.broadcast_in_dim(plgpu.load(res["kv_seg"], layout=row), shape, [0])
 
     def scope(dk_acc, dv_acc):
       def step(t, i, masked):
         slot = lax.rem(t, _i32(_STAGES))
-        q_s, do_s = q_ring.at[slot], do_ring.at[slot]
+        q_s, do_s = rs["q"].at[slot], rs["do"].at[slot]
         _wait_loaded(loaded, slot)
         sT = _mm_t(shape, k_smem, q_s)
         dpT = _mm_t(shape, v_smem, do_s)
-        lse2 = plgpu.load(lse_ring.at[slot], layout=col)
-        delta = plgpu.load(delta_ring.at[slot], layout=col)
-        q_seg = per_q(plgpu.load(rings[4].at[slot], layout=col)) if has_seg else None
-        pT, dsT = _tile_probs(cfg, sT, per_q(lse2), per_q(delta), dpT, i * g.bq + q_iota,
-                              kv_idx, masked, q_seg, kv_seg)
-        p_smem[...] = pT.astype(p_smem.dtype)
-        ds_smem[...] = dsT.astype(ds_smem.dtype)
+        lse2 = per_q(plgpu.load(rs["lse"].at[slot], layout=col))
+        delta = per_q(plgpu.load(rs["delta"].at[slot], layout=col))
+        v = dict(vecs)
+        for name in _Q_VECTORS:
+          if name in rs:
+            v[name] = per_q(plgpu.load(rs[name].at[slot], layout=col))
+        pT, ok, m = _probs(cfg, sT, lse2, i * g.bq + q_iota, kv_idx, masked, v)
+        p_smem[...] = (pT if m is None else pT * m).astype(p_smem.dtype)  # dropped out
+        ds_smem[...] = _dscores(cfg, pT, dpT, delta, ok, m).astype(ds_smem.dtype)
         if not _mutated("skip_lse_fence"):
-          # Orders this thread's generic SMEM accesses (the lse / delta / segment loads, the
-          # P / dS stores) before the async proxy: the wgmmas below and the producer's TMA
-          # refill of this slot.
+          # Orders this thread's generic SMEM accesses (the lse / delta / per-q vector loads,
+          # the P / dS stores) before the async proxy: the wgmmas below and the producer's
+          # TMA refill of this slot.
           plgpu.commit_smem()
         plgpu.wgmma(dv_acc, p_smem, do_s)
         plgpu.wgmma(dk_acc, ds_smem, q_s)
@@ -296,7 +403,7 @@ def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, has_seg):
             return c
           lax.fori_loop(start, stop, body, None)
 
-        full = None if has_seg else spec.full_q_block_range(j, g.bq, g.bk, g.nq)
+        full = None if "q_seg" in rs else spec.full_q_block_range(j, g.bq, g.bk, g.nq)
         _visit(run, lo, hi, full, masked_any)
         return carry
 
@@ -314,42 +421,16 @@ def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, has_seg):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _dkdv(cfg, g: _Geo, qp, kp, vp, dop, lse2, delta, segs, masked_any):
-  plgpu = _compat.plgpu()
-  dt = qp.dtype
-  has_seg = segs is not None
-  vec = lambda *shape, dtype=jnp.float32: plgpu.SMEM(shape, dtype)
-  rings = [_smem((_STAGES, g.bq, g.Dp), dt), _smem((_STAGES, g.bq, g.Dvp), dt),
-           vec(_STAGES, g.bq), vec(_STAGES, g.bq)]
-  resident = []
-  if has_seg:
-    rings.append(vec(_STAGES, g.bq, dtype=jnp.int32))
-    resident.append(vec(g.bk, dtype=jnp.int32))
-  smem = (_smem((g.bk, g.Dp), dt), _smem((g.bk, g.Dvp), dt), tuple(rings),
-          _smem((g.bk, g.bq), dt), _smem((g.bk, g.bq), dt), tuple(resident))
-  loaded = tuple(plgpu.Barrier(num_barriers=_STAGES) for _ in rings)
-  kernel = plgpu.kernel(
-      functools.partial(_dkdv_kernel, cfg=cfg, g=g, masked_any=masked_any, has_seg=has_seg),
-      out_type=(jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), dt),
-                jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), dt)),
-      scratch_types=(smem, loaded, plgpu.Barrier(num_barriers=_STAGES),
-                     plgpu.Barrier(num_barriers=2 + len(resident))),
-      grid=(g.B, g.Hkv, g.nk), grid_names=("b", "h", "kv"), kernel_name="flashvjp_bwd_dkdv",
-      num_threads=2, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=_interpret(cfg))
-  return kernel(qp, kp, vp, dop, lse2, delta, *(segs or ()))
-
-
 # ---- dQ ------------------------------------------------------------------------------
 
-def _dq_kernel(*refs, cfg, g: _Geo, masked_any, has_seg):
+def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
   plgpu = _compat.plgpu()
   wgmma_layout, row, col = _compat.layouts()
-  ins, (dq_ref,), (smem, loaded, free, q_bars) = _split_refs(refs, 6 + 2 * has_seg, 1)
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
-  q_smem, do_smem, lse_smem, delta_smem, rings, ds_smem, resident = smem
-  k_ring, v_ring = rings[:2]
+  r = dict(zip(names, refs))
+  dq_ref = refs[len(names)]
+  (ring_smem, res_smem, (ds_smem,)), loaded, free, res_bars = refs[len(names) + 1:]
+  rs = dict(zip(ring, ring_smem))
+  res = dict(zip(resident, res_smem))
   b, h, i = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
   wg = lax.axis_index("wg")
   hk = lax.div(h, _i32(g.G))
@@ -362,46 +443,38 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, has_seg):
   def _producer():
     def fill(t, slot):
       cols = pl.ds((lo + t) * g.bk, g.bk)
-      srcs = [k_ref.at[b, hk, cols, :], v_ref.at[b, hk, cols, :]]
-      if has_seg:
-        srcs.append(ins[7].at[b, cols])
-      for src, ring, bar in zip(srcs, rings, loaded):
-        plgpu.copy_gmem_to_smem(src, ring.at[slot], bar.at[slot])
+      for name, bar in zip(ring, loaded):
+        plgpu.copy_gmem_to_smem(_block(r[name], b, hk, cols), rs[name].at[slot], bar.at[slot])
 
     _produce(hi - lo, fill, free)
 
   @pl.when(wg == 0)
   def _compute():
-    srcs = [q_ref.at[b, h, rows, :], do_ref.at[b, h, rows, :], lse_ref.at[b, h, rows],
-            delta_ref.at[b, h, rows]]
-    dsts = [q_smem, do_smem, lse_smem, delta_smem] + list(resident)
-    if has_seg:
-      srcs.append(ins[6].at[b, rows])
-    for n_bar, (src, dst) in enumerate(zip(srcs, dsts)):
-      plgpu.copy_gmem_to_smem(src, dst, q_bars.at[n_bar])
-    for n_bar in range(len(srcs)):
-      plgpu.barrier_wait(q_bars.at[n_bar])
+    _load_resident([_block(r[x], b, h, rows) for x in resident],
+                   [res[x] for x in resident], res_bars)
+    q_smem, do_smem = res["q"], res["do"]
     shape = (g.bq, g.bk)
     per_q = lambda x: lax.broadcast_in_dim(x, shape, [0])
-    lse2 = per_q(plgpu.load(lse_smem, layout=row))
-    delta = per_q(plgpu.load(delta_smem, layout=row))
-    q_seg = per_q(plgpu.load(resident[0], layout=row)) if has_seg else None
+    lse2 = per_q(plgpu.load(res["lse"], layout=row))
+    delta = per_q(plgpu.load(res["delta"], layout=row))
+    vecs = {name: per_q(plgpu.load(res[name], layout=row)) for name in _Q_VECTORS
+            if name in res}
     q_idx = i * g.bq + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
     kv_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
 
     def scope(dq_acc):
       def step(j, masked):
         slot = lax.rem(j - lo, _i32(_STAGES))
-        k_s, v_s = k_ring.at[slot], v_ring.at[slot]
+        k_s, v_s = rs["k"].at[slot], rs["v"].at[slot]
         _wait_loaded(loaded, slot)
         s = _mm_t(shape, q_smem, k_s)
         dp = _mm_t(shape, do_smem, v_s)
-        kv_seg = None
-        if has_seg:
-          kv_seg = lax.broadcast_in_dim(plgpu.load(rings[2].at[slot], layout=col), shape, [1])
-        _, ds = _tile_probs(cfg, s, lse2, delta, dp, q_idx, j * g.bk + kv_iota, masked, q_seg,
-                            kv_seg)
-        ds_smem[...] = ds.astype(ds_smem.dtype)
+        v = dict(vecs)
+        if "kv_seg" in rs:
+          v["kv_seg"] = lax.broadcast_in_dim(plgpu.load(rs["kv_seg"].at[slot], layout=col),
+                                             shape, [1])
+        p, ok, m = _probs(cfg, s, lse2, q_idx, j * g.bk + kv_iota, masked, v)
+        ds_smem[...] = _dscores(cfg, p, dp, delta, ok, m).astype(ds_smem.dtype)
         # The dS stores before the wgmma reads them; the kv segment ids' loads before the
         # producer's TMA refill of this slot.
         plgpu.commit_smem()
@@ -415,7 +488,7 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, has_seg):
           return c
         lax.fori_loop(start, stop, body, None)
 
-      full = None if has_seg else spec.full_kv_block_range(i, g.bq, g.bk)
+      full = None if "q_seg" in res else spec.full_kv_block_range(i, g.bq, g.bk)
       _visit(run, lo, hi, full, masked_any)
       return dq_acc[...]
 
@@ -426,29 +499,29 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, has_seg):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _dq(cfg, g: _Geo, qp, kp, vp, dop, lse2, delta, segs, masked_any):
+def _launch(kind, cfg, g: _Geo, arrays, masked_any):
+  """Build and run one kernel ("dkdv" or "dq") on the named operand `arrays`."""
   plgpu = _compat.plgpu()
-  dt = qp.dtype
-  has_seg = segs is not None
-  vec = lambda *shape, dtype=jnp.float32: plgpu.SMEM(shape, dtype)
-  rings = [_smem((_STAGES, g.bk, g.Dp), dt), _smem((_STAGES, g.bk, g.Dvp), dt)]
-  resident = []
-  if has_seg:
-    rings.append(vec(_STAGES, g.bk, dtype=jnp.int32))
-    resident.append(vec(g.bq, dtype=jnp.int32))
-  smem = (_smem((g.bq, g.Dp), dt), _smem((g.bq, g.Dvp), dt), vec(g.bq), vec(g.bq),
-          tuple(rings), _smem((g.bq, g.bk), dt), tuple(resident))
-  loaded = tuple(plgpu.Barrier(num_barriers=_STAGES) for _ in rings)
+  ring, resident = _operands(kind, "q_seg" in arrays, "cq" in arrays)
+  names = list(arrays)
+  dt = arrays["q"].dtype
+  if kind == "dkdv":
+    body, grid, grid_names = _dkdv_kernel, (g.B, g.Hkv, g.nk), ("b", "h", "kv")
+    out_type = (jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), dt),
+                jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), dt))
+  else:
+    body, grid, grid_names = _dq_kernel, (g.B, g.H, g.nq), ("b", "h", "q")
+    out_type = jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dp), dt)
   kernel = plgpu.kernel(
-      functools.partial(_dq_kernel, cfg=cfg, g=g, masked_any=masked_any, has_seg=has_seg),
-      out_type=jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dp), dt),
-      scratch_types=(smem, loaded, plgpu.Barrier(num_barriers=_STAGES),
-                     plgpu.Barrier(num_barriers=4 + len(resident))),
-      grid=(g.B, g.H, g.nq), grid_names=("b", "h", "q"), kernel_name="flashvjp_bwd_dq",
+      functools.partial(body, cfg=cfg, g=g, masked_any=masked_any, names=names, ring=ring,
+                        resident=resident),
+      out_type=out_type,
+      scratch_types=_scratch(kind, arrays, ring, resident, g),
+      grid=grid, grid_names=grid_names, kernel_name=f"flashvjp_bwd_{kind}",
       num_threads=2, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_interpret(cfg))
-  return kernel(qp, kp, vp, dop, lse2, delta, *(segs or ()))
+  return kernel(*arrays.values())
 
 
 # ---- entry point -----------------------------------------------------------------------
@@ -468,7 +541,6 @@ def check_supported(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, seed, cons
       ("a dense boolean mask", mask is not None),
       ("score_mod", cfg.score_mod is not None or bool(tuple(consts))),
       ("mask_mod", cfg.mask_mod is not None or mod is not None),
-      ("dropout", cfg.dropout_active),
       ("global offsets (a ring chunk pair)", C.offset_operand(offsets) is not None),
   ]
   for name, present in missing:
@@ -476,7 +548,8 @@ def check_supported(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, seed, cons
       raise NotImplementedError(
           f"the pallas_mosaic_gpu backward does not support {name} yet;"
           " use implementation='pallas_triton'")
-  del seed
+  if cfg.dropout_active and seed is None:
+    raise ValueError("dropout needs its seed (uint32 [2]): got seed=None")
   if jnp.dtype(q.dtype) not in _DTYPES or not (q.dtype == k.dtype == v.dtype):
     raise ValueError("the pallas_mosaic_gpu backward takes bfloat16 or float16 q, k, v of one"
                      f" dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -513,10 +586,17 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   masked_any = (cfg.causal or cfg.window is not None or segs is not None or g.Sqp != Sq
                 or g.Skvp != Skv)
   lse2, delta = _preprocess(out, lse, dout, dlse, g)
-  qp, dop = C.pad_seq_head(q, g.Sqp, g.Dp), C.pad_seq_head(dout.astype(q.dtype), g.Sqp, g.Dvp)
-  kp, vp = C.pad_seq_head(k, g.Skvp, g.Dp), C.pad_seq_head(v, g.Skvp, g.Dvp)
-  dk, dv = _dkdv(cfg, g, qp, kp, vp, dop, lse2, delta, segs, masked_any)
-  dq = _dq(cfg, g, qp, kp, vp, dop, lse2, delta, segs, masked_any)
+  arrays = {"q": C.pad_seq_head(q, g.Sqp, g.Dp), "k": C.pad_seq_head(k, g.Skvp, g.Dp),
+            "v": C.pad_seq_head(v, g.Skvp, g.Dvp),
+            "do": C.pad_seq_head(dout.astype(q.dtype), g.Sqp, g.Dvp), "lse": lse2,
+            "delta": delta}
+  if segs is not None:
+    arrays["q_seg"], arrays["kv_seg"] = segs
+  if cfg.dropout_active:
+    arrays["cq"], arrays["cq2"] = _dropout_rows(cfg, seed, g)
+  g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g))
+  dk, dv = _launch("dkdv", cfg, g_dkdv, arrays, masked_any)
+  dq = _launch("dq", cfg, g, arrays, masked_any)
   dq = dq[:, :, :Sq, :D]
   dk = dk[:, :, :Skv, :D]
   dv = dv[:, :, :Skv, :Dv]
