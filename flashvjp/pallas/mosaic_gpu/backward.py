@@ -505,6 +505,7 @@ def _launch(kind, cfg, g: _Geo, arrays, masked_any):
   ring, resident = _operands(kind, "q_seg" in arrays, "cq" in arrays)
   names = list(arrays)
   dt = arrays["q"].dtype
+  out_type: object
   if kind == "dkdv":
     body, grid, grid_names = _dkdv_kernel, (g.B, g.Hkv, g.nk), ("b", "h", "kv")
     out_type = (jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), dt),
