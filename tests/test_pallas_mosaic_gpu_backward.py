@@ -39,10 +39,11 @@ def _cfg(Sq, Skv, D, causal=False, window=None, **kw):
                          blocks=BlockSizes(), interpret=True, **kw)
 
 
-def _inputs(B, H, Hkv, Sq, Skv, D, dtype, seed=0):
-  q, k, v = _util.random_qkv(seed, B, H, Hkv, Sq, Skv, D, dtype=dtype)
+def _inputs(B, H, Hkv, Sq, Skv, D, dtype, seed=0, Dv=None):
+  Dv = D if Dv is None else Dv
+  q, k, v = _util.random_qkv(seed, B, H, Hkv, Sq, Skv, D, Dv, dtype=dtype)
   kd, kl = jax.random.split(jax.random.key(seed + 1))
-  do = jax.random.normal(kd, (B, H, Sq, D), jnp.float64).astype(dtype)
+  do = jax.random.normal(kd, (B, H, Sq, Dv), jnp.float64).astype(dtype)
   dlse = jax.random.normal(kl, (B, H, Sq), jnp.float64).astype(jnp.float32)
   return q, k, v, do, dlse
 
@@ -139,7 +140,24 @@ def test_dropout():
   _util.assert_close(got[:3], ref, jnp.bfloat16, what="mosaic_gpu backward dropout")
 
 
+def test_value_head_dim_differs_under_jit():
+  """Dv = 128 != D = 64 (dV / dO tiles wider than Q / K), causal, through jax.jit."""
+  B, H, Hkv, Sq, Skv, D, Dv = 1, 2, 2, 100, 120, 64, 128
+  cfg = _cfg(Sq, Skv, D, causal=True)
+  q, k, v, do, dlse = _inputs(B, H, Hkv, Sq, Skv, D, jnp.bfloat16, seed=9, Dv=Dv)
+  out, lse, ref = _reference(cfg, q, k, v, do, dlse)
+  _compat.reset_interpret_state()
+  f = jax.jit(lambda q, k, v, o, lse, do, dlse: mgpu_backward.backward(
+      cfg, q, k, v, None, None, None, None, None, (), o, lse, do, dlse)[:3])
+  got = jax.block_until_ready(f(q, k, v, out.astype(q.dtype), lse.astype(jnp.float32), do,
+                                dlse))
+  assert not _compat.races_found()
+  assert got[2].shape == v.shape
+  _util.assert_close(got, ref, jnp.bfloat16, what="mosaic_gpu backward Dv != D")
+
+
 def test_deterministic():
+  """Two runs, bitwise the same (no atomics: every output block has one writer)."""
   cfg = _cfg(136, 136, 64, causal=True)
   q, k, v, do, dlse = _inputs(1, 2, 1, 136, 136, 64, jnp.bfloat16, seed=3)
   out, lse, _ = _reference(cfg, q, k, v, do, dlse)
