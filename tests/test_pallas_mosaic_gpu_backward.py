@@ -48,18 +48,18 @@ def _inputs(B, H, Hkv, Sq, Skv, D, dtype, seed=0, Dv=None):
   return q, k, v, do, dlse
 
 
-def _reference(cfg, q, k, v, do, dlse, segs=(None, None), seed=None):
+def _reference(cfg, q, k, v, do, dlse, segs=(None, None), seed=None, mask=None):
   """(out, lse, (dq, dk, dv)) of float64 naive attention; dlse None: no lse cotangent."""
   f64 = _util.as64
-  fwd = lambda q, k, v: reference.attention(cfg, q, k, v, None, None, *segs, seed, ())
+  fwd = lambda q, k, v: reference.attention(cfg, q, k, v, None, mask, *segs, seed, ())
   (out, lse), vjp = jax.vjp(fwd, f64(q), f64(k), f64(v))
   lse_ct = jnp.zeros_like(lse) if dlse is None else f64(dlse)
   return out, lse, vjp((f64(do), lse_ct))
 
 
-def _run(cfg, q, k, v, do, dlse, out, lse, segs=(None, None), seed=None):
+def _run(cfg, q, k, v, do, dlse, out, lse, segs=(None, None), seed=None, mask=None):
   _compat.reset_interpret_state()
-  got = mgpu_backward.backward(cfg, q, k, v, None, None, *segs, seed, (),
+  got = mgpu_backward.backward(cfg, q, k, v, None, mask, *segs, seed, (),
                                out.astype(q.dtype), lse.astype(jnp.float32), do, dlse)
   got = jax.block_until_ready(got)
   assert not _compat.races_found(), "GPU interpret mode reported a race"
@@ -109,6 +109,21 @@ def test_segment_ids():
   assert bool(jnp.any(jnp.isneginf(lse))), "the case must have empty rows"
   got = _run(cfg, q, k, v, do, dlse, out, lse, segs)
   _util.assert_close(got[:3], ref, jnp.bfloat16, what="mosaic_gpu backward segment ids")
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 100, 90), (1, 2, 1, 90)])
+def test_dense_mask(shape):
+  """A dense boolean mask (full, or broadcast over batch and queries: key padding), GQA,
+  ragged, dlse, with fully masked rows (the full mask) and window."""
+  B, H, Hkv, Sq, Skv, D = 2, 2, 1, 100, 90, 64
+  cfg = _cfg(Sq, Skv, D, window=(None, 40))
+  q, k, v, do, dlse = _inputs(B, H, Hkv, Sq, Skv, D, jnp.bfloat16, seed=13)
+  mask = jax.random.bernoulli(jax.random.key(2), 0.6, shape)
+  if shape[2] != 1:
+    mask = mask.at[:, :, 5, :].set(False)  # an empty row
+  out, lse, ref = _reference(cfg, q, k, v, do, dlse, mask=mask)
+  got = _run(cfg, q, k, v, do, dlse, out, lse, mask=mask)
+  _util.assert_close(got[:3], ref, jnp.bfloat16, what=f"mosaic_gpu backward mask {shape}")
 
 
 @pytest.mark.parametrize("broadcast", [(False, False), (True, False), (False, True)])
@@ -227,8 +242,6 @@ def test_unsupported_features_are_named():
 
   with pytest.raises(NotImplementedError, match="bias"):
     call(bias=jnp.zeros((1, 1, S, S), jnp.float32))
-  with pytest.raises(NotImplementedError, match="mask"):
-    call(mask=jnp.ones((1, 1, S, S), bool))
   with pytest.raises(NotImplementedError, match="score_mod"):
     call(cfg=dataclasses.replace(cfg, score_mod=lambda s, b, h, qi, ki: s))
   with pytest.raises(ValueError, match="seed"):
@@ -265,8 +278,9 @@ B, H, Hkv, S = 1, 4, 2, 1024
 cfg = AttentionConfig(scale=D ** -0.5, causal=True, window=None, seq_q=S, seq_kv=S,
                       dropout_rate=rate, blocks=BlockSizes(), interpret=False)
 seed = jnp.asarray([1, 2], jnp.uint32) if rate else None
+mask = jnp.tril(jnp.ones((S, S), bool))[None, None] if "mask" in features else None
 f = lambda q, k, v, o, lse, do, *segs: mgpu_backward.backward(
-    cfg, q, k, v, None, None, *(segs or (None, None)), seed, (), o, lse, do, None)[:3]
+    cfg, q, k, v, None, mask, *(segs or (None, None)), seed, (), o, lse, do, None)[:3]
 a = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
 segs = (a((B, S), jnp.int32), a((B, S), jnp.int32)) if seg else ()
 jax.jit(f).lower(a((B, H, S, D)), a((B, Hkv, S, D)), a((B, Hkv, S, D)), a((B, H, S, D)),
@@ -285,11 +299,11 @@ def _cuda_plugin() -> bool:
 
 @pytest.mark.skipif(not _cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
                     "sm_90a compile); no GPU needed")
-@pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (128, "seg+drop")])
+@pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (128, "seg+drop+mask")])
 def test_sm90a_compile_no_spills(D, features, tmp_path):
-  """Both kernels (causal, GQA, bf16, S=1024; with segment ids and dropout) compile for
-  sm_90a with the CUDA plugin's Mosaic compiler; ptxas reports no spill and shared memory
-  fits an H100 / H200 block."""
+  """Both kernels (causal, GQA, bf16, S=1024; with segment ids, dropout and a dense mask)
+  compile for sm_90a with the CUDA plugin's Mosaic compiler; ptxas reports no spill and
+  shared memory fits an H100 / H200 block."""
   root = pathlib.Path(__file__).resolve().parent.parent
   env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(tmp_path),
              MOSAIC_GPU_DUMP_PTXAS="1", PYTHONPATH=str(root))

@@ -19,13 +19,14 @@ Both kernels run two warpgroups per program (`plgpu.kernel`, num_threads=2):
 dK/dV kernel: grid (batch, kv head, kv block); loops over the G query heads of the group
 and, for each, over the q blocks that see this kv block (`MaskSpec.q_block_range`), so GQA
 gradients are summed in-kernel without repeating K/V. Ring: Q, dO, lse, delta of one q
-block. Tiles are transposed ([bk, bq]: sT = K Q^T, dPT = V dO^T, dV += PT dO, dK += dST Q).
-The lse / delta slots are read with generic loads: the consumer fences (`commit_smem`)
-before it frees the slot, or the producer's TMA refill would race those reads (the race of
-JAX's own dkv kernel).
+block (and its segment ids, dropout words, mask tile). Tiles are transposed ([bk, bq]:
+sT = K Q^T, dPT = V dO^T, dV += PT dO, dK += dST Q). The lse / delta (segment, dropout,
+mask) slots are read with generic loads: the consumer fences (`commit_smem`) before it
+frees the slot, or the producer's TMA refill would race those reads (the race of JAX's own
+dkv kernel; the dQ kernel fences its kv-side slots the same way).
 
 dQ kernel: grid (batch, head, q block); loops over the kv blocks of q block i
-(`MaskSpec.kv_block_range`). Ring: K, V of one kv block.
+(`MaskSpec.kv_block_range`). Ring: K, V of one kv block (and its segment ids, mask tile).
 
 Causal / window / sequence padding: whole blocks outside the mask model's static bounds are
 never visited; the elementwise mask runs only on the blocks outside
@@ -34,6 +35,11 @@ never visited; the elementwise mask runs only on the blocks outside
 Segment ids: the q block's ids travel with it (ring slot or resident SMEM, 1-D TMA), and
 every block inside the static bounds is visited with the elementwise mask (no block
 skipping by segment yet: packed documents cost like their causal / window bounds).
+
+Dense mask: int8 tiles streamed with the loop ([bq, bk] for dQ; [bk, bq] tiles of the
+transposed mask, an XLA copy, for dK/dV), read generically into the wgmma layout; every
+visited block is masked elementwise, none skipped by the mask's content yet. Broadcast seq
+dims are materialised (int8 [.., Sq, Skv]), broadcast batch / head dims are not.
 
 Dropout: the counter hash of `flashvjp._dropout` (the same keep bits as every other
 implementation), split where its inputs split: the per-(b, h, q) words are computed by XLA
@@ -44,10 +50,10 @@ for dK/dV up to head dim 64, 32 for dK/dV above (`_dkdv_block_q`: registers). Th
 cfg.blocks are not read yet.
 
 Supported: bfloat16 / float16 inputs (float32 accumulation), head dims <= 128 (padded with
-zeros to a multiple of 64), GQA / MQA, causal, window, segment ids, dropout, any sequence
-lengths (padded to whole 64-blocks), a cotangent on lse (folded into delta). Not yet:
-bias / dbias, a dense mask, score_mod, mask_mod, global offsets; `backward` refuses them by
-name before any kernel runs.
+zeros to a multiple of 64), GQA / MQA, causal, window, segment ids, a dense mask, dropout,
+any sequence lengths (padded to whole 64-blocks), a cotangent on lse (folded into delta).
+Not yet: bias / dbias, score_mod, mask_mod, global offsets; `backward` refuses them by name
+before any kernel runs.
 """
 from __future__ import annotations
 
@@ -220,7 +226,8 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
   d = s * f32(cfg.scale * LOG2E) - lse2
   ok = None
   if masked:
-    ok = C.mask_spec(cfg).allowed(q_idx, kv_idx, q_seg=v.get("q_seg"), kv_seg=v.get("kv_seg"))
+    ok = C.mask_spec(cfg).allowed(q_idx, kv_idx, q_seg=v.get("q_seg"), kv_seg=v.get("kv_seg"),
+                                  dense=v.get("dense"))
     d = jnp.where(ok, d, C.mask_value(f32))
   m = _keep(cfg, kv_idx, v["cq"], v["cq2"]) if cfg.dropout_active else None
   return jnp.exp2(d), ok, m
@@ -283,11 +290,17 @@ def _block(ref, b, h, sl):
   return ref.at[b, sl]
 
 
-def _operands(kind, has_seg, has_drop):
-  """(ring, resident) operand names of a kernel ("dkdv" or "dq"), in their SMEM order."""
+def _operands(kind, has_seg, has_drop, has_mask):
+  """(ring, resident) operand names of a kernel ("dkdv" or "dq"), in their SMEM order.
+
+  A dense mask tile depends on both blocks: it always streams with the loop ("mask": the
+  dQ kernel's [bq, bk] tiles; "maskT": the dK/dV kernel's [bk, bq] tiles of the
+  transposed mask)."""
   q_side = ["q", "do", "lse", "delta"] + ["q_seg"] * has_seg + ["cq", "cq2"] * has_drop
   kv_side = ["k", "v"] + ["kv_seg"] * has_seg
-  return (q_side, kv_side) if kind == "dkdv" else (kv_side, q_side)
+  if kind == "dkdv":
+    return q_side + ["maskT"] * has_mask, kv_side
+  return kv_side + ["mask"] * has_mask, q_side
 
 
 def _scratch(kind, arrays, ring, resident, g: _Geo):
@@ -295,16 +308,18 @@ def _scratch(kind, arrays, ring, resident, g: _Geo):
   plgpu = _compat.plgpu()
   rows = {"dkdv": (g.bq, g.bk), "dq": (g.bk, g.bq)}[kind]  # (ring block, resident block)
   minor = min(g.bq, g.bk, g.Dp, g.Dvp)
+  tile = (g.bk, g.bq) if kind == "dkdv" else (g.bq, g.bk)
 
   def buf(name, block, stages=()):
     x = arrays[name]
+    if name in ("mask", "maskT"):  # int8 tile in the tile's own orientation, read generically
+      return plgpu.SMEM(stages + tile, x.dtype)
     if x.ndim == 4:
       return _smem(stages + (block, x.shape[3]), x.dtype, minor)
     return plgpu.SMEM(stages + (block,), x.dtype)
 
   dt = arrays["q"].dtype
   tiles = 2 if kind == "dkdv" else 1  # P and dS ([bk, bq]), or dS ([bq, bk])
-  tile = (g.bk, g.bq) if kind == "dkdv" else (g.bq, g.bk)
   smem = (tuple(buf(n, rows[0], (_STAGES,)) for n in ring),
           tuple(buf(n, rows[1]) for n in resident),
           tuple(_smem(tile, dt, minor) for _ in range(tiles)))
@@ -318,6 +333,18 @@ def _load_resident(srcs, dsts, bars):
     plgpu.copy_gmem_to_smem(src, dst, bars.at[n_bar])
   for n_bar in range(len(srcs)):
     plgpu.barrier_wait(bars.at[n_bar])
+
+
+def _mask_tile(ref, b, h, rows, cols):
+  """The TMA source of one dense-mask tile of a [B|1, H|1, S1, S2] int8 mask."""
+  return ref.at[b if ref.shape[0] != 1 else 0, h if ref.shape[1] != 1 else 0, rows, cols]
+
+
+def _load_mask(ref):
+  """bool tile of an int8 mask tile in SMEM, in the wgmma accumulator's layout (a generic
+  load: the tile is not swizzled, so not the optimized path)."""
+  wgmma_layout, _, _ = _compat.layouts()
+  return _compat.plgpu().load(ref, layout=wgmma_layout, optimized=False) != 0
 
 
 # Per-q vectors broadcast to a tile (loaded from SMEM with the wgmma layout's row / column
@@ -350,8 +377,11 @@ def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
       gi, i = lax.div(t, n), lo + lax.rem(t, n)
       rows = pl.ds(i * g.bq, g.bq)
       for name, bar in zip(ring, loaded):
-        plgpu.copy_gmem_to_smem(_block(r[name], b, hk * G + gi, rows), rs[name].at[slot],
-                                bar.at[slot])
+        if name == "maskT":
+          src = _mask_tile(r[name], b, hk * G + gi, cols, rows)
+        else:
+          src = _block(r[name], b, hk * G + gi, rows)
+        plgpu.copy_gmem_to_smem(src, rs[name].at[slot], bar.at[slot])
 
     _produce(G * n, fill, free)
 
@@ -381,6 +411,8 @@ def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
         for name in _Q_VECTORS:
           if name in rs:
             v[name] = per_q(plgpu.load(rs[name].at[slot], layout=col))
+        if "maskT" in rs:
+          v["dense"] = _load_mask(rs["maskT"].at[slot])
         pT, ok, m = _probs(cfg, sT, lse2, i * g.bq + q_iota, kv_idx, masked, v)
         p_smem[...] = (pT if m is None else pT * m).astype(p_smem.dtype)  # dropped out
         ds_smem[...] = _dscores(cfg, pT, dpT, delta, ok, m).astype(ds_smem.dtype)
@@ -403,7 +435,8 @@ def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
             return c
           lax.fori_loop(start, stop, body, None)
 
-        full = None if "q_seg" in rs else spec.full_q_block_range(j, g.bq, g.bk, g.nq)
+        elementwise = "q_seg" in rs or "maskT" in rs  # no FULL blocks by the static bounds
+        full = None if elementwise else spec.full_q_block_range(j, g.bq, g.bk, g.nq)
         _visit(run, lo, hi, full, masked_any)
         return carry
 
@@ -444,7 +477,11 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
     def fill(t, slot):
       cols = pl.ds((lo + t) * g.bk, g.bk)
       for name, bar in zip(ring, loaded):
-        plgpu.copy_gmem_to_smem(_block(r[name], b, hk, cols), rs[name].at[slot], bar.at[slot])
+        if name == "mask":
+          src = _mask_tile(r[name], b, h, rows, cols)
+        else:
+          src = _block(r[name], b, hk, cols)
+        plgpu.copy_gmem_to_smem(src, rs[name].at[slot], bar.at[slot])
 
     _produce(hi - lo, fill, free)
 
@@ -473,6 +510,8 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
         if "kv_seg" in rs:
           v["kv_seg"] = lax.broadcast_in_dim(plgpu.load(rs["kv_seg"].at[slot], layout=col),
                                              shape, [1])
+        if "mask" in rs:
+          v["dense"] = _load_mask(rs["mask"].at[slot])
         p, ok, m = _probs(cfg, s, lse2, q_idx, j * g.bk + kv_iota, masked, v)
         ds_smem[...] = _dscores(cfg, p, dp, delta, ok, m).astype(ds_smem.dtype)
         # The dS stores before the wgmma reads them; the kv segment ids' loads before the
@@ -488,7 +527,8 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
           return c
         lax.fori_loop(start, stop, body, None)
 
-      full = None if "q_seg" in res else spec.full_kv_block_range(i, g.bq, g.bk)
+      elementwise = "q_seg" in res or "mask" in rs  # no FULL blocks by the static bounds
+      full = None if elementwise else spec.full_kv_block_range(i, g.bq, g.bk)
       _visit(run, lo, hi, full, masked_any)
       return dq_acc[...]
 
@@ -502,7 +542,10 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
 def _launch(kind, cfg, g: _Geo, arrays, masked_any):
   """Build and run one kernel ("dkdv" or "dq") on the named operand `arrays`."""
   plgpu = _compat.plgpu()
-  ring, resident = _operands(kind, "q_seg" in arrays, "cq" in arrays)
+  arrays = dict(arrays)
+  arrays.pop("maskT" if kind == "dq" else "mask", None)
+  ring, resident = _operands(kind, "q_seg" in arrays, "cq" in arrays, "mask" in arrays
+                             or "maskT" in arrays)
   names = list(arrays)
   dt = arrays["q"].dtype
   out_type: object
@@ -539,7 +582,6 @@ def check_supported(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, seed, cons
     raise NotImplementedError(why)
   missing = [
       ("bias (and its gradient dbias)", bias is not None),
-      ("a dense boolean mask", mask is not None),
       ("score_mod", cfg.score_mod is not None or bool(tuple(consts))),
       ("mask_mod", cfg.mask_mod is not None or mod is not None),
       ("global offsets (a ring chunk pair)", C.offset_operand(offsets) is not None),
@@ -584,8 +626,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   if q_seg is not None:  # padding repeats the edge id (padded positions are masked anyway)
     segs = (_mask.pad_axis(q_seg, 1, g.Sqp, "edge", keep_broadcast=False).astype(jnp.int32),
             _mask.pad_axis(kv_seg, 1, g.Skvp, "edge", keep_broadcast=False).astype(jnp.int32))
-  masked_any = (cfg.causal or cfg.window is not None or segs is not None or g.Sqp != Sq
-                or g.Skvp != Skv)
+  masked_any = (cfg.causal or cfg.window is not None or segs is not None or mask is not None
+                or g.Sqp != Sq or g.Skvp != Skv)
   lse2, delta = _preprocess(out, lse, dout, dlse, g)
   arrays = {"q": C.pad_seq_head(q, g.Sqp, g.Dp), "k": C.pad_seq_head(k, g.Skvp, g.Dp),
             "v": C.pad_seq_head(v, g.Skvp, g.Dvp),
@@ -595,6 +637,13 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     arrays["q_seg"], arrays["kv_seg"] = segs
   if cfg.dropout_active:
     arrays["cq"], arrays["cq2"] = _dropout_rows(cfg, seed, g)
+  if mask is not None:
+    # int8, padded with False; broadcast seq dims materialised (the kernels read whole
+    # tiles), broadcast batch / head dims kept (indexed with 0). The dK/dV kernel reads it
+    # transposed (one more int8 copy, made by XLA).
+    m = jnp.broadcast_to(mask, mask.shape[:2] + (Sq, Skv)).astype(jnp.int8)
+    m = jnp.pad(m, ((0, 0), (0, 0), (0, g.Sqp - Sq), (0, g.Skvp - Skv)))
+    arrays["mask"], arrays["maskT"] = m, jnp.swapaxes(m, 2, 3)
   g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g))
   dk, dv = _launch("dkdv", cfg, g_dkdv, arrays, masked_any)
   dq = _launch("dq", cfg, g, arrays, masked_any)
