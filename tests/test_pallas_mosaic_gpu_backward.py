@@ -126,6 +126,29 @@ def test_dense_mask(shape):
   _util.assert_close(got[:3], ref, jnp.bfloat16, what=f"mosaic_gpu backward mask {shape}")
 
 
+@pytest.mark.parametrize("shape", [(2, 2, 100, 90), (1, 2, 1, 90)])
+def test_bias_and_dbias(shape):
+  """A float bias (full, or broadcast over batch and queries) and its gradient, causal, GQA,
+  ragged, dlse, float32 bias with bfloat16 q / k / v."""
+  B, H, Hkv, Sq, Skv, D = 2, 2, 1, 100, 90, 64
+  cfg = _cfg(Sq, Skv, D, causal=True)
+  q, k, v, do, dlse = _inputs(B, H, Hkv, Sq, Skv, D, jnp.bfloat16, seed=17)
+  bias = jax.random.normal(jax.random.key(4), shape, jnp.float64).astype(jnp.float32)
+  f64 = _util.as64
+  fwd = lambda q, k, v, bias: reference.attention(cfg, q, k, v, bias, None, None, None, None,
+                                                  ())
+  (out, lse), vjp = jax.vjp(fwd, f64(q), f64(k), f64(v), f64(bias))
+  ref = vjp((f64(do), f64(dlse)))
+  _compat.reset_interpret_state()
+  dq, dk, dv, dbias, _ = jax.block_until_ready(mgpu_backward.backward(
+      cfg, q, k, v, bias, None, None, None, None, (), out.astype(q.dtype),
+      lse.astype(jnp.float32), do, dlse))
+  assert not _compat.races_found()
+  assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
+  _util.assert_close((dq, dk, dv), ref[:3], jnp.bfloat16, what=f"mosaic_gpu bias {shape}")
+  _util.assert_close(dbias, ref[3], jnp.bfloat16, what=f"mosaic_gpu dbias {shape}")
+
+
 @pytest.mark.parametrize("broadcast", [(False, False), (True, False), (False, True)])
 def test_dropout_hash_split(broadcast):
   """The kernels' dropout bits (per-row words from XLA, finished per element in the kernel)
@@ -173,8 +196,8 @@ def test_value_head_dim_differs_under_jit():
 
 def test_deterministic():
   """Two runs, bitwise the same (no atomics: every output block has one writer)."""
-  cfg = _cfg(136, 136, 64, causal=True)
-  q, k, v, do, dlse = _inputs(1, 2, 1, 136, 136, 64, jnp.bfloat16, seed=3)
+  cfg = _cfg(72, 72, 64, causal=True)
+  q, k, v, do, dlse = _inputs(1, 1, 1, 72, 72, 64, jnp.bfloat16, seed=3)
   out, lse, _ = _reference(cfg, q, k, v, do, dlse)
   a = _run(cfg, q, k, v, do, dlse, out, lse)
   b = _run(cfg, q, k, v, do, dlse, out, lse)
@@ -240,12 +263,12 @@ def test_unsupported_features_are_named():
     return mgpu_backward.backward(cfg, q, q, q, bias, mask, None, None, None, consts, q, lse_, q,
                                   None, offsets=offsets)
 
-  with pytest.raises(NotImplementedError, match="bias"):
-    call(bias=jnp.zeros((1, 1, S, S), jnp.float32))
   with pytest.raises(NotImplementedError, match="score_mod"):
     call(cfg=dataclasses.replace(cfg, score_mod=lambda s, b, h, qi, ki: s))
   with pytest.raises(ValueError, match="seed"):
     call(cfg=dataclasses.replace(cfg, dropout_rate=0.1))
+  with pytest.raises(NotImplementedError, match="mask_mod"):
+    call(cfg=dataclasses.replace(cfg, mask_mod=lambda b, h, qi, ki: qi >= ki))
   with pytest.raises(NotImplementedError, match="offsets"):
     call(offsets=(0, 0, 64, 0))
   with pytest.raises(ValueError, match="bfloat16 or float16"):
@@ -279,8 +302,9 @@ cfg = AttentionConfig(scale=D ** -0.5, causal=True, window=None, seq_q=S, seq_kv
                       dropout_rate=rate, blocks=BlockSizes(), interpret=False)
 seed = jnp.asarray([1, 2], jnp.uint32) if rate else None
 mask = jnp.tril(jnp.ones((S, S), bool))[None, None] if "mask" in features else None
+bias = jnp.ones((1, H, S, S), jnp.float32) if "bias" in features else None
 f = lambda q, k, v, o, lse, do, *segs: mgpu_backward.backward(
-    cfg, q, k, v, None, mask, *(segs or (None, None)), seed, (), o, lse, do, None)[:3]
+    cfg, q, k, v, bias, mask, *(segs or (None, None)), seed, (), o, lse, do, None)[:4]
 a = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
 segs = (a((B, S), jnp.int32), a((B, S), jnp.int32)) if seg else ()
 jax.jit(f).lower(a((B, H, S, D)), a((B, Hkv, S, D)), a((B, Hkv, S, D)), a((B, H, S, D)),
@@ -299,10 +323,10 @@ def _cuda_plugin() -> bool:
 
 @pytest.mark.skipif(not _cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
                     "sm_90a compile); no GPU needed")
-@pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (128, "seg+drop+mask")])
+@pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (128, "seg+drop+mask+bias")])
 def test_sm90a_compile_no_spills(D, features, tmp_path):
-  """Both kernels (causal, GQA, bf16, S=1024; with segment ids, dropout and a dense mask)
-  compile for sm_90a with the CUDA plugin's Mosaic compiler; ptxas reports no spill and
+  """Both kernels (causal, GQA, bf16, S=1024; with segment ids, dropout, a dense mask and
+  a bias with its gradient) compile for sm_90a with the CUDA plugin's Mosaic compiler; ptxas reports no spill and
   shared memory fits an H100 / H200 block."""
   root = pathlib.Path(__file__).resolve().parent.parent
   env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(tmp_path),

@@ -36,10 +36,14 @@ Segment ids: the q block's ids travel with it (ring slot or resident SMEM, 1-D T
 every block inside the static bounds is visited with the elementwise mask (no block
 skipping by segment yet: packed documents cost like their causal / window bounds).
 
-Dense mask: int8 tiles streamed with the loop ([bq, bk] for dQ; [bk, bq] tiles of the
-transposed mask, an XLA copy, for dK/dV), read generically into the wgmma layout; every
-visited block is masked elementwise, none skipped by the mask's content yet. Broadcast seq
-dims are materialised (int8 [.., Sq, Skv]), broadcast batch / head dims are not.
+Dense mask and bias: tiles streamed with the loop ([bq, bk] for dQ; [bk, bq] tiles of a
+transposed copy, made by XLA, for dK/dV), read generically into the wgmma layout; int8 for
+the mask, float32 for the bias. Every visited block of a masked call is masked
+elementwise, none skipped by the mask's content yet. Broadcast seq dims are materialised
+([.., Sq, Skv]), broadcast batch / head dims are not. dbias: the dQ kernel writes each
+visited tile's score gradient (float32, SMEM then TMA) into a [B, H, Sq, Skv]
+intermediate; XLA zeroes the never-visited blocks and sums the bias' broadcast dims
+(`_reduce_dbias`): O(B H Sq Skv) memory, unlike the Triton family's dbias kernel.
 
 Dropout: the counter hash of `flashvjp._dropout` (the same keep bits as every other
 implementation), split where its inputs split: the per-(b, h, q) words are computed by XLA
@@ -50,10 +54,10 @@ for dK/dV up to head dim 64, 32 for dK/dV above (`_dkdv_block_q`: registers). Th
 cfg.blocks are not read yet.
 
 Supported: bfloat16 / float16 inputs (float32 accumulation), head dims <= 128 (padded with
-zeros to a multiple of 64), GQA / MQA, causal, window, segment ids, a dense mask, dropout,
-any sequence lengths (padded to whole 64-blocks), a cotangent on lse (folded into delta).
-Not yet: bias / dbias, score_mod, mask_mod, global offsets; `backward` refuses them by name
-before any kernel runs.
+zeros to a multiple of 64), GQA / MQA, causal, window, segment ids, a dense mask, a bias
+and dbias, dropout, any sequence lengths (padded to whole 64-blocks), a cotangent on lse
+(folded into delta). Not yet: score_mod, mask_mod, global offsets; `backward` refuses them
+by name before any kernel runs.
 """
 from __future__ import annotations
 
@@ -224,6 +228,8 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
   multiplier (None without dropout)."""
   f32 = jnp.float32
   d = s * f32(cfg.scale * LOG2E) - lse2
+  if "bias" in v:
+    d = d + v["bias"] * f32(LOG2E)
   ok = None
   if masked:
     ok = C.mask_spec(cfg).allowed(q_idx, kv_idx, q_seg=v.get("q_seg"), kv_seg=v.get("kv_seg"),
@@ -233,8 +239,9 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
   return jnp.exp2(d), ok, m
 
 
-def _dscores(cfg, p, dp, delta, ok, m):
-  """dL/d(q k) of one tile (the softmax scale included) from `_probs` and dp = dO v."""
+def _dscores(p, dp, delta, ok, m):
+  """dL/d(score) of one tile (score = scale * q k + bias: multiply by the scale for
+  dL/d(q k)) from `_probs` and dp = dO v."""
   f32 = jnp.float32
   if m is not None:
     dp = dp * m
@@ -242,7 +249,7 @@ def _dscores(cfg, p, dp, delta, ok, m):
   if ok is not None:
     # A select, not p * (...): a masked entry contributes exactly nothing.
     ds = jnp.where(ok, ds, f32(0.0))
-  return ds * f32(cfg.scale)
+  return ds
 
 
 def _mm_t(shape, a, b):
@@ -290,17 +297,21 @@ def _block(ref, b, h, sl):
   return ref.at[b, sl]
 
 
-def _operands(kind, has_seg, has_drop, has_mask):
-  """(ring, resident) operand names of a kernel ("dkdv" or "dq"), in their SMEM order.
+# Operands with both seq dims ([B|1, H|1, Sqp, Skvp]): a tile depends on both blocks, so it
+# always streams with the loop; the dK/dV kernel reads the transposed copy ("...T": its
+# [bk, bq] tiles).
+_PAIRS = ("bias", "mask")
 
-  A dense mask tile depends on both blocks: it always streams with the loop ("mask": the
-  dQ kernel's [bq, bk] tiles; "maskT": the dK/dV kernel's [bk, bq] tiles of the
-  transposed mask)."""
+
+def _operands(kind, arrays):
+  """(ring, resident) operand names of a kernel ("dkdv" or "dq"), in their SMEM order."""
+  has_seg, has_drop = "q_seg" in arrays, "cq" in arrays
   q_side = ["q", "do", "lse", "delta"] + ["q_seg"] * has_seg + ["cq", "cq2"] * has_drop
   kv_side = ["k", "v"] + ["kv_seg"] * has_seg
+  pairs = [p + ("T" if kind == "dkdv" else "") for p in _PAIRS if p in arrays]
   if kind == "dkdv":
-    return q_side + ["maskT"] * has_mask, kv_side
-  return kv_side + ["mask"] * has_mask, q_side
+    return q_side + pairs, kv_side
+  return kv_side + pairs, q_side
 
 
 def _scratch(kind, arrays, ring, resident, g: _Geo):
@@ -312,7 +323,7 @@ def _scratch(kind, arrays, ring, resident, g: _Geo):
 
   def buf(name, block, stages=()):
     x = arrays[name]
-    if name in ("mask", "maskT"):  # int8 tile in the tile's own orientation, read generically
+    if name.rstrip("T") in _PAIRS:  # a tile in the kernel's orientation, read generically
       return plgpu.SMEM(stages + tile, x.dtype)
     if x.ndim == 4:
       return _smem(stages + (block, x.shape[3]), x.dtype, minor)
@@ -320,9 +331,11 @@ def _scratch(kind, arrays, ring, resident, g: _Geo):
 
   dt = arrays["q"].dtype
   tiles = 2 if kind == "dkdv" else 1  # P and dS ([bk, bq]), or dS ([bq, bk])
+  tile_bufs = tuple(_smem(tile, dt, minor) for _ in range(tiles))
+  if kind == "dq" and "bias" in arrays:  # dS in float32 on its way to the dbias output
+    tile_bufs += (plgpu.SMEM(tile, jnp.float32),)
   smem = (tuple(buf(n, rows[0], (_STAGES,)) for n in ring),
-          tuple(buf(n, rows[1]) for n in resident),
-          tuple(_smem(tile, dt, minor) for _ in range(tiles)))
+          tuple(buf(n, rows[1]) for n in resident), tile_bufs)
   return (smem, tuple(plgpu.Barrier(num_barriers=_STAGES) for _ in ring),
           plgpu.Barrier(num_barriers=_STAGES), plgpu.Barrier(num_barriers=len(resident)))
 
@@ -335,8 +348,8 @@ def _load_resident(srcs, dsts, bars):
     plgpu.barrier_wait(bars.at[n_bar])
 
 
-def _mask_tile(ref, b, h, rows, cols):
-  """The TMA source of one dense-mask tile of a [B|1, H|1, S1, S2] int8 mask."""
+def _pair_tile(ref, b, h, rows, cols):
+  """The TMA source of one tile of a [B|1, H|1, S1, S2] operand (mask, bias)."""
   return ref.at[b if ref.shape[0] != 1 else 0, h if ref.shape[1] != 1 else 0, rows, cols]
 
 
@@ -377,8 +390,8 @@ def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
       gi, i = lax.div(t, n), lo + lax.rem(t, n)
       rows = pl.ds(i * g.bq, g.bq)
       for name, bar in zip(ring, loaded):
-        if name == "maskT":
-          src = _mask_tile(r[name], b, hk * G + gi, cols, rows)
+        if name.rstrip("T") in _PAIRS:
+          src = _pair_tile(r[name], b, hk * G + gi, cols, rows)
         else:
           src = _block(r[name], b, hk * G + gi, rows)
         plgpu.copy_gmem_to_smem(src, rs[name].at[slot], bar.at[slot])
@@ -413,9 +426,12 @@ def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
             v[name] = per_q(plgpu.load(rs[name].at[slot], layout=col))
         if "maskT" in rs:
           v["dense"] = _load_mask(rs["maskT"].at[slot])
+        if "biasT" in rs:
+          v["bias"] = plgpu.load(rs["biasT"].at[slot], layout=wgmma_layout, optimized=False)
         pT, ok, m = _probs(cfg, sT, lse2, i * g.bq + q_iota, kv_idx, masked, v)
         p_smem[...] = (pT if m is None else pT * m).astype(p_smem.dtype)  # dropped out
-        ds_smem[...] = _dscores(cfg, pT, dpT, delta, ok, m).astype(ds_smem.dtype)
+        dsT = _dscores(pT, dpT, delta, ok, m)
+        ds_smem[...] = (dsT * jnp.float32(cfg.scale)).astype(ds_smem.dtype)
         if not _mutated("skip_lse_fence"):
           # Orders this thread's generic SMEM accesses (the lse / delta / per-q vector loads,
           # the P / dS stores) before the async proxy: the wgmmas below and the producer's
@@ -460,8 +476,11 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
   plgpu = _compat.plgpu()
   wgmma_layout, row, col = _compat.layouts()
   r = dict(zip(names, refs))
+  has_bias = "bias" in r
   dq_ref = refs[len(names)]
-  (ring_smem, res_smem, (ds_smem,)), loaded, free, res_bars = refs[len(names) + 1:]
+  dbias_ref = refs[len(names) + 1] if has_bias else None
+  (ring_smem, res_smem, tiles), loaded, free, res_bars = refs[len(names) + 1 + has_bias:]
+  ds_smem = tiles[0]
   rs = dict(zip(ring, ring_smem))
   res = dict(zip(resident, res_smem))
   b, h, i = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
@@ -477,8 +496,8 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
     def fill(t, slot):
       cols = pl.ds((lo + t) * g.bk, g.bk)
       for name, bar in zip(ring, loaded):
-        if name == "mask":
-          src = _mask_tile(r[name], b, h, rows, cols)
+        if name in _PAIRS:
+          src = _pair_tile(r[name], b, h, rows, cols)
         else:
           src = _block(r[name], b, hk, cols)
         plgpu.copy_gmem_to_smem(src, rs[name].at[slot], bar.at[slot])
@@ -512,11 +531,21 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
                                              shape, [1])
         if "mask" in rs:
           v["dense"] = _load_mask(rs["mask"].at[slot])
+        if has_bias:
+          v["bias"] = plgpu.load(rs["bias"].at[slot], layout=wgmma_layout, optimized=False)
         p, ok, m = _probs(cfg, s, lse2, q_idx, j * g.bk + kv_iota, masked, v)
-        ds_smem[...] = _dscores(cfg, p, dp, delta, ok, m).astype(ds_smem.dtype)
-        # The dS stores before the wgmma reads them; the kv segment ids' loads before the
-        # producer's TMA refill of this slot.
+        ds = _dscores(p, dp, delta, ok, m)
+        if has_bias:
+          # dL/d(bias) of this tile: the score gradient itself, out through SMEM by TMA (its
+          # previous tile's store must have read the buffer first).
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          tiles[1][...] = ds
+        ds_smem[...] = (ds * jnp.float32(cfg.scale)).astype(ds_smem.dtype)
+        # The dS stores before the wgmma / TMA read them; the kv-side loads (segment ids,
+        # mask, bias) before the producer's TMA refill of this slot.
         plgpu.commit_smem()
+        if dbias_ref is not None:
+          plgpu.copy_smem_to_gmem(tiles[1], dbias_ref.at[b, h, rows, pl.ds(j * g.bk, g.bk)])
         plgpu.wgmma(dq_acc, ds_smem, k_s)
         plgpu.wgmma_wait(0)  # the slot's K / V are read: hand it back
         plgpu.barrier_arrive(free.at[slot])
@@ -542,10 +571,9 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
 def _launch(kind, cfg, g: _Geo, arrays, masked_any):
   """Build and run one kernel ("dkdv" or "dq") on the named operand `arrays`."""
   plgpu = _compat.plgpu()
-  arrays = dict(arrays)
-  arrays.pop("maskT" if kind == "dq" else "mask", None)
-  ring, resident = _operands(kind, "q_seg" in arrays, "cq" in arrays, "mask" in arrays
-                             or "maskT" in arrays)
+  arrays = {n: x for n, x in arrays.items()
+            if n.rstrip("T") not in _PAIRS or n.endswith("T") == (kind == "dkdv")}
+  ring, resident = _operands(kind, {n.rstrip("T"): x for n, x in arrays.items()})
   names = list(arrays)
   dt = arrays["q"].dtype
   out_type: object
@@ -556,6 +584,8 @@ def _launch(kind, cfg, g: _Geo, arrays, masked_any):
   else:
     body, grid, grid_names = _dq_kernel, (g.B, g.H, g.nq), ("b", "h", "q")
     out_type = jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dp), dt)
+    if "bias" in arrays:  # dL/d(score) of every visited tile, [B, H, Sqp, Skvp] float32
+      out_type = (out_type, jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Skvp), jnp.float32))
   kernel = plgpu.kernel(
       functools.partial(body, cfg=cfg, g=g, masked_any=masked_any, names=names, ring=ring,
                         resident=resident),
@@ -574,6 +604,23 @@ def _interpret(cfg):
   return _compat.interpret_params(detect_races=_DETECT_RACES) if cfg.interpret else None
 
 
+def _reduce_dbias(cfg, ds, bias):
+  """dbias in bias' shape and dtype from the dQ kernel's per-tile score gradients.
+
+  ds [B, H, Sqp, Skvp] float32 holds every visited tile; the blocks the kernel skipped
+  (outside the static bounds) were never written, so everything the static mask model
+  disallows is selected to 0 first (masked entries are 0 anyway), then the bias' broadcast
+  dims are summed.
+  """
+  Sq, Skv = cfg.seq_q, cfg.seq_kv
+  ds = ds[:, :, :Sq, :Skv]
+  ds = jnp.where(C.mask_spec(cfg).dense(), ds, jnp.float32(0.0))
+  axes = tuple(a for a in range(4) if bias.shape[a] == 1 and ds.shape[a] != 1)
+  if axes:
+    ds = jnp.sum(ds, axis=axes, keepdims=True)
+  return ds.astype(bias.dtype)
+
+
 def check_supported(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, seed, consts, mod=None,
                     offsets=None):
   """Raise NotImplementedError / ValueError naming the first feature this backward lacks."""
@@ -581,7 +628,6 @@ def check_supported(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, seed, cons
   if why is not None:
     raise NotImplementedError(why)
   missing = [
-      ("bias (and its gradient dbias)", bias is not None),
       ("score_mod", cfg.score_mod is not None or bool(tuple(consts))),
       ("mask_mod", cfg.mask_mod is not None or mod is not None),
       ("global offsets (a ring chunk pair)", C.offset_operand(offsets) is not None),
@@ -616,7 +662,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
 
   Returns:
     (dq [B, H, Sq, D], dk [B, Hkv, Skv, D], dv [B, Hkv, Skv, Dv] in the input dtype,
-     dbias (always None: no bias support yet), dconsts (always ())).
+     dbias in bias' own shape and dtype (or None), dconsts (always (): no score_mod)).
   """
   check_supported(cfg, q, k, v, bias, mask, q_seg, seed, consts, mod, offsets)
   B, H, Sq, D = q.shape
@@ -628,6 +674,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
             _mask.pad_axis(kv_seg, 1, g.Skvp, "edge", keep_broadcast=False).astype(jnp.int32))
   masked_any = (cfg.causal or cfg.window is not None or segs is not None or mask is not None
                 or g.Sqp != Sq or g.Skvp != Skv)
+  if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
+    raise ValueError(f"bias must be a float array, got {bias.dtype}")
   lse2, delta = _preprocess(out, lse, dout, dlse, g)
   arrays = {"q": C.pad_seq_head(q, g.Sqp, g.Dp), "k": C.pad_seq_head(k, g.Skvp, g.Dp),
             "v": C.pad_seq_head(v, g.Skvp, g.Dvp),
@@ -644,10 +692,19 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     m = jnp.broadcast_to(mask, mask.shape[:2] + (Sq, Skv)).astype(jnp.int8)
     m = jnp.pad(m, ((0, 0), (0, 0), (0, g.Sqp - Sq), (0, g.Skvp - Skv)))
     arrays["mask"], arrays["maskT"] = m, jnp.swapaxes(m, 2, 3)
+  if bias is not None:
+    # float32, padded with 0 (padded positions are masked); seq dims materialised as the mask's.
+    x = jnp.broadcast_to(bias, bias.shape[:2] + (Sq, Skv)).astype(jnp.float32)
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, g.Sqp - Sq), (0, g.Skvp - Skv)))
+    arrays["bias"], arrays["biasT"] = x, jnp.swapaxes(x, 2, 3)
   g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g))
   dk, dv = _launch("dkdv", cfg, g_dkdv, arrays, masked_any)
   dq = _launch("dq", cfg, g, arrays, masked_any)
+  dbias = None
+  if bias is not None:
+    dq, ds = dq
+    dbias = _reduce_dbias(cfg, ds, bias)
   dq = dq[:, :, :Sq, :D]
   dk = dk[:, :, :Skv, :D]
   dv = dv[:, :, :Skv, :Dv]
-  return dq, dk, dv, None, ()
+  return dq, dk, dv, dbias, ()
