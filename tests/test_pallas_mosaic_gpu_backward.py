@@ -232,13 +232,17 @@ _REPORTS = ("RACE DETECTED", "no threads observed phase")
     # No proxy fence between the generic lse / delta loads and the TMA refill of their slot
     # (the race of JAX's own dkv kernel).
     "skip_lse_fence",
+    # The dQ kernel overwrites its dbias SMEM tile before the previous tile's TMA store
+    # has read it.
+    "skip_dbias_wait",
 ])
 def test_mutation_is_caught(mutation, name):
   S, D = 192, 64
   cfg = _cfg(S, S, D)
   q = jnp.ones((1, 1, S, D), jnp.bfloat16)
   lse = jnp.zeros((1, 1, S), jnp.float32)
-  run = lambda: mgpu_backward.backward(cfg, q, q, q, None, None, None, None, None, (), q, lse,
+  bias = jnp.zeros((1, 1, S, S), jnp.float32) if name == "skip_dbias_wait" else None
+  run = lambda: mgpu_backward.backward(cfg, q, q, q, bias, None, None, None, None, (), q, lse,
                                        q, None)
   _compat.reset_interpret_state()
   jax.block_until_ready(run())  # the same call, unmutated: clean

@@ -85,7 +85,7 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Test-only fault injection (tests/test_pallas_mosaic_gpu_backward.py): a name from
 # _MUTATIONS removes one synchronisation step so the interpreter's race detector can be
 # shown to catch it. Read when the kernels are traced; never set outside tests.
-_MUTATIONS = ("skip_loaded_wait", "skip_free_wait", "skip_lse_fence")
+_MUTATIONS = ("skip_loaded_wait", "skip_free_wait", "skip_lse_fence", "skip_dbias_wait")
 _TEST_MUTATION: str | None = None
 _DETECT_RACES = True  # interpret mode: race detection on (the tests assert none)
 
@@ -538,7 +538,8 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
         if has_bias:
           # dL/d(bias) of this tile: the score gradient itself, out through SMEM by TMA (its
           # previous tile's store must have read the buffer first).
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          if not _mutated("skip_dbias_wait"):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           tiles[1][...] = ds
         ds_smem[...] = (ds * jnp.float32(cfg.scale)).astype(ds_smem.dtype)
         # The dS stores before the wgmma / TMA read them; the kv-side loads (segment ids,
