@@ -194,6 +194,35 @@ def test_value_head_dim_differs_under_jit():
   _util.assert_close(got, ref, jnp.bfloat16, what="mosaic_gpu backward Dv != D")
 
 
+def test_dropout_global_offsets():
+  """A ring chunk pair with dropout: batch 1, head 1, q rows 64.. of a global problem against
+  each of its two kv chunks, offsets (1, 1, 64, 64 * c). The pairs' dQ sum to the global dQ
+  of those rows and each pair's dK / dV are the global ones from those rows (float64
+  reference with dO zero elsewhere): the keep bits are those of the global positions."""
+  B, H, S, D, C = 2, 2, 128, 64, 64
+  cfg = _cfg(S, S, D, dropout_rate=0.2)
+  q, k, v, do, _ = _inputs(B, H, H, S, S, D, jnp.bfloat16, seed=21)
+  seed = _dropout.seed_from_key(jax.random.key(5))
+  rows = (slice(1, 2), slice(1, 2), slice(C, S))
+  do_rows = jnp.zeros_like(do).at[rows].set(do[rows])  # only these rows' cotangent
+  out, lse, ref = _reference(cfg, q, k, v, do_rows, None, seed=seed)
+  local = _cfg(C, C, D, dropout_rate=0.2)
+  dq = 0
+  for c in range(2):
+    cols = (slice(1, 2), slice(1, 2), slice(c * C, (c + 1) * C))
+    _compat.reset_interpret_state()
+    got = mgpu_backward.backward(local, q[rows], k[cols], v[cols], None, None, None, None,
+                                 seed, (), out[rows].astype(q.dtype),
+                                 lse[rows].astype(jnp.float32), do[rows], None,
+                                 offsets=(1, 1, C, c * C))
+    got = jax.block_until_ready(got)
+    assert not _compat.races_found()
+    dq = dq + got[0].astype(jnp.float32)
+    _util.assert_close(got[1:3], (ref[1][cols], ref[2][cols]), jnp.bfloat16,
+                       what=f"mosaic_gpu dropout offsets dk/dv chunk {c}")
+  _util.assert_close(dq, ref[0][rows], jnp.bfloat16, what="mosaic_gpu dropout offsets dq")
+
+
 def test_deterministic():
   """Two runs, bitwise the same (no atomics: every output block has one writer)."""
   cfg = _cfg(72, 72, 64, causal=True)
@@ -273,8 +302,8 @@ def test_unsupported_features_are_named():
     call(cfg=dataclasses.replace(cfg, dropout_rate=0.1))
   with pytest.raises(NotImplementedError, match="mask_mod"):
     call(cfg=dataclasses.replace(cfg, mask_mod=lambda b, h, qi, ki: qi >= ki))
-  with pytest.raises(NotImplementedError, match="offsets"):
-    call(offsets=(0, 0, 64, 0))
+  with pytest.raises(ValueError, match="offsets"):
+    call(offsets=(0, 64))
   with pytest.raises(ValueError, match="bfloat16 or float16"):
     call(q=q.astype(jnp.float32))
   with pytest.raises(ValueError, match="head dims"):
@@ -307,8 +336,10 @@ cfg = AttentionConfig(scale=D ** -0.5, causal=True, window=None, seq_q=S, seq_kv
 seed = jnp.asarray([1, 2], jnp.uint32) if rate else None
 mask = jnp.tril(jnp.ones((S, S), bool))[None, None] if "mask" in features else None
 bias = jnp.ones((1, H, S, S), jnp.float32) if "bias" in features else None
+off = (0, 1, 0, 64) if "off" in features else None
 f = lambda q, k, v, o, lse, do, *segs: mgpu_backward.backward(
-    cfg, q, k, v, bias, mask, *(segs or (None, None)), seed, (), o, lse, do, None)[:4]
+    cfg, q, k, v, bias, mask, *(segs or (None, None)), seed, (), o, lse, do, None,
+    offsets=off)[:4]
 a = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
 segs = (a((B, S), jnp.int32), a((B, S), jnp.int32)) if seg else ()
 jax.jit(f).lower(a((B, H, S, D)), a((B, Hkv, S, D)), a((B, Hkv, S, D)), a((B, H, S, D)),
@@ -327,10 +358,10 @@ def _cuda_plugin() -> bool:
 
 @pytest.mark.skipif(not _cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
                     "sm_90a compile); no GPU needed")
-@pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (128, "seg+drop+mask+bias")])
+@pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (128, "seg+drop+mask+bias+off")])
 def test_sm90a_compile_no_spills(D, features, tmp_path):
-  """Both kernels (causal, GQA, bf16, S=1024; with segment ids, dropout, a dense mask and
-  a bias with its gradient) compile for sm_90a with the CUDA plugin's Mosaic compiler; ptxas reports no spill and
+  """Both kernels (causal, GQA, bf16, S=1024; with segment ids, dropout at global offsets, a
+  dense mask and a bias with its gradient) compile for sm_90a with the CUDA plugin's Mosaic compiler; ptxas reports no spill and
   shared memory fits an H100 / H200 block."""
   root = pathlib.Path(__file__).resolve().parent.parent
   env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(tmp_path),

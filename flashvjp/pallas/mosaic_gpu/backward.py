@@ -56,8 +56,8 @@ cfg.blocks are not read yet.
 Supported: bfloat16 / float16 inputs (float32 accumulation), head dims <= 128 (padded with
 zeros to a multiple of 64), GQA / MQA, causal, window, segment ids, a dense mask, a bias
 and dbias, dropout, any sequence lengths (padded to whole 64-blocks), a cotangent on lse
-(folded into delta). Not yet: score_mod, mask_mod, global offsets; `backward` refuses them
-by name before any kernel runs.
+(folded into delta), global offsets (a ring chunk pair: only dropout reads them). Not yet:
+score_mod, mask_mod; `backward` refuses them by name before any kernel runs.
 """
 from __future__ import annotations
 
@@ -164,19 +164,23 @@ def _preprocess(out, lse, dout, dlse, g: _Geo):
   return jnp.pad(lse2, pad, constant_values=big), jnp.pad(delta, pad)
 
 
-def _dropout_rows(cfg, seed, g: _Geo):
+def _dropout_rows(cfg, seed, g: _Geo, off=None):
   """(cq, cq2), uint32 [B, H, Sqp]: the per-(b, h, q) part of `_dropout.random_bits`.
 
   The counter hash is split where its inputs split: everything before the kv position is
   a function of (seed, b, h, q) and is computed here, by XLA, once per row; the kernels
   finish it per element (`_keep`): bits = fmix(fmix(kv * K ^ cq) + cq2). The same bits as
-  `_dropout.keep` (tests/test_pallas_mosaic_gpu_backward.py checks the split).
+  `_dropout.keep` (tests/test_pallas_mosaic_gpu_backward.py checks the split). `off`: None
+  or the int32 [4] global (b0, h0, q0, kv0) of local element 0 (`C.offset_operand`): the
+  words are those of the global (b, h, q); kv0 is added in the kernel (`_keep`).
   """
   u32 = jnp.uint32
   fmix = _dropout._fmix
   b = jnp.arange(g.B, dtype=jnp.int32)[:, None, None]
   h = jnp.arange(g.H, dtype=jnp.int32)[None, :, None]
   q = jnp.arange(g.Sqp, dtype=jnp.int32)[None, None, :]
+  if off is not None:
+    b, h, q = b + off[0], h + off[1], q + off[2]
   b, h = _dropout.hash_coords(cfg.dropout_broadcast, b, h)
   seed = jnp.asarray(seed).astype(u32)
   c = fmix(seed[0] ^ fmix(seed[1] + u32(0x9E3779B9)))
@@ -188,11 +192,14 @@ def _dropout_rows(cfg, seed, g: _Geo):
   return jnp.broadcast_to(cq, shape), jnp.broadcast_to(cq2, shape)
 
 
-def _keep(cfg, kv_idx, cq, cq2):
-  """float32 dropout multiplier of a tile: 1 / (1 - rate) where kept, 0 where dropped."""
+def _keep(cfg, kv_idx, cq, cq2, kv0=None):
+  """float32 dropout multiplier of a tile: 1 / (1 - rate) where kept, 0 where dropped.
+  `kv0`: None, or the global kv offset (uint32, broadcast to the tile)."""
   u32 = jnp.uint32
   fmix = _dropout._fmix
   kv = lax.bitcast_convert_type(kv_idx, u32)  # positions are >= 0
+  if kv0 is not None:
+    kv = kv + kv0
   bits = fmix(fmix((kv * u32(0x85EBCA77)) ^ cq) + cq2)
   keep = bits >= u32(_dropout.threshold(cfg.dropout_rate))
   return jnp.where(keep, jnp.float32(1.0 / (1.0 - cfg.dropout_rate)), jnp.float32(0.0))
@@ -235,7 +242,7 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
     ok = C.mask_spec(cfg).allowed(q_idx, kv_idx, q_seg=v.get("q_seg"), kv_seg=v.get("kv_seg"),
                                   dense=v.get("dense"))
     d = jnp.where(ok, d, C.mask_value(f32))
-  m = _keep(cfg, kv_idx, v["cq"], v["cq2"]) if cfg.dropout_active else None
+  m = _keep(cfg, kv_idx, v["cq"], v["cq2"], v.get("kv0")) if cfg.dropout_active else None
   return jnp.exp2(d), ok, m
 
 
@@ -307,6 +314,7 @@ def _operands(kind, arrays):
   """(ring, resident) operand names of a kernel ("dkdv" or "dq"), in their SMEM order."""
   has_seg, has_drop = "q_seg" in arrays, "cq" in arrays
   q_side = ["q", "do", "lse", "delta"] + ["q_seg"] * has_seg + ["cq", "cq2"] * has_drop
+  q_side += ["kv0"] * ("kv0" in arrays)
   kv_side = ["k", "v"] + ["kv_seg"] * has_seg
   pairs = [p + ("T" if kind == "dkdv" else "") for p in _PAIRS if p in arrays]
   if kind == "dkdv":
@@ -362,7 +370,7 @@ def _load_mask(ref):
 
 # Per-q vectors broadcast to a tile (loaded from SMEM with the wgmma layout's row / column
 # vector layout); the kv ones ("kv_seg") are per kv position.
-_Q_VECTORS = ("q_seg", "cq", "cq2")
+_Q_VECTORS = ("q_seg", "cq", "cq2", "kv0")
 
 
 # ---- dK / dV ----------------------------------------------------------------------
@@ -631,13 +639,13 @@ def check_supported(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, seed, cons
   missing = [
       ("score_mod", cfg.score_mod is not None or bool(tuple(consts))),
       ("mask_mod", cfg.mask_mod is not None or mod is not None),
-      ("global offsets (a ring chunk pair)", C.offset_operand(offsets) is not None),
   ]
   for name, present in missing:
     if present:
       raise NotImplementedError(
           f"the pallas_mosaic_gpu backward does not support {name} yet;"
           " use implementation='pallas_triton'")
+  C.offset_operand(offsets)  # ValueError unless None or (b0, h0, q0, kv0)
   if cfg.dropout_active and seed is None:
     raise ValueError("dropout needs its seed (uint32 [2]): got seed=None")
   if jnp.dtype(q.dtype) not in _DTYPES or not (q.dtype == k.dtype == v.dtype):
@@ -659,7 +667,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     out: [B, H, Sq, Dv] forward output; lse: [B, H, Sq] its logsumexp (-inf on empty rows).
     dout: [B, H, Sq, Dv] cotangent of out; dlse: [B, H, Sq] cotangent of lse (or None).
     mod: None, or the mask_mod's `ModInputs` (not supported yet: must be None).
-    offsets: None, or all-zero global offsets (others are not supported yet).
+    offsets: None, or the global (b0, h0, q0, kv0) of local element 0 (a ring chunk pair):
+      only dropout reads global positions here (the static mask stays local).
 
   Returns:
     (dq [B, H, Sq, D], dk [B, Hkv, Skv, D], dv [B, Hkv, Skv, Dv] in the input dtype,
@@ -685,7 +694,10 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   if segs is not None:
     arrays["q_seg"], arrays["kv_seg"] = segs
   if cfg.dropout_active:
-    arrays["cq"], arrays["cq2"] = _dropout_rows(cfg, seed, g)
+    off = C.offset_operand(offsets)
+    arrays["cq"], arrays["cq2"] = _dropout_rows(cfg, seed, g, off)
+    if off is not None:  # the global kv offset, one word per row (read like cq)
+      arrays["kv0"] = jnp.broadcast_to(off[3].astype(jnp.uint32), arrays["cq"].shape)
   if mask is not None:
     # int8, padded with False; broadcast seq dims materialised (the kernels read whole
     # tiles), broadcast batch / head dims kept (indexed with 0). The dK/dV kernel reads it
