@@ -223,6 +223,43 @@ def test_dropout_global_offsets():
   _util.assert_close(dq, ref[0][rows], jnp.bfloat16, what="mosaic_gpu dropout offsets dq")
 
 
+def _alibi_softcap(s, b, h, q_idx, kv_idx, slopes):
+  """ALiBi (a per-head slope: a per-(b, h) residual) then a tanh softcap of 20."""
+  s = s - slopes[h] * jnp.abs(q_idx - kv_idx).astype(s.dtype)
+  return 20.0 * jnp.tanh(s / 20.0)
+
+
+@pytest.mark.parametrize("offsets", [None, (1, 1, 64, 0)])
+def test_score_mod(offsets):
+  """score_mod (ALiBi + softcap: per-head residual, global indices, a nonlinear vjp), causal
+  (None) or a chunk pair at global offsets (batch 1, head 1, q rows 64..: its dQ / dK / dV
+  against the global float64 problem with dO zero elsewhere), with a bias."""
+  B, H, S, D = 2, 2, 128, 64
+  slopes = jnp.asarray([0.5, 0.125], jnp.float32)
+  causal = offsets is None
+  cfg = _cfg(S, S, D, causal=causal, score_mod=_alibi_softcap)
+  q, k, v, do, dlse = _inputs(B, H, H, S, S, D, jnp.bfloat16, seed=23)
+  bias = jax.random.normal(jax.random.key(8), (1, H, S, S), jnp.float32)
+  sl = (slice(None),) * 3 if causal else (slice(1, 2), slice(1, 2), slice(64, S))
+  if not causal:
+    do, dlse = jnp.zeros_like(do).at[sl].set(do[sl]), None
+  f64 = _util.as64
+  fwd = lambda q, k, v: reference.attention(cfg, q, k, v, f64(bias), None, None, None, None,
+                                            (slopes,))
+  (out, lse), vjp = jax.vjp(fwd, f64(q), f64(k), f64(v))
+  ref = vjp((f64(do), jnp.zeros_like(lse) if dlse is None else f64(dlse)))
+  local = cfg if causal else _cfg(64, S, D, score_mod=_alibi_softcap)
+  kv = sl[:2] + (slice(None),)
+  _compat.reset_interpret_state()
+  got = jax.block_until_ready(mgpu_backward.backward(
+      local, q[sl], k[kv], v[kv], bias[(slice(None),) + sl[1:]], None, None, None, None,
+      (slopes,), out[sl].astype(q.dtype), lse[sl].astype(jnp.float32), do[sl],
+      None if dlse is None else dlse[sl], offsets=offsets))
+  assert not _compat.races_found()
+  _util.assert_close(got[:3], (ref[0][sl], ref[1][kv], ref[2][kv]), jnp.bfloat16,
+                     what=f"mosaic_gpu score_mod offsets={offsets}")
+
+
 def test_deterministic():
   """Two runs, bitwise the same (no atomics: every output block has one writer)."""
   cfg = _cfg(72, 72, 64, causal=True)
@@ -296,8 +333,12 @@ def test_unsupported_features_are_named():
     return mgpu_backward.backward(cfg, q, q, q, bias, mask, None, None, None, consts, q, lse_, q,
                                   None, offsets=offsets)
 
-  with pytest.raises(NotImplementedError, match="score_mod"):
-    call(cfg=dataclasses.replace(cfg, score_mod=lambda s, b, h, qi, ki: s))
+  with pytest.raises(NotImplementedError, match="differentiable score_mod consts"):
+    call(cfg=dataclasses.replace(cfg, score_mod=lambda s, b, h, qi, ki, c: s * c,
+                                 num_diff_consts=1), consts=(jnp.float32(2.0),))
+  with pytest.raises(NotImplementedError, match="not arrays per head"):
+    call(cfg=dataclasses.replace(cfg, score_mod=lambda s, b, h, qi, ki, t: s + t[ki]),
+         consts=(jnp.zeros((S,), jnp.float32),))
   with pytest.raises(ValueError, match="seed"):
     call(cfg=dataclasses.replace(cfg, dropout_rate=0.1))
   with pytest.raises(NotImplementedError, match="mask_mod"):
@@ -331,14 +372,18 @@ seg, rate = "seg" in features, (0.1 if "drop" in features else 0.0)
 topo = topologies.get_topology_desc(platform="cuda", target_config=target, topology="1x1x1")
 sh = NamedSharding(topologies.make_mesh(topo, (1,), ("x",)), PartitionSpec())
 B, H, Hkv, S = 1, 4, 2, 1024
+def mod(s, b, h, q_idx, kv_idx, slopes):  # ALiBi + tanh softcap
+  return 20.0 * jnp.tanh((s - slopes[h] * jnp.abs(q_idx - kv_idx).astype(s.dtype)) / 20.0)
 cfg = AttentionConfig(scale=D ** -0.5, causal=True, window=None, seq_q=S, seq_kv=S,
-                      dropout_rate=rate, blocks=BlockSizes(), interpret=False)
+                      dropout_rate=rate, blocks=BlockSizes(), interpret=False,
+                      score_mod=mod if "mod" in features else None)
+consts = (jnp.linspace(0.1, 0.5, H, dtype=jnp.float32),) if "mod" in features else ()
 seed = jnp.asarray([1, 2], jnp.uint32) if rate else None
 mask = jnp.tril(jnp.ones((S, S), bool))[None, None] if "mask" in features else None
 bias = jnp.ones((1, H, S, S), jnp.float32) if "bias" in features else None
 off = (0, 1, 0, 64) if "off" in features else None
 f = lambda q, k, v, o, lse, do, *segs: mgpu_backward.backward(
-    cfg, q, k, v, bias, mask, *(segs or (None, None)), seed, (), o, lse, do, None,
+    cfg, q, k, v, bias, mask, *(segs or (None, None)), seed, consts, o, lse, do, None,
     offsets=off)[:4]
 a = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
 segs = (a((B, S), jnp.int32), a((B, S), jnp.int32)) if seg else ()
@@ -358,7 +403,8 @@ def _cuda_plugin() -> bool:
 
 @pytest.mark.skipif(not _cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
                     "sm_90a compile); no GPU needed")
-@pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (128, "seg+drop+mask+bias+off")])
+@pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (64, "mod+bias"),
+                                        (128, "seg+drop+mask+bias+off")])
 def test_sm90a_compile_no_spills(D, features, tmp_path):
   """Both kernels (causal, GQA, bf16, S=1024; with segment ids, dropout at global offsets, a
   dense mask and a bias with its gradient) compile for sm_90a with the CUDA plugin's Mosaic compiler; ptxas reports no spill and

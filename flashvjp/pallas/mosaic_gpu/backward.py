@@ -49,15 +49,24 @@ Dropout: the counter hash of `flashvjp._dropout` (the same keep bits as every ot
 implementation), split where its inputs split: the per-(b, h, q) words are computed by XLA
 and travel like lse; the kernels finish the hash per element (`_keep`).
 
+score_mod: split by `C.split_per_head` as in the Triton family; its per-(b, h) residuals
+must be scalars (softcap, ALiBi slopes) and travel as per-row words like lse, with the
+global q index and the kv offset; the tile part and its vjp run per tile in the kernels.
+Differentiable score_mod consts are refused.
+
 Blocks: block_kv = 64 (one wgmma M tile per compute warpgroup), block_q = 64 for dQ and
-for dK/dV up to head dim 64, 32 for dK/dV above (`_dkdv_block_q`: registers). The caller's
-cfg.blocks are not read yet.
+for dK/dV up to head dim 64 without a score_mod, 32 otherwise (`_dkdv_block_q`:
+registers). The caller's cfg.blocks are not read yet. sm_90a ptxas (tests): 0 spills for
+every feature alone and for segment ids + dropout + mask + bias + offsets at head dim 128;
+a score_mod together with dropout at head dim 128 spills (dK/dV 80 B, dQ 48 B with a bias).
 
 Supported: bfloat16 / float16 inputs (float32 accumulation), head dims <= 128 (padded with
 zeros to a multiple of 64), GQA / MQA, causal, window, segment ids, a dense mask, a bias
 and dbias, dropout, any sequence lengths (padded to whole 64-blocks), a cotangent on lse
-(folded into delta), global offsets (a ring chunk pair: only dropout reads them). Not yet:
-score_mod, mask_mod; `backward` refuses them by name before any kernel runs.
+(folded into delta), global offsets (a ring chunk pair: dropout and the score_mod read
+them), a score_mod with scalar per-head residuals. Not yet: mask_mod, differentiable
+score_mod consts, per-head array residuals; `backward` refuses them by name before any
+kernel runs.
 """
 from __future__ import annotations
 
@@ -129,14 +138,15 @@ def _pad_head(d: int) -> int:
   return -(-d // 64) * 64
 
 
-def _dkdv_block_q(g: _Geo) -> int:
+def _dkdv_block_q(g: _Geo, cfg) -> int:
   """The dK/dV kernel's q block. Its tiles are [bk, bq] (bq is the wgmma N dim, so 32 is
   legal; the kernel's SMEM tiles then share a 64-byte swizzle). Above head dim 64 the dK
   and dV accumulators alone take 128 registers a thread: 64 spilled (180 B at head dim 128
   with segment ids and dropout, sm_90a ptxas), 32 does not (the Triton family's launch
-  table makes the same choice). Speed not measured (no GPU here). The operands stay padded
-  to 64-blocks (the dQ kernel's)."""
-  return 32 if max(g.Dp, g.Dvp) > 64 else 64
+  table makes the same choice); so does a score_mod (its vjp's tiles: 16 B spilled at head
+  dim 64 with a bias). Speed not measured (no GPU here). The operands stay padded to
+  64-blocks (the dQ kernel's)."""
+  return 32 if max(g.Dp, g.Dvp) > 64 or cfg.score_mod is not None else 64
 
 
 def _i32(x):
@@ -194,12 +204,12 @@ def _dropout_rows(cfg, seed, g: _Geo, off=None):
 
 def _keep(cfg, kv_idx, cq, cq2, kv0=None):
   """float32 dropout multiplier of a tile: 1 / (1 - rate) where kept, 0 where dropped.
-  `kv0`: None, or the global kv offset (uint32, broadcast to the tile)."""
+  `kv0`: None, or the global kv offset (int32, broadcast to the tile)."""
   u32 = jnp.uint32
   fmix = _dropout._fmix
-  kv = lax.bitcast_convert_type(kv_idx, u32)  # positions are >= 0
   if kv0 is not None:
-    kv = kv + kv0
+    kv_idx = kv_idx + kv0
+  kv = lax.bitcast_convert_type(kv_idx, u32)  # positions are >= 0
   bits = fmix(fmix((kv * u32(0x85EBCA77)) ^ cq) + cq2)
   keep = bits >= u32(_dropout.threshold(cfg.dropout_rate))
   return jnp.where(keep, jnp.float32(1.0 / (1.0 - cfg.dropout_rate)), jnp.float32(0.0))
@@ -229,26 +239,48 @@ def _visit(run, lo, hi, full, masked_any):
 
 
 def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
-  """(p, ok, m) of one tile from raw scores s = q k (any orientation; lse2, the indices and
-  the per-row / per-column vectors `v` (segment ids, dropout words) already broadcast to
-  the tile): the probabilities, the mask (None when not `masked`) and the dropout
-  multiplier (None without dropout)."""
+  """(p, ok, m, sm_vjp) of one tile from raw scores s = q k (any orientation; lse2, the
+  indices and the per-row / per-column vectors `v` (segment ids, dropout and score_mod
+  words) already broadcast to the tile): the probabilities, the mask (None when not
+  `masked`), the dropout multiplier (None without dropout) and the score_mod's vjp (None
+  without one: d(modded score) -> d(score before the mod))."""
   f32 = jnp.float32
-  d = s * f32(cfg.scale * LOG2E) - lse2
-  if "bias" in v:
-    d = d + v["bias"] * f32(LOG2E)
   ok = None
   if masked:
     ok = C.mask_spec(cfg).allowed(q_idx, kv_idx, q_seg=v.get("q_seg"), kv_seg=v.get("kv_seg"),
                                   dense=v.get("dense"))
+  sm_vjp = None
+  if cfg.score_mod is None:
+    d = s * f32(cfg.scale * LOG2E) - lse2
+    if "bias" in v:
+      d = d + v["bias"] * f32(LOG2E)
+  else:
+    # As the other kernels (`C.scores`): masked q k set to 0 first (finite, whatever a
+    # padded K holds), score = scale * q k + bias, then the mod at global positions.
+    st = C.masked_scores_for_mod(cfg, s, ok) * f32(cfg.scale)
+    if "bias" in v:
+      st = st + v["bias"]
+    res = tuple(v[f"res{n}"] for n in range(_num_res(v)))
+    kv_g = kv_idx + v["kv0"]
+    # The tile part of `C.split_per_head`: (b, h) are folded into its residuals (it ignores
+    # its b, h arguments), which arrive as tiles (one word per row, broadcast) and are
+    # vectorised over like the indices.
+    mod = jnp.vectorize(lambda x, q_, k_, *r: cfg.score_mod(x, 0, 0, q_, k_, *r))
+    st, sm_vjp = jax.vjp(lambda x: mod(x, v["qg"], kv_g, *res), st)
+    d = st * f32(LOG2E) - lse2
+  if ok is not None:
     d = jnp.where(ok, d, C.mask_value(f32))
   m = _keep(cfg, kv_idx, v["cq"], v["cq2"], v.get("kv0")) if cfg.dropout_active else None
-  return jnp.exp2(d), ok, m
+  return jnp.exp2(d), ok, m, sm_vjp
 
 
-def _dscores(p, dp, delta, ok, m):
-  """dL/d(score) of one tile (score = scale * q k + bias: multiply by the scale for
-  dL/d(q k)) from `_probs` and dp = dO v."""
+def _num_res(v) -> int:
+  return sum(1 for name in v if name.startswith("res"))
+
+
+def _dscores(p, dp, delta, ok, m, sm_vjp):
+  """dL/d(score) of one tile (score = scale * q k + bias, before any score_mod: multiply by
+  the scale for dL/d(q k)) from `_probs` and dp = dO v."""
   f32 = jnp.float32
   if m is not None:
     dp = dp * m
@@ -256,6 +288,8 @@ def _dscores(p, dp, delta, ok, m):
   if ok is not None:
     # A select, not p * (...): a masked entry contributes exactly nothing.
     ds = jnp.where(ok, ds, f32(0.0))
+  if sm_vjp is not None:
+    (ds,) = sm_vjp(ds)
   return ds
 
 
@@ -312,10 +346,8 @@ _PAIRS = ("bias", "mask")
 
 def _operands(kind, arrays):
   """(ring, resident) operand names of a kernel ("dkdv" or "dq"), in their SMEM order."""
-  has_seg, has_drop = "q_seg" in arrays, "cq" in arrays
-  q_side = ["q", "do", "lse", "delta"] + ["q_seg"] * has_seg + ["cq", "cq2"] * has_drop
-  q_side += ["kv0"] * ("kv0" in arrays)
-  kv_side = ["k", "v"] + ["kv_seg"] * has_seg
+  q_side = ["q", "do", "lse", "delta"] + [n for n in arrays if _is_q_vector(n)]
+  kv_side = ["k", "v"] + ["kv_seg"] * ("kv_seg" in arrays)
   pairs = [p + ("T" if kind == "dkdv" else "") for p in _PAIRS if p in arrays]
   if kind == "dkdv":
     return q_side + pairs, kv_side
@@ -370,7 +402,13 @@ def _load_mask(ref):
 
 # Per-q vectors broadcast to a tile (loaded from SMEM with the wgmma layout's row / column
 # vector layout); the kv ones ("kv_seg") are per kv position.
-_Q_VECTORS = ("q_seg", "cq", "cq2", "kv0")
+_Q_VECTORS = ("q_seg", "cq", "cq2", "kv0", "qg")
+
+
+def _is_q_vector(name: str) -> bool:
+  """A per-q word travelling like lse: segment ids, dropout words, the score_mod's global
+  q index and per-head residuals ("res<n>")."""
+  return name in _Q_VECTORS or name.startswith("res")
 
 
 # ---- dK / dV ----------------------------------------------------------------------
@@ -429,16 +467,16 @@ def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
         lse2 = per_q(plgpu.load(rs["lse"].at[slot], layout=col))
         delta = per_q(plgpu.load(rs["delta"].at[slot], layout=col))
         v = dict(vecs)
-        for name in _Q_VECTORS:
-          if name in rs:
+        for name in rs:
+          if _is_q_vector(name):
             v[name] = per_q(plgpu.load(rs[name].at[slot], layout=col))
         if "maskT" in rs:
           v["dense"] = _load_mask(rs["maskT"].at[slot])
         if "biasT" in rs:
           v["bias"] = plgpu.load(rs["biasT"].at[slot], layout=wgmma_layout, optimized=False)
-        pT, ok, m = _probs(cfg, sT, lse2, i * g.bq + q_iota, kv_idx, masked, v)
+        pT, ok, m, sm_vjp = _probs(cfg, sT, lse2, i * g.bq + q_iota, kv_idx, masked, v)
         p_smem[...] = (pT if m is None else pT * m).astype(p_smem.dtype)  # dropped out
-        dsT = _dscores(pT, dpT, delta, ok, m)
+        dsT = _dscores(pT, dpT, delta, ok, m, sm_vjp)
         ds_smem[...] = (dsT * jnp.float32(cfg.scale)).astype(ds_smem.dtype)
         if not _mutated("skip_lse_fence"):
           # Orders this thread's generic SMEM accesses (the lse / delta / per-q vector loads,
@@ -521,8 +559,8 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
     per_q = lambda x: lax.broadcast_in_dim(x, shape, [0])
     lse2 = per_q(plgpu.load(res["lse"], layout=row))
     delta = per_q(plgpu.load(res["delta"], layout=row))
-    vecs = {name: per_q(plgpu.load(res[name], layout=row)) for name in _Q_VECTORS
-            if name in res}
+    vecs = {name: per_q(plgpu.load(res[name], layout=row)) for name in res
+            if _is_q_vector(name)}
     q_idx = i * g.bq + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
     kv_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
 
@@ -541,8 +579,8 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
           v["dense"] = _load_mask(rs["mask"].at[slot])
         if has_bias:
           v["bias"] = plgpu.load(rs["bias"].at[slot], layout=wgmma_layout, optimized=False)
-        p, ok, m = _probs(cfg, s, lse2, q_idx, j * g.bk + kv_iota, masked, v)
-        ds = _dscores(p, dp, delta, ok, m)
+        p, ok, m, sm_vjp = _probs(cfg, s, lse2, q_idx, j * g.bk + kv_iota, masked, v)
+        ds = _dscores(p, dp, delta, ok, m, sm_vjp)
         if has_bias:
           # dL/d(bias) of this tile: the score gradient itself, out through SMEM by TMA (its
           # previous tile's store must have read the buffer first).
@@ -630,6 +668,24 @@ def _reduce_dbias(cfg, ds, bias):
   return ds.astype(bias.dtype)
 
 
+def _split_score_mod(cfg, consts, B, H, offsets):
+  """(cfg with the score_mod's tile part, its per-(b, h) residuals as float32 / int32
+  [B, H, 1]) (`C.split_per_head`); refuses residuals that are arrays per head."""
+  if cfg.score_mod is None:
+    return cfg, ()
+  f32 = jnp.float32
+  cfg, consts = C.hoist_score_mod(cfg, consts, f32)
+  split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), f32, B, H, grads=False,
+                           offsets=offsets)
+  if not all(split.scalar):
+    raise NotImplementedError(
+        "the pallas_mosaic_gpu backward supports a score_mod whose per-head values are scalars"
+        " (softcap, ALiBi slopes), not arrays per head; use implementation='pallas_triton'")
+  arrays = tuple(r.astype(f32 if jnp.issubdtype(r.dtype, jnp.inexact) else jnp.int32)
+                 for r in split.arrays)
+  return split.cfg, arrays
+
+
 def check_supported(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, seed, consts, mod=None,
                     offsets=None):
   """Raise NotImplementedError / ValueError naming the first feature this backward lacks."""
@@ -637,7 +693,7 @@ def check_supported(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, seed, cons
   if why is not None:
     raise NotImplementedError(why)
   missing = [
-      ("score_mod", cfg.score_mod is not None or bool(tuple(consts))),
+      ("differentiable score_mod consts", cfg.num_diff_consts > 0),
       ("mask_mod", cfg.mask_mod is not None or mod is not None),
   ]
   for name, present in missing:
@@ -672,9 +728,12 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
 
   Returns:
     (dq [B, H, Sq, D], dk [B, Hkv, Skv, D], dv [B, Hkv, Skv, Dv] in the input dtype,
-     dbias in bias' own shape and dtype (or None), dconsts (always (): no score_mod)).
+     dbias in bias' own shape and dtype (or None), dconsts (always (): differentiable
+     score_mod consts are refused)).
   """
   check_supported(cfg, q, k, v, bias, mask, q_seg, seed, consts, mod, offsets)
+  off = C.offset_operand(offsets)
+  cfg, sm_arrays = _split_score_mod(cfg, consts, q.shape[0], q.shape[1], offsets)
   B, H, Sq, D = q.shape
   Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
   g = _Geo(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, Dp=_pad_head(D), Dvp=_pad_head(Dv))
@@ -694,10 +753,19 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   if segs is not None:
     arrays["q_seg"], arrays["kv_seg"] = segs
   if cfg.dropout_active:
-    off = C.offset_operand(offsets)
     arrays["cq"], arrays["cq2"] = _dropout_rows(cfg, seed, g, off)
-    if off is not None:  # the global kv offset, one word per row (read like cq)
-      arrays["kv0"] = jnp.broadcast_to(off[3].astype(jnp.uint32), arrays["cq"].shape)
+  rows = (g.B, g.H, g.Sqp)
+  if (off is not None and cfg.dropout_active) or cfg.score_mod is not None:
+    # the global kv offset (dropout's hash and the score_mod read global positions)
+    kv0 = 0 if off is None else off[3]
+    arrays["kv0"] = jnp.broadcast_to(jnp.asarray(kv0, jnp.int32), rows)
+  if cfg.score_mod is not None:
+    # The score_mod's global q and its per-(b, h) residuals (global (b, h) folded in by
+    # `C.split_per_head`), one word per row each.
+    q0 = 0 if off is None else off[2]
+    arrays["qg"] = jnp.broadcast_to(jnp.arange(g.Sqp, dtype=jnp.int32) + q0, rows)
+    for n, r in enumerate(sm_arrays):
+      arrays[f"res{n}"] = jnp.broadcast_to(r, rows)
   if mask is not None:
     # int8, padded with False; broadcast seq dims materialised (the kernels read whole
     # tiles), broadcast batch / head dims kept (indexed with 0). The dK/dV kernel reads it
@@ -710,7 +778,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     x = jnp.broadcast_to(bias, bias.shape[:2] + (Sq, Skv)).astype(jnp.float32)
     x = jnp.pad(x, ((0, 0), (0, 0), (0, g.Sqp - Sq), (0, g.Skvp - Skv)))
     arrays["bias"], arrays["biasT"] = x, jnp.swapaxes(x, 2, 3)
-  g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g))
+  g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g, cfg))
   dk, dv = _launch("dkdv", cfg, g_dkdv, arrays, masked_any)
   dq = _launch("dq", cfg, g, arrays, masked_any)
   dbias = None
