@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 from flashvjp import _dropout
+from flashvjp import _mask_mod
 from flashvjp import reference
 from flashvjp._config import AttentionConfig
 from flashvjp._config import BlockSizes
@@ -260,6 +261,30 @@ def test_score_mod(offsets):
                      what=f"mosaic_gpu score_mod offsets={offsets}")
 
 
+def _prefix_lm(b, h, q_idx, kv_idx, lengths):
+  """Prefix LM: the first lengths[b] keys are visible to every query, the rest causally."""
+  return (kv_idx <= q_idx) | (kv_idx < lengths[b])
+
+
+def test_mask_mod():
+  """mask_mod (prefix LM, a per-batch residual), ragged, GQA, dlse, with a window."""
+  B, H, Hkv, S, D = 2, 2, 1, 100, 64
+  cfg = _cfg(S, S, D, window=(60, None), mask_mod=_prefix_lm)
+  mod = _mask_mod.ModInputs(None, (jnp.asarray([30, 70], jnp.int32),))
+  q, k, v, do, dlse = _inputs(B, H, Hkv, S, S, D, jnp.bfloat16, seed=29)
+  f64 = _util.as64
+  fwd = lambda q, k, v: reference.attention(cfg, q, k, v, None, None, None, None, None, (),
+                                            mod)
+  (out, lse), vjp = jax.vjp(fwd, f64(q), f64(k), f64(v))
+  ref = vjp((f64(do), f64(dlse)))
+  _compat.reset_interpret_state()
+  got = jax.block_until_ready(mgpu_backward.backward(
+      cfg, q, k, v, None, None, None, None, None, (), out.astype(q.dtype),
+      lse.astype(jnp.float32), do, dlse, mod))
+  assert not _compat.races_found()
+  _util.assert_close(got[:3], ref, jnp.bfloat16, what="mosaic_gpu mask_mod")
+
+
 def test_deterministic():
   """Two runs, bitwise the same (no atomics: every output block has one writer)."""
   cfg = _cfg(72, 72, 64, causal=True)
@@ -341,8 +366,11 @@ def test_unsupported_features_are_named():
          consts=(jnp.zeros((S,), jnp.float32),))
   with pytest.raises(ValueError, match="seed"):
     call(cfg=dataclasses.replace(cfg, dropout_rate=0.1))
-  with pytest.raises(NotImplementedError, match="mask_mod"):
-    call(cfg=dataclasses.replace(cfg, mask_mod=lambda b, h, qi, ki: qi >= ki))
+  with pytest.raises(NotImplementedError, match="mask_mod whose per-head values are scalars"):
+    mm = _mask_mod.ModInputs(None, (jnp.ones((S,), jnp.int32),))
+    mgpu_backward.backward(
+        dataclasses.replace(cfg, mask_mod=lambda b, h, qi, ki, t: t[ki] > 0), q, q, q, None,
+        None, None, None, None, (), q, jnp.zeros((1, 1, S), jnp.float32), q, None, mm)
   with pytest.raises(ValueError, match="offsets"):
     call(offsets=(0, 64))
   with pytest.raises(ValueError, match="bfloat16 or float16"):
@@ -366,6 +394,7 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 from flashvjp._config import AttentionConfig, BlockSizes
+from flashvjp._mask_mod import ModInputs
 from flashvjp.pallas.mosaic_gpu import backward as mgpu_backward
 target, D, features = open(sys.argv[1]).read(), int(sys.argv[2]), sys.argv[3].split("+")
 seg, rate = "seg" in features, (0.1 if "drop" in features else 0.0)
@@ -376,14 +405,17 @@ def mod(s, b, h, q_idx, kv_idx, slopes):  # ALiBi + tanh softcap
   return 20.0 * jnp.tanh((s - slopes[h] * jnp.abs(q_idx - kv_idx).astype(s.dtype)) / 20.0)
 cfg = AttentionConfig(scale=D ** -0.5, causal=True, window=None, seq_q=S, seq_kv=S,
                       dropout_rate=rate, blocks=BlockSizes(), interpret=False,
-                      score_mod=mod if "mod" in features else None)
+                      score_mod=mod if "mod" in features else None,
+                      mask_mod=(lambda b, h, q, kv, n: (kv <= q) | (kv < n[b]))
+                      if "prefix" in features else None)
+mm = ModInputs(None, (jnp.asarray([300], jnp.int32),)) if "prefix" in features else None
 consts = (jnp.linspace(0.1, 0.5, H, dtype=jnp.float32),) if "mod" in features else ()
 seed = jnp.asarray([1, 2], jnp.uint32) if rate else None
 mask = jnp.tril(jnp.ones((S, S), bool))[None, None] if "mask" in features else None
 bias = jnp.ones((1, H, S, S), jnp.float32) if "bias" in features else None
 off = (0, 1, 0, 64) if "off" in features else None
 f = lambda q, k, v, o, lse, do, *segs: mgpu_backward.backward(
-    cfg, q, k, v, bias, mask, *(segs or (None, None)), seed, consts, o, lse, do, None,
+    cfg, q, k, v, bias, mask, *(segs or (None, None)), seed, consts, o, lse, do, None, mm,
     offsets=off)[:4]
 a = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
 segs = (a((B, S), jnp.int32), a((B, S), jnp.int32)) if seg else ()
@@ -403,11 +435,11 @@ def _cuda_plugin() -> bool:
 
 @pytest.mark.skipif(not _cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
                     "sm_90a compile); no GPU needed")
-@pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (64, "mod+bias"),
+@pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (64, "mod+bias+prefix"),
                                         (128, "seg+drop+mask+bias+off")])
 def test_sm90a_compile_no_spills(D, features, tmp_path):
   """Both kernels (causal, GQA, bf16, S=1024; with segment ids, dropout at global offsets, a
-  dense mask and a bias with its gradient) compile for sm_90a with the CUDA plugin's Mosaic compiler; ptxas reports no spill and
+  dense mask, a bias with its gradient, a score_mod, a mask_mod) compile for sm_90a with the CUDA plugin's Mosaic compiler; ptxas reports no spill and
   shared memory fits an H100 / H200 block."""
   root = pathlib.Path(__file__).resolve().parent.parent
   env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(tmp_path),

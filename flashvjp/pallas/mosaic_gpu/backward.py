@@ -52,7 +52,9 @@ and travel like lse; the kernels finish the hash per element (`_keep`).
 score_mod: split by `C.split_per_head` as in the Triton family; its per-(b, h) residuals
 must be scalars (softcap, ALiBi slopes) and travel as per-row words like lse, with the
 global q index and the kv offset; the tile part and its vjp run per tile in the kernels.
-Differentiable score_mod consts are refused.
+Differentiable score_mod consts are refused. mask_mod: likewise (`C.split_mask_mod`), its
+tile part evaluated at clamped global positions on every visited block; its block classes
+are not read (no block skipped by the mask_mod yet).
 
 Blocks: block_kv = 64 (one wgmma M tile per compute warpgroup), block_q = 64 for dQ and
 for dK/dV up to head dim 64 without a score_mod, 32 otherwise (`_dkdv_block_q`:
@@ -64,7 +66,7 @@ Supported: bfloat16 / float16 inputs (float32 accumulation), head dims <= 128 (p
 zeros to a multiple of 64), GQA / MQA, causal, window, segment ids, a dense mask, a bias
 and dbias, dropout, any sequence lengths (padded to whole 64-blocks), a cotangent on lse
 (folded into delta), global offsets (a ring chunk pair: dropout and the score_mod read
-them), a score_mod with scalar per-head residuals. Not yet: mask_mod, differentiable
+them), a score_mod and a mask_mod with scalar per-head residuals. Not yet: differentiable
 score_mod consts, per-head array residuals; `backward` refuses them by name before any
 kernel runs.
 """
@@ -249,6 +251,13 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
   if masked:
     ok = C.mask_spec(cfg).allowed(q_idx, kv_idx, q_seg=v.get("q_seg"), kv_seg=v.get("kv_seg"),
                                   dense=v.get("dense"))
+    if cfg.mask_mod is not None:
+      # The tile part of `C.split_mask_mod` at positions clamped into the real sequences,
+      # made global (as `C.mask_mod_allowed`); (b, h) are folded into its residuals.
+      mres = tuple(v[f"mres{n}"] for n in range(_num_res(v, "mres")))
+      kv_m = jnp.minimum(kv_idx, cfg.seq_kv - 1) + v["kv0"]
+      allowed = jnp.vectorize(lambda q_, k_, *r: cfg.mask_mod(0, 0, q_, k_, *r))
+      ok = ok & allowed(v["qm"], kv_m, *mres)
   sm_vjp = None
   if cfg.score_mod is None:
     d = s * f32(cfg.scale * LOG2E) - lse2
@@ -260,7 +269,7 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
     st = C.masked_scores_for_mod(cfg, s, ok) * f32(cfg.scale)
     if "bias" in v:
       st = st + v["bias"]
-    res = tuple(v[f"res{n}"] for n in range(_num_res(v)))
+    res = tuple(v[f"res{n}"] for n in range(_num_res(v, "res")))
     kv_g = kv_idx + v["kv0"]
     # The tile part of `C.split_per_head`: (b, h) are folded into its residuals (it ignores
     # its b, h arguments), which arrive as tiles (one word per row, broadcast) and are
@@ -274,8 +283,8 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
   return jnp.exp2(d), ok, m, sm_vjp
 
 
-def _num_res(v) -> int:
-  return sum(1 for name in v if name.startswith("res"))
+def _num_res(v, prefix) -> int:
+  return sum(1 for name in v if name.startswith(prefix) and name[len(prefix):].isdigit())
 
 
 def _dscores(p, dp, delta, ok, m, sm_vjp):
@@ -402,13 +411,13 @@ def _load_mask(ref):
 
 # Per-q vectors broadcast to a tile (loaded from SMEM with the wgmma layout's row / column
 # vector layout); the kv ones ("kv_seg") are per kv position.
-_Q_VECTORS = ("q_seg", "cq", "cq2", "kv0", "qg")
+_Q_VECTORS = ("q_seg", "cq", "cq2", "kv0", "qg", "qm")
 
 
 def _is_q_vector(name: str) -> bool:
   """A per-q word travelling like lse: segment ids, dropout words, the score_mod's global
-  q index and per-head residuals ("res<n>")."""
-  return name in _Q_VECTORS or name.startswith("res")
+  q index and per-head residuals ("res<n>"), the mask_mod's ("qm", "mres<n>")."""
+  return name in _Q_VECTORS or name.startswith(("res", "mres"))
 
 
 # ---- dK / dV ----------------------------------------------------------------------
@@ -497,7 +506,8 @@ def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
             return c
           lax.fori_loop(start, stop, body, None)
 
-        elementwise = "q_seg" in rs or "maskT" in rs  # no FULL blocks by the static bounds
+        # no FULL blocks by the static bounds alone
+        elementwise = "q_seg" in rs or "maskT" in rs or cfg.mask_mod is not None
         full = None if elementwise else spec.full_q_block_range(j, g.bq, g.bk, g.nq)
         _visit(run, lo, hi, full, masked_any)
         return carry
@@ -603,7 +613,8 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
           return c
         lax.fori_loop(start, stop, body, None)
 
-      elementwise = "q_seg" in res or "mask" in rs  # no FULL blocks by the static bounds
+      # no FULL blocks by the static bounds alone
+      elementwise = "q_seg" in res or "mask" in rs or cfg.mask_mod is not None
       full = None if elementwise else spec.full_kv_block_range(i, g.bq, g.bk)
       _visit(run, lo, hi, full, masked_any)
       return dq_acc[...]
@@ -694,7 +705,6 @@ def check_supported(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, seed, cons
     raise NotImplementedError(why)
   missing = [
       ("differentiable score_mod consts", cfg.num_diff_consts > 0),
-      ("mask_mod", cfg.mask_mod is not None or mod is not None),
   ]
   for name, present in missing:
     if present:
@@ -722,7 +732,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts: as the forward.
     out: [B, H, Sq, Dv] forward output; lse: [B, H, Sq] its logsumexp (-inf on empty rows).
     dout: [B, H, Sq, Dv] cotangent of out; dlse: [B, H, Sq] cotangent of lse (or None).
-    mod: None, or the mask_mod's `ModInputs` (not supported yet: must be None).
+    mod: None, or the mask_mod's `ModInputs` (its consts; its block classes are not read).
     offsets: None, or the global (b0, h0, q0, kv0) of local element 0 (a ring chunk pair):
       only dropout reads global positions here (the static mask stays local).
 
@@ -734,6 +744,12 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   check_supported(cfg, q, k, v, bias, mask, q_seg, seed, consts, mod, offsets)
   off = C.offset_operand(offsets)
   cfg, sm_arrays = _split_score_mod(cfg, consts, q.shape[0], q.shape[1], offsets)
+  msplit = C.split_mask_mod(cfg, mod, q.shape[0], q.shape[1], offsets)
+  if not all(msplit.scalar):
+    raise NotImplementedError(
+        "the pallas_mosaic_gpu backward supports a mask_mod whose per-head values are scalars,"
+        " not arrays per head; use implementation='pallas_triton'")
+  cfg = msplit.cfg
   B, H, Sq, D = q.shape
   Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
   g = _Geo(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, Dp=_pad_head(D), Dvp=_pad_head(Dv))
@@ -742,7 +758,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     segs = (_mask.pad_axis(q_seg, 1, g.Sqp, "edge", keep_broadcast=False).astype(jnp.int32),
             _mask.pad_axis(kv_seg, 1, g.Skvp, "edge", keep_broadcast=False).astype(jnp.int32))
   masked_any = (cfg.causal or cfg.window is not None or segs is not None or mask is not None
-                or g.Sqp != Sq or g.Skvp != Skv)
+                or cfg.mask_mod is not None or g.Sqp != Sq or g.Skvp != Skv)
   if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
     raise ValueError(f"bias must be a float array, got {bias.dtype}")
   lse2, delta = _preprocess(out, lse, dout, dlse, g)
@@ -755,7 +771,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   if cfg.dropout_active:
     arrays["cq"], arrays["cq2"] = _dropout_rows(cfg, seed, g, off)
   rows = (g.B, g.H, g.Sqp)
-  if (off is not None and cfg.dropout_active) or cfg.score_mod is not None:
+  if ((off is not None and cfg.dropout_active) or cfg.score_mod is not None
+      or cfg.mask_mod is not None):
     # the global kv offset (dropout's hash and the score_mod read global positions)
     kv0 = 0 if off is None else off[3]
     arrays["kv0"] = jnp.broadcast_to(jnp.asarray(kv0, jnp.int32), rows)
@@ -766,6 +783,15 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     arrays["qg"] = jnp.broadcast_to(jnp.arange(g.Sqp, dtype=jnp.int32) + q0, rows)
     for n, r in enumerate(sm_arrays):
       arrays[f"res{n}"] = jnp.broadcast_to(r, rows)
+  if cfg.mask_mod is not None:
+    # The mask_mod's global q (clamped into the real rows first) and its residuals.
+    q0 = 0 if off is None else off[2]
+    qm = jnp.minimum(jnp.arange(g.Sqp, dtype=jnp.int32), Sq - 1) + q0
+    arrays["qm"] = jnp.broadcast_to(qm, rows)
+    for n, r in enumerate(msplit.arrays):
+      f32 = jnp.float32
+      arrays[f"mres{n}"] = jnp.broadcast_to(
+          r.astype(f32 if jnp.issubdtype(r.dtype, jnp.inexact) else jnp.int32), rows)
   if mask is not None:
     # int8, padded with False; broadcast seq dims materialised (the kernels read whole
     # tiles), broadcast batch / head dims kept (indexed with 0). The dK/dV kernel reads it
