@@ -109,6 +109,25 @@ def wgmma_iota(shape, dim):
   return mg.broadcasted_iota(jnp.int32, shape, dim, layout=mg.Layout.WGMMA)
 
 
+# ---- backward kernels (flashvjp/pallas/mosaic_gpu/backward.py) ------------------------
+
+def mma_transforms(dtype, minor: int):
+  """SMEM transforms of a wgmma operand tile of `dtype` whose last dim has `minor` elements:
+  (8, swizzle bytes) tiles and the largest swizzle (32, 64 or 128 bytes) the row fills."""
+  import numpy as np
+  pg = plgpu()
+  swizzle = min(128, minor * np.dtype(dtype).itemsize)
+  return (pg.TilingTransform((8, swizzle // np.dtype(dtype).itemsize)),
+          pg.SwizzleTransform(swizzle))
+
+
+def layouts():
+  """(WGMMA, its row vector layout, its column vector layout): the register layouts of a
+  wgmma accumulator tile and of a per-row / per-column vector broadcast against it."""
+  wgmma = plgpu().Layout.WGMMA
+  return wgmma, wgmma.reduce(1), wgmma.reduce(0)
+
+
 def _gpu_callbacks():
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
   return gpu_callbacks
