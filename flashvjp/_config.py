@@ -184,6 +184,8 @@ def default_block_sizes(implementation: str, interpret: bool, head_dim: int = 64
                       block_kv_dkv=dkv.block_kv, block_q_dq=dq.block_q, block_kv_dq=dq.block_kv)
   if implementation == "pallas_tpu":
     return PALLAS_TPU_INTERPRET_DEFAULT if interpret else PALLAS_TPU_DEFAULT
+  if implementation == "pallas_mosaic_gpu":  # its kernels plan their own blocks (not read)
+    return PALLAS_INTERPRET_DEFAULT if interpret else BlockSizes(block_q=128, block_kv=128)
   return BLOCKWISE_DEFAULT
 
 

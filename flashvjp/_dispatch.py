@@ -5,7 +5,7 @@ Room: dispatch. Never catches exceptions to choose; the decision is a value
 
 Names a user may pass (`REQUESTABLE`): None (choose), "pallas" (this platform's
 kernel family: Triton on GPU, Mosaic on TPU, Triton in interpret mode on CPU),
-"pallas_triton" / "pallas_tpu" (one family: compiled on its own platform,
+"pallas_triton" / "pallas_tpu" / "pallas_mosaic_gpu" (one family: compiled on its own platform,
 interpret mode elsewhere unless ``interpret=False`` is passed, which lowers the
 compiled kernels, e.g. for ``jax.export(..., platforms=["cuda"])`` on a CPU host),
 "blockwise" and "naive". A `Decision.implementation` is always concrete: one of
@@ -21,12 +21,12 @@ from absl import logging
 
 from flashvjp import _target
 
-REQUESTABLE = ("pallas", "pallas_triton", "pallas_tpu", "blockwise", "naive")
-CONCRETE = ("pallas_triton", "pallas_tpu", "blockwise", "naive")
+REQUESTABLE = ("pallas", "pallas_triton", "pallas_tpu", "pallas_mosaic_gpu", "blockwise", "naive")
+CONCRETE = ("pallas_triton", "pallas_tpu", "pallas_mosaic_gpu", "blockwise", "naive")
 # Backward compatibility: the old name of the tuple of accepted names.
 IMPLEMENTATIONS = REQUESTABLE
 
-_FAMILY_PLATFORM = {"pallas_triton": "gpu", "pallas_tpu": "tpu"}
+_FAMILY_PLATFORM = {"pallas_triton": "gpu", "pallas_tpu": "tpu", "pallas_mosaic_gpu": "gpu"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Decision:
 
   @property
   def family(self) -> str | None:
-    """"triton", "tpu" or None (not a Pallas path)."""
+    """"triton", "tpu", "mosaic_gpu" or None (not a Pallas path)."""
     return self.implementation.split("_", 1)[1] if self.is_pallas else None
 
   def __str__(self) -> str:
@@ -78,6 +78,9 @@ def family_for_platform(plat: str) -> str:
 
 
 def _limits(family: str):
+  if family == "pallas_mosaic_gpu":
+    from flashvjp.pallas.mosaic_gpu import _limits as mgpu_limits  # the Mosaic-GPU limits
+    return mgpu_limits
   if family == "pallas_tpu":
     from flashvjp.pallas.tpu import _limits as tpu_limits  # the Mosaic-TPU limits, encoded once
     return tpu_limits
@@ -96,6 +99,11 @@ def decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype,
                      score_mod_consts=score_mod_consts, mask_mod=mask_mod,
                      mask_mod_consts=mask_mod_consts,
                      plat=platform() if target is None else target.platform)
+  if decision.implementation == "pallas_mosaic_gpu" and not decision.interpret:
+    kind = None if target is None else target.device_kind
+    problem = _limits("pallas_mosaic_gpu").device_problem(kind)
+    if problem is not None:
+      raise ValueError(f"implementation='pallas_mosaic_gpu' cannot run on the target: {problem}")
   return dataclasses.replace(decision, target=target)
 
 

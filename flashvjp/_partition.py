@@ -222,10 +222,13 @@ def _call_backend(name, kind, cfg, base, extra, mod, kw):
   return fn(cfg, *base, *extra, mod, **kw)
 
 
-def _has_ordered_effects(name: str) -> bool:
-  """The Mosaic simulator (`flashvjp.pallas.tpu.INTERPRET_PARAMS`, a test hook) runs its
-  kernels through ordered-effect callbacks, which custom_partitioning cannot lower: such
-  calls run unpartitioned (replicated)."""
+def _has_ordered_effects(name: str, cfg) -> bool:
+  """Kernels run through ordered-effect callbacks, which custom_partitioning cannot lower,
+  run unpartitioned (replicated): the Mosaic-TPU simulator (`flashvjp.pallas.tpu.
+  INTERPRET_PARAMS`, a test hook) and the Mosaic-GPU interpret mode (how CPU runs that
+  family)."""
+  if name == "pallas_mosaic_gpu":
+    return bool(cfg.interpret)
   if name != "pallas_tpu":
     return False
   from flashvjp.pallas import tpu
@@ -440,7 +443,7 @@ class _Wrapped:
   def _go(self, kind, cfg, items, results, n_consts, mod):
     sig = _sig(kind, self.name, items, results, n_consts, mod)
     arrays = [i[1] for i in items]
-    if _has_ordered_effects(self.name):
+    if _has_ordered_effects(self.name, cfg):
       return _run_whole(cfg, sig, arrays)
     op = self._ops[kind]
     fn = custom_vmap(lambda *a: op(cfg, sig, *a))

@@ -60,6 +60,8 @@ def _backend(name: str, partition: bool = False):
     from flashvjp.pallas import triton as backend  # type: ignore[no-redef]
   elif name == "pallas_tpu":
     from flashvjp.pallas import tpu as backend  # type: ignore[no-redef]
+  elif name == "pallas_mosaic_gpu":
+    from flashvjp.pallas import mosaic_gpu as backend  # type: ignore[no-redef]
   else:
     raise ValueError(f"no custom_vjp backend named {name!r}")
   # Under jit with inputs sharded over batch / heads / the sequence, each device runs its
@@ -325,7 +327,7 @@ def _run_tangent(cfg, primal, ts, fn=None, partition=True):
   q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, out, lse = primal
   tq, tk, tv, tbias, *tc = ts
   if fn is None:
-    if cfg.implementation in ("blockwise", "pallas_triton", "pallas_tpu") and \
+    if cfg.implementation in ("blockwise", "pallas_triton", "pallas_tpu", "pallas_mosaic_gpu") and \
         cfg.partition and partition:
       fn = _backend(cfg.implementation, True).tangent  # partitioned under jit like the backward
     else:

@@ -20,7 +20,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-
 def _installed(module: str) -> bool:
   try:
     return importlib.util.find_spec(module) is not None

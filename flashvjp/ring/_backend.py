@@ -44,6 +44,9 @@ def _inner(name: str):
   if name == "pallas_tpu":
     from flashvjp.pallas import tpu
     return tpu
+  if name == "pallas_mosaic_gpu":
+    from flashvjp.pallas import mosaic_gpu
+    return mosaic_gpu
   raise ValueError(f"the ring has no per-pair backend named {name!r}")
 
 
@@ -54,6 +57,9 @@ def _inner_tangent(name: str):
   if name == "pallas_triton":
     from flashvjp.pallas.triton import tangent
     return tangent.tangent
+  if name == "pallas_mosaic_gpu":  # no tangent kernel yet: the blockwise fused pass
+    from flashvjp.blockwise import _tangent as blockwise_tangent
+    return blockwise_tangent.tangent
   from flashvjp.pallas.tpu import tangent as tpu_tangent
   return tpu_tangent.tangent
 

@@ -118,7 +118,7 @@ def _tolerance_for(fn, dtype, kwargs, layout, query, key, value) -> float:
   import flashvjp
   impl = kwargs.get("implementation")
   if not isinstance(impl, str) or impl not in ("naive", "blockwise", "pallas", "pallas_triton",
-                                               "pallas_tpu"):
+                                               "pallas_tpu", "pallas_mosaic_gpu"):
     impl = None
   if impl is None and fn is flashvjp.flash_attention and layout == "BHSD":
     try:

@@ -43,7 +43,7 @@ def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
   dt = jnp.dtype(dtype)
   if not any(dt == jnp.dtype(d) for d in DTYPES):
     return False, (f"dtype {dt.name}: the Mosaic-GPU kernels support float16 and bfloat16"
-                   " (16-bit wgmma)")
+                   " (16-bit wgmma); implementation='pallas_triton' takes float32 and float64")
   if has_score_mod:
     return False, "score_mod: not implemented in the Mosaic-GPU kernels yet"
   if mask_mod is not None:
@@ -89,3 +89,17 @@ def forward_problem(cfg, q, k, v, *, bias=None, mask=None, q_seg=None, kv_seg=No
   if q.shape[1] % k.shape[1]:
     return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads"
   return None
+
+
+# Hopper (sm_90a) parts by the device kind JAX reports ("NVIDIA H100 80GB HBM3", ...).
+HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+
+
+def device_problem(device_kind: str | None) -> str | None:
+  """Why the compiled kernels cannot run on a GPU of `device_kind` (None: they can, or the
+  kind is unknown, e.g. `jax.export(..., platforms=["cuda"])` with no device)."""
+  if device_kind is None or any(h in device_kind for h in HOPPER_KINDS):
+    return None
+  return (f"the Mosaic-GPU kernels are written for Hopper (sm_90a: TMA, wgmma), the target is"
+          f" {device_kind!r}; use implementation='pallas_triton' (it runs on Ampere, Hopper and"
+          " Blackwell)")

@@ -1,0 +1,94 @@
+"""The Mosaic-GPU family behind the one op: `implementation="pallas_mosaic_gpu"`.
+
+The kernels' own checks (interpret mode with race detection, mutations, sm_90a compiles) are
+tests/test_pallas_mosaic_gpu.py (forward) and tests/test_pallas_mosaic_gpu_backward.py. Here:
+the dispatch (named only, Hopper only, refusals before any kernel), `jax.grad` / `jax.jvp`
+through `flash_attention` against float64 naive attention, and the deviceless H100 compile of
+the public call.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashvjp
+from flashvjp.pallas.mosaic_gpu import _compat
+from tests import _aot
+
+pytestmark = pytest.mark.skipif(_compat.unavailable() is not None,
+                                reason=str(_compat.unavailable()))
+
+IMPL = "pallas_mosaic_gpu"
+
+
+def _qkv(B=1, H=4, Hkv=2, S=128, D=64, dtype=jnp.bfloat16, seed=0):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((B, H, S, D)), dtype)
+  k = jnp.asarray(rng.standard_normal((B, Hkv, S, D)), dtype)
+  v = jnp.asarray(rng.standard_normal((B, Hkv, S, D)), dtype)
+  return q, k, v
+
+
+def test_named_only_interpret_on_cpu_and_tangent_is_blockwise():
+  q, k, v = _qkv()
+  d = flashvjp.explain(q, k, v, causal=True, implementation=IMPL)
+  assert d.implementation == IMPL and d.interpret and d.family == "mosaic_gpu"
+  assert "no tangent kernel yet" in d.forward_mode["jvp"]
+  # never chosen by itself: None picks blockwise on CPU, "pallas" the Triton family
+  assert flashvjp.explain(q, k, v).implementation == "blockwise"
+  assert flashvjp.explain(q, k, v, implementation="pallas").implementation == "pallas_triton"
+
+
+def test_refusals_name_the_family_that_takes_it():
+  q, k, v = _qkv(dtype=jnp.float32)
+  with pytest.raises(ValueError, match="pallas_triton"):
+    flashvjp.explain(q, k, v, implementation=IMPL)
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match="score_mod"):
+    flashvjp.explain(q, k, v, implementation=IMPL, score_mod=flashvjp.softcap(20.0))
+
+
+def test_old_jax_is_refused_naming_the_version(monkeypatch):
+  monkeypatch.setattr(_compat, "_version", lambda: (0, 10, 2))
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match=r"jax >= 0\.11\.2"):
+    flashvjp.explain(q, k, v, implementation=IMPL)
+
+
+def test_grad_through_flash_attention_against_float64():
+  q, k, v = _qkv(S=160)  # not a multiple of the blocks
+  report = flashvjp.testing.check(query=q, key=k, value=v, causal=True, implementation=IMPL)
+  assert report.passed, str(report)
+
+
+def test_jvp_through_flash_attention_against_float64():
+  q, k, v = _qkv(S=128, seed=1)
+  t = _qkv(S=128, seed=2)
+  f = lambda impl: lambda q, k, v: flashvjp.flash_attention(q, k, v, window=(32, 0),
+                                                            implementation=impl)
+  out, tan = jax.jvp(f(IMPL), (q, k, v), t)
+  f64 = lambda xs: tuple(x.astype(jnp.float64) for x in xs)
+  ref_out, ref_tan = jax.jvp(f("naive"), f64((q, k, v)), f64(t))
+  for got, ref in ((out, ref_out), (tan, ref_tan)):
+    got = np.asarray(got.astype(jnp.float64))
+    err = np.abs(got - np.asarray(ref)).max() / np.abs(np.asarray(ref)).max()
+    assert np.isfinite(got).all() and err < flashvjp._check.tolerance(jnp.bfloat16, IMPL)
+
+
+@_aot.needs_cuda
+def test_h100_compile_of_the_public_call_and_blackwell_refused():
+  mesh = _aot.gpu_mesh("h100")
+  q = _aot.sds(mesh, (2, 8, 4096, 128), jnp.bfloat16)
+  k = _aot.sds(mesh, (2, 2, 4096, 128), jnp.bfloat16)
+  loss = lambda q, k, v: flashvjp.flash_attention(q, k, v, causal=True, implementation=IMPL
+                                                  ).astype(jnp.float32).sum()
+  d = flashvjp.explain(q, k, k, causal=True, implementation=IMPL)
+  assert not d.interpret and d.target.platform == "gpu"
+  hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, k).compile().as_text()
+  assert hlo.count('custom_call_target="mosaic_gpu') >= 3  # forward, dK/dV, dQ
+  assert not _aot.interpret_loops(hlo)
+  b200 = _aot.sds(_aot.gpu_mesh("b200"), (2, 8, 4096, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="Hopper.*pallas_triton"):
+    flashvjp.explain(b200, b200, b200, implementation=IMPL)
