@@ -147,6 +147,8 @@ class Plan:
 
 
 def _mib(b: float) -> str:
+  if b >= 2**40:
+    return f"{b / 2**40:,.1f} TiB"
   return f"{b / 2**20:,.1f} MiB" if b < 2**30 else f"{b / 2**30:,.2f} GiB"
 
 
