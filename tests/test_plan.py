@@ -223,3 +223,21 @@ def test_cli_reports_registers_and_spills():
              "--head-dim", "64", "--causal", "--modes", "value_and_grad")
   assert res.returncode == 0, res.stderr[-3000:]
   assert "flashvjp_fwd" in res.stdout and " registers" in res.stdout and "spills" in res.stdout
+
+
+def test_deviceless_tpu_limit_is_a_clear_error():
+  e = _plan._compile_error(
+      RuntimeError("INTERNAL: Custom emitter for CustomSPMDPartitioning not found"), "tpu",
+      "v5ex4", 4)
+  assert isinstance(e, RuntimeError)
+  assert "deviceless" in str(e) and "'v5e'" in str(e) and "TPU host" in str(e)
+
+
+def test_cli_mesh_and_spec_arguments():
+  assert _plan._mesh_arg("dp=2,sp=4") == {"dp": 2, "sp": 4}
+  assert _plan._spec_arg("dp,None,sp+tp,-") == ("dp", None, ("sp", "tp"), None)
+  for bad in ("sp", "sp=x"):
+    with pytest.raises(Exception, match="NAME=SIZE"):
+      _plan._mesh_arg(bad)
+  with pytest.raises(Exception, match="4 comma-separated"):
+    _plan._spec_arg("None,sp")
