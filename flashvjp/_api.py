@@ -22,6 +22,7 @@ from flashvjp import _mask_mod
 from flashvjp import _partition
 from flashvjp import _score_mod
 from flashvjp import _strategy
+from flashvjp import _target
 from flashvjp import _vjp
 from flashvjp import reference
 from flashvjp._config import AttentionConfig
@@ -227,11 +228,15 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
     raise ValueError(f"context_parallel must be one of {_strategy.REQUESTS}, got"
                      f" {context_parallel!r}")
 
+  program = _target.of(query, key, value)  # the program's target (platform, devices)
+  problem = None if allow_shapes else _target.deviceless_partition_problem(program)
+  if problem is not None and implementation != "naive":
+    raise NotImplementedError(problem)
   decision = _dispatch.decide(
       implementation, interpret=interpret, query_shape=query.shape, key_shape=key.shape,
       value_shape=value.shape, dtype=query.dtype, has_score_mod=score_mod is not None,
       has_dropout=dropout_active, score_mod=sm_fn, score_mod_consts=consts, mask_mod=mm_fn,
-      mask_mod_consts=mm_consts)
+      mask_mod_consts=mm_consts, target=program)
   precision = _config.canonical_precision(jax.config.jax_default_matmul_precision)
   defaults = default_block_sizes(decision.implementation, decision.interpret,
                                  head_dim=max(D, value.shape[3]), dtype=query.dtype,
@@ -261,7 +266,8 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       context_parallel=context_parallel,
       # the hint only matters when a mesh can shard the sequence; on one device it would
       # only make the config (and the compile cache) depend on the mask_mod object
-      mask_mod_hint=getattr(mask_mod, "kv_intervals", None) if jax.device_count() > 1 else None)
+      mask_mod_hint=getattr(mask_mod, "kv_intervals", None) if program.partition else None,
+      partition=program.partition)
   seed = _dropout.seed_from_key(dropout_rng) if dropout_active else None
   if not allow_shapes:
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
@@ -347,7 +353,7 @@ def attend(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, const
     # naive: dense; ring: elementwise per pair; with more than one device the partitioning
     # rule classifies each device's own slice (flashvjp._partition)
     if mod_classes is None and cfg.implementation not in ("naive", "ring") and \
-        jax.device_count() == 1:
+        not cfg.partition:
       B, H = q.shape[0], q.shape[1]
       assert cfg.mask_mod_blocks is not None  # set with mask_mod
       mod_classes = _mask_mod.classify(cfg.mask_mod, mod_consts, cfg.mask_mod_uses, B, H,

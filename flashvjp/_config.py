@@ -253,6 +253,10 @@ class AttentionConfig:
   # than one device exists.
   context_parallel: str = "auto"
   mask_mod_hint: Callable | None = None
+  # Whether the program's mesh has more than one device (flashvjp._target: the inputs'
+  # shardings, else the abstract mesh, else the host): the backends are then wrapped in
+  # the partitioning rule under jit; with one device that rule is skipped.
+  partition: bool = False
 
   @property
   def dropout_active(self) -> bool:

@@ -19,12 +19,13 @@ from typing import Any
 import jax
 from absl import logging
 
+from flashvjp import _target
+
 REQUESTABLE = ("pallas", "pallas_triton", "pallas_tpu", "blockwise", "naive")
 CONCRETE = ("pallas_triton", "pallas_tpu", "blockwise", "naive")
 # Backward compatibility: the old name of the tuple of accepted names.
 IMPLEMENTATIONS = REQUESTABLE
 
-_GPU = ("gpu", "cuda", "rocm")
 _FAMILY_PLATFORM = {"pallas_triton": "gpu", "pallas_tpu": "tpu"}
 
 
@@ -36,6 +37,9 @@ class Decision:
   # Under jit with the sequence sharded: the context-parallel strategy
   # (flashvjp._strategy.Strategy) the partitioning rule runs; None when not sharded.
   context_parallel: Any = None
+  # The program's target (flashvjp._target.Target): the platform and device count the
+  # decision was made for (the inputs' shardings, else the abstract mesh, else the host).
+  target: Any = None
 
   @property
   def is_pallas(self) -> bool:
@@ -55,15 +59,17 @@ class Decision:
   def __str__(self) -> str:
     mode = " (interpret mode)" if self.is_pallas and self.interpret else ""
     cp = "" if self.context_parallel is None else f"; sequence sharded: {self.context_parallel}"
-    return f"{self.implementation}{mode}: {self.reason}{cp}"
+    tgt = "" if self.target is None else f"; target: {self.target}"
+    return f"{self.implementation}{mode}: {self.reason}{tgt}{cp}"
 
 
 def platform() -> str:
+  """The host's default backend (the target when nothing else says; `flashvjp._target`)."""
   return jax.default_backend()
 
 
 def _home(plat: str) -> str:
-  return "gpu" if plat in _GPU else plat
+  return _target.home(plat)
 
 
 def family_for_platform(plat: str) -> str:
@@ -81,9 +87,21 @@ def _limits(family: str):
 
 def decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype,
            has_score_mod=False, has_dropout=False, score_mod=None,
-           score_mod_consts=(), mask_mod=None, mask_mod_consts=()) -> Decision:
-  """Choose the implementation. Raises ValueError for a named Pallas family on an unsupported input."""
-  plat = platform()
+           score_mod_consts=(), mask_mod=None, mask_mod_consts=(), target=None) -> Decision:
+  """Choose the implementation for `target` (a `flashvjp._target.Target`; None: the host's
+  default backend). Raises ValueError for a named Pallas family on an unsupported input."""
+  decision = _decide(requested, interpret=interpret, query_shape=query_shape,
+                     key_shape=key_shape, value_shape=value_shape, dtype=dtype,
+                     has_score_mod=has_score_mod, has_dropout=has_dropout, score_mod=score_mod,
+                     score_mod_consts=score_mod_consts, mask_mod=mask_mod,
+                     mask_mod_consts=mask_mod_consts,
+                     plat=platform() if target is None else target.platform)
+  return dataclasses.replace(decision, target=target)
+
+
+def _decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype, has_score_mod,
+            has_dropout, score_mod, score_mod_consts, mask_mod, mask_mod_consts,
+            plat) -> Decision:
   if requested == "naive":
     return Decision("naive", False, "requested: the reference, differentiated by autodiff")
   if requested == "blockwise":

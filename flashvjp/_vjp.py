@@ -50,7 +50,7 @@ from flashvjp import _ad_compat as _ac
 from flashvjp._config import AttentionConfig
 
 
-def _backend(name: str):
+def _backend(name: str, partition: bool = False):
   if name == "ring":  # inside shard_map: the ring calls its per-pair backend directly
     from flashvjp import ring
     return ring
@@ -66,7 +66,9 @@ def _backend(name: str):
   # part (a custom_partitioning rule; the sequence by a context-parallel strategy). With one device there is
   # nothing to partition: the rule would only trace and lower the backend a second time
   # (about a third of jit(grad)'s trace+lower time; benchmarks/results/compile_time.md).
-  if jax.device_count() == 1:
+  # `partition` is the program's device count > 1 (AttentionConfig.partition, from
+  # flashvjp._target: the inputs' shardings, not the host's device count).
+  if not partition:
     return backend
   from flashvjp import _partition
   return _partition.wrap(name, backend, _tangent_kernel(name)[0])
@@ -119,7 +121,7 @@ def forward_mode_paths(implementation: str) -> dict:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention_vjp(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed,
                    diff_consts, fixed_consts, mod=None):
-  return _backend(cfg.implementation).forward(
+  return _backend(cfg.implementation, cfg.partition).forward(
       cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, tuple(diff_consts) + tuple(fixed_consts),
       mod)
 
@@ -180,7 +182,7 @@ attention.defjvp(_attention_jvp, symbolic_zeros=True)
 def _backward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse, mod):
   if cfg.out_f32:  # out is float32 (a traced scale); the kernels take dO in the inputs' dtype
     dout = dout.astype(q.dtype)
-  dq, dk, dv, dbias, dconsts = _backend(cfg.implementation).backward(
+  dq, dk, dv, dbias, dconsts = _backend(cfg.implementation, cfg.partition).backward(
       cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse, mod)
   return dq, dk, dv, dbias, tuple(dconsts)
 
@@ -324,8 +326,8 @@ def _run_tangent(cfg, primal, ts, fn=None, partition=True):
   tq, tk, tv, tbias, *tc = ts
   if fn is None:
     if cfg.implementation in ("blockwise", "pallas_triton", "pallas_tpu") and \
-        jax.device_count() > 1 and partition:
-      fn = _backend(cfg.implementation).tangent  # partitioned under jit like the backward
+        cfg.partition and partition:
+      fn = _backend(cfg.implementation, True).tangent  # partitioned under jit like the backward
     else:
       fn = _tangent_kernel(cfg.implementation)[0]
   return fn(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, tq, tk, tv, tbias,

@@ -12,6 +12,12 @@ if "xla_cpu_experimental_ynn_fusion_type" not in os.environ["XLA_FLAGS"]:
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
+# The CUDA plugin and libtpu (the deviceless compilers of tests/test_aot.py) are installed
+# with the test extra: jax must not try to start a GPU or TPU here, and the xdist workers
+# may each load libtpu (its lockfile otherwise lets one process in).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 import jax
 
 jax.config.update("jax_enable_x64", True)

@@ -136,8 +136,12 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Hashable | N
   # which shard_map's check_vma requires; without the check, shard_map's own transpose sums
   # the cotangents of replicated inputs (tests/test_distributed.py checks the gradients).
   nb, nh, ns = (_axis_size(mesh, a, "") for a in (batch_axis, head_axis, seq_axis))
+  # placed on the mesh (replicated), so that the decision is made for the mesh's devices
+  # (flashvjp._target), as the call inside shard_map will be
+  on_mesh = jax.sharding.NamedSharding(mesh, PartitionSpec())
   local_shape = lambda x, n_heads: jax.ShapeDtypeStruct(
-      (x.shape[0] // nb, x.shape[1] // n_heads, x.shape[2] // ns, x.shape[3]), x.dtype)
+      (x.shape[0] // nb, x.shape[1] // n_heads, x.shape[2] // ns, x.shape[3]), x.dtype,
+      sharding=on_mesh)
   decision = _api.explain(local_shape(query, nh), local_shape(key, nh), local_shape(value, nh),
                           implementation=kwargs.get("implementation"),
                           interpret=kwargs.get("interpret"))

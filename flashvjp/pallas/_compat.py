@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.extend
+import numpy as np
 from jax.experimental import pallas as pl
 
 try:  # Triton params are importable on CPU-only installs too; guard for slim builds.
@@ -45,8 +46,16 @@ def ds(start, size: int):
 
 
 def block_spec(block_shape: Sequence[int | None], index_map: Callable) -> pl.BlockSpec:
-  """BlockSpec with `None` entries squeezed; `index_map(*program_ids) -> block indices`."""
-  return pl.BlockSpec(block_shape=tuple(block_shape), index_map=index_map)
+  """BlockSpec with `None` entries squeezed; `index_map(*program_ids) -> block indices`.
+
+  Python int indices are made int32: with `jax_enable_x64` they would trace as int64,
+  which Mosaic-TPU's compiler cannot legalize in an index map ("failed to legalize
+  operation 'func.func'", found by the deviceless TPU compile, tests/test_aot.py).
+  """
+  def index_map_i32(*ids):
+    out = index_map(*ids)
+    return tuple(np.int32(x) if isinstance(x, int) else x for x in out)
+  return pl.BlockSpec(block_shape=tuple(block_shape), index_map=index_map_i32)
 
 
 def compiler_params(*, interpret: bool, num_warps: int, num_stages: int):
@@ -68,7 +77,11 @@ def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, interpret: bool
   params = compiler_params(interpret=interpret, num_warps=num_warps, num_stages=num_stages)
   if params is not None:
     kwargs["compiler_params"] = params
-  return pl.pallas_call(kernel, **kwargs)
+  call = pl.pallas_call(kernel, **kwargs)
+  if interpret:
+    return call
+  from flashvjp.pallas import _on_target  # the compiled kernel, lowered for the program's GPU
+  return _on_target.on_target(call)
 
 
 def eval_jaxpr(jaxpr, consts, *args):
@@ -120,9 +133,12 @@ def tpu_vmem(shape, dtype):
   return _pltpu.VMEM(tuple(shape), dtype)
 
 
-def smem_spec() -> pl.BlockSpec:
-  """The whole (small) array in scalar memory."""
-  return pl.BlockSpec(memory_space=_pltpu.SMEM)
+def smem_spec(shape: Sequence[int]) -> pl.BlockSpec:
+  """The whole (small) array of `shape` in scalar memory (int32 block indices: the default
+  index map's would be int64 under `jax_enable_x64`, which Mosaic-TPU cannot compile)."""
+  nd = len(shape)
+  return pl.BlockSpec(block_shape=tuple(shape), index_map=lambda *ids: (np.int32(0),) * nd,
+                      memory_space=_pltpu.SMEM)
 
 
 def tpu_interpret_params(**kwargs):

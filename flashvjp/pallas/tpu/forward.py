@@ -71,16 +71,17 @@ def add_common(ins: C.KernelInputs, cfg, g: C.Geometry, index, *, bias_p, mask_p
     ins.add("q_seg", q_l, _bs((None, g.bq, Lo.LANES), q_seg_map))
     ins.add("kv_seg", k_l, _bs((None, Lo.SUBLANES, g.bk), kv_seg_map))
   if cfg.dropout_active:
-    ins.add("seed", Lo.seed_words(seed), _compat.smem_spec())
+    words = Lo.seed_words(seed)
+    ins.add("seed", words, _compat.smem_spec(words.shape))
   off = C.offset_operand(offsets)
   if off is not None:
-    ins.add("offsets", off, _compat.smem_spec())
+    ins.add("offsets", off, _compat.smem_spec(off.shape))
   mod_scalar = () if mod_meta is None else mod_meta.scalar
   for prefix, arrays, scalar in (("const", const_arrays, meta.scalar),
                                  ("mconst", mod_arrays, mod_scalar)):
     for n, (c, sc) in enumerate(zip(arrays, scalar)):
       if sc:
-        ins.add(f"{prefix}{n}", c, _compat.smem_spec())
+        ins.add(f"{prefix}{n}", c, _compat.smem_spec(c.shape))
       else:
         nd = c.ndim
         ins.add(f"{prefix}{n}", c, _bs(c.shape, functools.partial(lambda nd, *a: (0,) * nd, nd)))

@@ -150,7 +150,7 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
 
   for n, (c, sc) in enumerate(zip(tarrays, tmeta.scalar)):
     if sc:
-      ins.add(f"tconst{n}", c, _compat.smem_spec())
+      ins.add(f"tconst{n}", c, _compat.smem_spec(c.shape))
     else:
       ins.add(f"tconst{n}", c, F._bs(c.shape, functools.partial(lambda nd, *a: (0,) * nd, c.ndim)))
   row = lambda b, h, i, s, *_: (b, h, i, 0)
