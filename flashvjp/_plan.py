@@ -630,6 +630,9 @@ def _replay(stderr: str) -> None:
 
 def _compile_error(e: Exception, platform: str, target: str, n: int) -> Exception:
   msg = str(e)
+  if platform == "tpu" and isinstance(e, NotImplementedError) and "deviceless" in msg:
+    return RuntimeError(f"target {target!r} ({n} TPU chips): {msg}. To plan: target 'v5e' or"
+                        " 'v6e' (one chip).")
   if platform == "tpu" and "CustomSPMDPartitioning" in msg:
     return RuntimeError(
         f"target {target!r} ({n} TPU chips): libtpu cannot compile a partitioned flashvjp op"

@@ -142,7 +142,6 @@ def test_h100x8_reports_memory_strategy_and_collectives(h100x8):
 
 
 @needs_cuda
-@pytest.mark.xfail(strict=False, reason="needs the target-decides change on main")
 def test_h100x8_compiles_the_kernels_and_no_whole_sequence_gather(h100x8):
   for m in h100x8.modes:
     assert m.decision.implementation == "pallas_triton" and not m.decision.interpret
@@ -164,7 +163,6 @@ def test_v5e_single_chip():
 
 
 @needs_tpu
-@pytest.mark.xfail(strict=False, reason="needs the target-decides change on main")
 def test_v5e_compiles_the_mosaic_kernels():
   p = flashvjp.plan("v5e", **SMALL, modes=("value_and_grad",))
   m = p.mode("value_and_grad")
@@ -217,7 +215,6 @@ def test_cli_prints_the_report():
 
 
 @needs_cuda
-@pytest.mark.xfail(strict=False, reason="needs the target-decides change on main")
 def test_cli_reports_registers_and_spills():
   res = _cli("--target", "h100", "--num-heads", "4", "--num-kv-heads", "2", "--seq-len", "2048",
              "--head-dim", "64", "--causal", "--modes", "value_and_grad")
