@@ -16,8 +16,9 @@ Where the GPU figures come from (XLA's embedded Triton, found by trying the dump
   `xla_dump_to` (`*.thunk_sequence.txt`; a `compiler_options` entry of this one compile);
 - registers, stack frame and spill stores / loads: ptxas's own `-v` report, which XLA
   passes on only as a VLOG line of `subprocess_compilation.cc` (level 2) when ptxas runs
-  as a program. The process must start with `TF_CPP_MIN_LOG_LEVEL=0` and
-  `TF_CPP_VMODULE=subprocess_compilation=2` (`python -m flashvjp plan` sets both);
+  as a program. `TF_CPP_MIN_LOG_LEVEL=0` and `TF_CPP_VMODULE=subprocess_compilation=2` must be
+  in the environment before jax starts its backends (`import jax` sets the first to 1 when
+  unset; `python -m flashvjp plan` sets both);
   otherwise they are "not reported". Neither the HLO, the backend config nor
   `memory_analysis()` carries them, and `xla_gpu_dump_llvmir` writes no PTX in a deviceless
   compile (tried).
@@ -602,7 +603,8 @@ def _compile_mode(mode, q, kv, seg, kw, platform, target, n, seq_len, seq_sharde
   if platform == "gpu" and kernels and all(k.registers is None for k in kernels):
     note = ("registers / spills not reported: ptxas's -v report reaches flashvjp as a VLOG"
             " line only when TF_CPP_MIN_LOG_LEVEL=0 and TF_CPP_VMODULE=subprocess_compilation=2"
-            " are set before jax starts its backends (python -m flashvjp plan sets them), and"
+            " are in os.environ before jax starts its backends (import jax sets the first to 1"
+            " when unset; python -m flashvjp plan sets them), and"
             " only for kernels not compiled before in this process")
   elif platform == "tpu" and kernels:
     note = "libtpu reports no per-kernel resources (VMEM, registers) in a deviceless compile"
@@ -658,9 +660,9 @@ launch grid, shared memory, registers and spills (GPU; ptxas's report), and the 
 
 GPU targets need the CUDA compiler plugin (pip install 'flashvjp[aot-gpu]'), TPU targets
 libtpu (pip install 'flashvjp[aot-tpu]'). jax runs on the CPU here: this command sets
-JAX_PLATFORMS=cpu, TF_CPP_MIN_LOG_LEVEL=0 and TF_CPP_VMODULE=subprocess_compilation=2 when
-they are unset (the last two let ptxas's register report through; the other log lines are
-dropped). A 128k-token layer on h100x8 compiles in under a minute on a laptop.
+JAX_PLATFORMS=cpu (when unset), TF_CPP_MIN_LOG_LEVEL=0 and adds subprocess_compilation=2
+to TF_CPP_VMODULE: these two let ptxas's register report through; the other log lines are
+dropped. A 128k-token layer on h100x8 compiles in under a minute on a laptop.
 
 Example: python -m flashvjp plan --target h100x8 --seq-len 131072 --num-heads 32
          --num-kv-heads 8 --head-dim 128 --causal
@@ -737,13 +739,13 @@ def run_plan(args) -> int:
   from jax._src import xla_bridge
   if not xla_bridge.backends_are_initialized():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
+    # jax's import set it to 1 (setdefault) unless it was set; the lines it lets through are
+    # read or dropped by the plan (_replay), never shown.
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
     if "subprocess_compilation" not in os.environ.get("TF_CPP_VMODULE", ""):
       os.environ["TF_CPP_VMODULE"] = ",".join(
           v for v in (os.environ.get("TF_CPP_VMODULE"), "subprocess_compilation=2") if v)
     _cpu_host()
-    with _capture_stderr():  # the INFO lines of the backends starting
-      jax.devices()
   window = tuple(args.window) if args.window else None
   try:
     result = plan(args.target, batch=args.batch, num_heads=args.num_heads,
