@@ -5,7 +5,8 @@ compile with the target's real compiler (the CUDA plugin's XLA GPU pipeline with
 Triton and ptxas; libtpu), of jit(value_and_grad) and jit(jvp) of a causal GQA layer (batch 1,
 32 query heads on 8 kv heads, head_dim 128, bfloat16):
 
-  * h100x8: the sequence sharded over the 8 GPUs (P(None, None, "sp", None)), seq 16k..128k;
+  * h100x8: the sequence sharded over the 8 GPUs (P(None, None, "sp", None)), seq 16k..128k
+    with the strategy flashvjp picks, and the ring asked for at 128k;
   * v5e: one chip, seq 8k and 32k.
 
 Per row: per-device memory (`compiled.memory_analysis()`: arguments + outputs + temp), the
@@ -32,13 +33,16 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYER = dict(batch=1, num_heads=32, num_kv_heads=8, head_dim=128, causal=True)
-ROWS = [("h100x8", s) for s in (16384, 32768, 65536, 131072)] + [("v5e", s) for s in (8192, 32768)]
-QUICK = [("h100x8", 16384), ("v5e", 8192)]
+# (target, seq, context_parallel): "auto" picks Ulysses for 32 / 8 heads on 8 GPUs; the ring
+# at 128k is there to compare.
+ROWS = ([("h100x8", s, "auto") for s in (16384, 32768, 65536, 131072)]
+        + [("h100x8", 131072, "ring")] + [("v5e", s, "auto") for s in (8192, 32768)])
+QUICK = [("h100x8", 16384, "auto"), ("v5e", 8192, "auto")]
 
 
-def _child(target: str, seq: int) -> None:
+def _child(target: str, seq: int, cp: str) -> None:
   import flashvjp
-  p = flashvjp.plan(target, seq_len=seq, **LAYER)
+  p = flashvjp.plan(target, seq_len=seq, context_parallel=cp, **LAYER)
   doc = dict(report=str(p), device_kind=p.device_kind, hbm=p.hbm_bytes, modes=[])
   for m in p.modes:
     cp = m.decision.context_parallel
@@ -55,12 +59,12 @@ def _child(target: str, seq: int) -> None:
   print("PLAN_JSON " + json.dumps(doc))
 
 
-def _run(target: str, seq: int, timeout: float):
+def _run(target: str, seq: int, cp: str, timeout: float):
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="0",
              TF_CPP_VMODULE="subprocess_compilation=2", PYTHONPATH=str(ROOT))
   start = time.perf_counter()
   try:
-    res = subprocess.run([sys.executable, __file__, "--child", target, str(seq)], env=env,
+    res = subprocess.run([sys.executable, __file__, "--child", target, str(seq), cp], env=env,
                          capture_output=True, text=True, timeout=timeout)
   except subprocess.TimeoutExpired:
     return None, f"did not compile within {timeout:.0f} s"
@@ -77,9 +81,14 @@ def _mib(b) -> str:
 
 
 def _kernels(m) -> str:
-  out = []
+  out: list[str] = []
+  seen: dict[str, int] = {}
   for k in m["kernels"]:
-    bits = [k["name"]]
+    key = json.dumps(k, sort_keys=True)
+    seen[key] = seen.get(key, 0) + 1
+  for key, times in seen.items():
+    k = json.loads(key)
+    bits = [k["name"] + (f" x{times}" if times > 1 else "")]
     if k["registers"] is not None:
       bits.append(f"{k['registers']} regs")
     if k["spill_stores"] is not None:
@@ -93,13 +102,13 @@ def _kernels(m) -> str:
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+  ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
   ap.add_argument("--quick", action="store_true", help="h100x8 at 16k and v5e at 8k only")
   ap.add_argument("--timeout", type=float, default=900, help="seconds per row (default 900)")
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "plan_targets.md"))
   args = ap.parse_args()
   if args.child:
-    _child(args.child[0], int(args.child[1]))
+    _child(args.child[0], int(args.child[1]), args.child[2])
     return
   import jax
 
@@ -109,17 +118,19 @@ def main() -> None:
           " collectives / device MiB (estimate) | whole-seq gather | kernels | compile s |")
   lines = [head, "|" + "---|" * 10]
   reports = {}
-  for target, seq in rows:
-    doc, err = _run(target, seq, args.timeout)
+  for target, seq, cp in rows:
+    doc, err = _run(target, seq, cp, args.timeout)
     if doc is None:
-      line = f"| {target} | {seq:,} | - | not planned: {err} | | | | | | |"
+      line = f"| {target} | {seq:,} | - | not planned ({cp}): {err} | | | | | | |"
       print(line, flush=True)
       lines.append(line)
       continue
-    reports[(target, seq)] = doc["report"]
+    if cp == "auto":
+      reports[(target, seq)] = doc["report"]
     for m in doc["modes"]:
       impl = m["implementation"] + (" (interpret)" if m["interpret"] else "")
-      line = (f"| {target} | {seq:,} | {m['mode']} | {impl} | {m['strategy'] or '-'} |"
+      strategy = (m["strategy"] or "-") + ("" if cp == "auto" else " (asked)")
+      line = (f"| {target} | {seq:,} | {m['mode']} | {impl} | {strategy} |"
               f" {_mib(m['total'])} ({_mib(m['temp'])}) | {_mib(m['collective_bytes'])}"
               f" ({_mib(m['estimate'])}) | {'YES' if m['whole_sequence'] else 'no'} |"
               f" {_kernels(m)} | {m['seconds']:.1f} |")

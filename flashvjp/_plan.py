@@ -183,15 +183,19 @@ def _report(p: Plan) -> str:
       total = sum(c.total_bytes for c in m.collectives)
       lines.append(f"  collectives per device (compiled HLO; result bytes x executions):"
                    f" {_mib(total)} in all")
+      width = min(70, max(len(" ".join(c.shapes)) for c in m.collectives))
       for c in m.collectives:
         flag = "  <- WHOLE SEQUENCE gathered" if c.whole_sequence else ""
-        lines.append(f"    {c.op:<20} x{c.count:<3} {' '.join(c.shapes)[:70]:<70}"
-                     f" {_mib(c.bytes)} each{flag}")
+        lines.append(f"    {c.op:<18} x{c.count:<4} {' '.join(c.shapes)[:width]:<{width}}"
+                     f"  {_mib(c.bytes)} each{flag}")
     else:
       lines.append("  collectives: none")
     if m.kernels:
-      lines.append(f"  kernels ({len(m.kernels)}):")
-      for k in m.kernels:
+      groups: dict[Kernel, int] = {}
+      for k in m.kernels:  # identical launches (a ring's steps) once, with their count
+        groups[k] = groups.get(k, 0) + 1
+      lines.append(f"  kernels ({len(m.kernels)} launches in the program):")
+      for k, times in groups.items():
         parts = []
         if k.grid is not None:
           parts.append(f"grid {list(k.grid)}")
@@ -204,7 +208,8 @@ def _report(p: Plan) -> str:
         if k.spill_stores is not None:
           parts.append(f"spills {k.spill_stores} B stored / {k.spill_loads} B loaded,"
                        f" stack {k.stack_frame} B")
-        lines.append(f"    {k.kind:<16} {k.name:<24} {', '.join(parts)}")
+        count = f"x{times}"
+        lines.append(f"    {k.kind:<16} {k.name:<24} {count:<4} {', '.join(parts)}".rstrip())
     else:
       lines.append("  kernels: none (no Pallas / Mosaic custom call in the program)")
     if m.resources_note:
@@ -607,7 +612,8 @@ def _compile_mode(mode, q, kv, seg, kw, platform, target, n, seq_len, seq_sharde
             " when unset; python -m flashvjp plan sets them), and"
             " only for kernels not compiled before in this process")
   elif platform == "tpu" and kernels:
-    note = "libtpu reports no per-kernel resources (VMEM, registers) in a deviceless compile"
+    note = ("no per-kernel resources (VMEM, registers) for TPU kernels: none found in libtpu's"
+            " deviceless compile")
   return ModePlan(mode=mode, decision=decision, compile_seconds=seconds,
                   argument_bytes=int(mem.argument_size_in_bytes),
                   output_bytes=int(mem.output_size_in_bytes),
