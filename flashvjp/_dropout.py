@@ -72,11 +72,26 @@ def threshold(rate: float) -> int:
 
 def random_bits(seed0, seed1, b, h, q_pos, kv_pos):
   """uint32 bits for the given (broadcasting) int coordinates."""
+  cq, cq2 = row_words(seed0, seed1, b, h, q_pos)
+  return bits_from_row(cq, cq2, kv_pos)
+
+
+def row_words(seed0, seed1, b, h, q_pos):
+  """The two uint32 words of `random_bits` that depend on (seed, b, h, q_pos) only.
+
+  A kernel may compute them per query row outside (O(B H Sq)) and finish each entry with
+  `bits_from_row`: the same bits as `random_bits`.
+  """
   c = _fmix(seed0.astype(_U32) ^ _fmix(seed1.astype(_U32) + _U32(0x9E3779B9)))
   c = _fmix(c ^ (jnp.asarray(b).astype(_U32) * _U32(0x27D4EB2F)))
   c = _fmix(c + jnp.asarray(h).astype(_U32) * _U32(0x165667B1))
   cq = _fmix(c ^ (jnp.asarray(q_pos).astype(_U32) * _U32(0x9E3779B1)))
   cq2 = _fmix(cq + _U32(0x7FEB352D))
+  return cq, cq2
+
+
+def bits_from_row(cq, cq2, kv_pos):
+  """`random_bits` from a row's `row_words` and the kv positions (broadcasting)."""
   x = _fmix((jnp.asarray(kv_pos).astype(_U32) * _U32(0x85EBCA77)) ^ cq)
   return _fmix(x + cq2)
 

@@ -19,8 +19,17 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+
+
+def _installed(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:  # the parent package (jax_plugins) is absent
+    return False
+
+
+HAS_CUDA_PLUGIN = _installed("jax_plugins.xla_cuda12")
+HAS_LIBTPU = _installed("libtpu")
 
 needs_cuda = pytest.mark.skipif(
     not HAS_CUDA_PLUGIN, reason="needs XLA's GPU compiler: pip install 'flashvjp[aot-gpu]'")

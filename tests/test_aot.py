@@ -71,9 +71,7 @@ def test_target_inside_jit_is_the_jit_inputs_mesh():
 
   q, k, v = _shapes(_cpu_mesh(2))
   jax.jit(f).lower(q, k, v)
-  if jax.__version_info__ < (0, 11):  # pragma: no cover - a tracer's type has no mesh there
-    assert seen[0].source == _target.SOURCES[2]
-    return
+  # jax 0.10.2-0.12: the tracer's type carries the mesh of the jit's input shardings
   assert seen[0].num_devices == 2 and seen[0].source == _target.SOURCES[0]
 
 
@@ -233,3 +231,26 @@ def test_h100x8_sequence_sharded_runs_the_strategy(feature, strategy):
   # the strategy that ran, read from the program: the ring permutes, Ulysses all-to-alls
   permutes, all_to_alls = _aot.count(hlo, "collective-permute"), _aot.count(hlo, "all-to-all")
   assert (permutes > 0) if strategy == "ring" else (all_to_alls > 0 and permutes == 0)
+
+
+# Per-device temp of the 8 x H100 program at S = 64k against the ideal share (1/8) of the
+# one-device program's temp (H=16, Hkv=8, D=128, bf16, causal, jit(value_and_grad)), as XLA's
+# GPU compiler reports it (memory_analysis). Measured 2026-12-04, jax 0.12.0.1: Ulysses 1.51x,
+# ring 3.26x (3.39x before the ring's branches kept their outputs in bf16). The goal, 1.25x,
+# is not met: Ulysses holds the all-to-all'd q / k / v / out / dO of the backward (arguments,
+# not temporaries, in the one-device program), the ring its float32 dQ / dK / dV accumulators
+# (twice at each step's optimization barrier). These bounds are the measured values with a
+# margin: a regression guard, not the goal.
+TEMP_BOUNDS = {"ulysses": 1.6, "ring": 3.6}
+
+
+@_aot.needs_cuda
+def test_h100x8_per_device_temp_against_the_one_device_share():
+  shape = (1, 16, 8, 65536, 128)
+  _, one = _compile(_aot.gpu_mesh("h100", 1), "causal", "grad", jnp.bfloat16, shape=shape)
+  share = one.memory_analysis().temp_size_in_bytes / 8
+  for strategy, bound in TEMP_BOUNDS.items():
+    _, c = _compile(_aot.gpu_mesh("h100", 8), "causal", "grad", jnp.bfloat16, spec=SEQ,
+                    shape=shape, context_parallel=strategy)
+    ratio = c.memory_analysis().temp_size_in_bytes / share
+    assert 1.0 <= ratio <= bound, (strategy, ratio)

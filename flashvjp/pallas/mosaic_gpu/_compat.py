@@ -42,3 +42,102 @@ def plgpu():
 def interpret_params(detect_races: bool = True):
   """`plgpu.InterpretGPUParams` for CPU runs (simulated SMEM, TMA, barriers, wgmma)."""
   return plgpu().InterpretGPUParams(detect_races=detect_races)
+
+
+# ---- Pallas / Mosaic-GPU spellings the kernels use (jax 0.11.2-0.12) ----------------------
+
+def ds(start, size):
+  """`pl.ds`: a dynamic slice of `size` rows from `start`."""
+  from jax.experimental import pallas as pl
+  return pl.ds(start, size)
+
+
+def when(cond):
+  """`pl.when` (a decorator: run the body where `cond` holds)."""
+  from jax.experimental import pallas as pl
+  return pl.when(cond)
+
+
+def run_scoped(fn, *types, collective_axes=None):
+  """`pl.run_scoped`: allocate `types`, call fn(*refs); `collective_axes` names the thread
+  axis whose warpgroups share the allocation (SMEM tiles and barriers of a CTA)."""
+  from jax.experimental import pallas as pl
+  if collective_axes is None:
+    return pl.run_scoped(fn, *types)
+  return pl.run_scoped(fn, *types, collective_axes=collective_axes)
+
+
+def smem_tile(shape, dtype):
+  """An SMEM buffer of 16-bit [..., rows, 64k] tiles in the wgmma operand layout: (8, 64)
+  tiling and the 128-byte swizzle (a 16-bit row of 64 elements is 128 bytes)."""
+  mg = plgpu()
+  return mg.SMEM(shape, dtype, transforms=(mg.TilingTransform((8, 64)),
+                                           mg.SwizzleTransform(128)))
+
+
+def wgmma_tile(x):
+  """A [rows, cols] register value in the wgmma accumulator layout."""
+  mg = plgpu()
+  return mg.layout_cast(x, mg.Layout.WGMMA)
+
+
+def wgmma_row_vector(x):
+  """A [rows] register value in the layout of a wgmma tile reduced over its columns."""
+  mg = plgpu()
+  return mg.layout_cast(x, mg.Layout.WGMMA.reduce(1))
+
+
+def wgmma_layout():
+  """The wgmma accumulator layout (of a [rows, cols] register tile)."""
+  return plgpu().Layout.WGMMA
+
+
+def wgmma_row_layout():
+  """The layout of a per-row vector of a wgmma tile (the tile reduced over its columns)."""
+  return plgpu().Layout.WGMMA.reduce(1)
+
+
+def wgmma_col_layout():
+  """The layout of a per-column vector of a wgmma tile (the tile reduced over its rows)."""
+  return plgpu().Layout.WGMMA.reduce(0)
+
+
+def wgmma_iota(shape, dim):
+  """int32 iota along `dim` of a [rows, cols] tile in the wgmma accumulator layout."""
+  mg = plgpu()
+  import jax.numpy as jnp
+  return mg.broadcasted_iota(jnp.int32, shape, dim, layout=mg.Layout.WGMMA)
+
+
+# ---- backward kernels (flashvjp/pallas/mosaic_gpu/backward.py) ------------------------
+
+def mma_transforms(dtype, minor: int):
+  """SMEM transforms of a wgmma operand tile of `dtype` whose last dim has `minor` elements:
+  (8, swizzle bytes) tiles and the largest swizzle (32, 64 or 128 bytes) the row fills."""
+  import numpy as np
+  pg = plgpu()
+  swizzle = min(128, minor * np.dtype(dtype).itemsize)
+  return (pg.TilingTransform((8, swizzle // np.dtype(dtype).itemsize)),
+          pg.SwizzleTransform(swizzle))
+
+
+def layouts():
+  """(WGMMA, its row vector layout, its column vector layout): the register layouts of a
+  wgmma accumulator tile and of a per-row / per-column vector broadcast against it."""
+  wgmma = plgpu().Layout.WGMMA
+  return wgmma, wgmma.reduce(1), wgmma.reduce(0)
+
+
+def _gpu_callbacks():
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  return gpu_callbacks
+
+
+def interpret_races_found() -> bool:
+  """Whether the GPU interpreter's race detector has reported a race since its last reset."""
+  return bool(_gpu_callbacks().get_races().races_found)
+
+
+def reset_interpret_state() -> None:
+  """Reset the GPU interpreter's global state (needed after a kernel raised inside it)."""
+  _gpu_callbacks().reset_gpu_interpret_mode_state()

@@ -1,0 +1,91 @@
+"""What the Pallas Mosaic-GPU kernels can run, encoded once.
+
+Room: Pallas Mosaic-GPU limits. `supports(...)` answers before tracing (a value (ok,
+reason), never a caught exception) and `forward_problem(...)` refuses, at the forward's
+entry, every operand the kernel does not implement yet, so nothing falls back silently.
+
+Forward now: float16 / bfloat16 inputs (compiled and interpret mode alike: the kernel
+runs 16-bit wgmma), head dims up to 256 (zero-padded to a multiple of 64), GQA / MQA,
+causal, window, segment ids, dropout, bias, dense masks, global offsets (ring chunk
+pairs), any sequence lengths (padded to whole blocks). Not yet: score_mod, mask_mod, a
+float32 out (a traced scale), float32 / float64 inputs. (`supports` answers for the
+family: it refuses dropout until the backward kernels have it.)
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from flashvjp.pallas.mosaic_gpu import _compat
+
+MAX_HEAD_DIM = 256
+DTYPES = (jnp.float16, jnp.bfloat16)
+# Hopper's per-block SMEM (227 KiB) less a margin for barriers and alignment.
+SMEM_BUDGET = 220 * 1024
+_COMPILED_PLATFORMS = ("gpu", "cuda")
+
+
+def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
+             has_score_mod=False, has_dropout=False, score_mod=None, score_mod_consts=(),
+             mask_mod=None, mask_mod_consts=()):
+  """Can the Mosaic-GPU kernels run this input? (ok, reason); reason says why (not).
+
+  Same arguments as `flashvjp.pallas.triton._limits.supports`. Compiled (interpret=False)
+  runs on CUDA GPUs (sm_90a); interpret mode on any platform.
+  """
+  del key_shape, score_mod, score_mod_consts, mask_mod_consts
+  missing = _compat.unavailable()
+  if missing is not None:
+    return False, missing
+  D, Dv = query_shape[-1], value_shape[-1]
+  if max(D, Dv) > MAX_HEAD_DIM:
+    return False, (f"head_dim {D} / head_dim_v {Dv}: the Mosaic-GPU kernels support head"
+                   f" dims up to {MAX_HEAD_DIM}")
+  dt = jnp.dtype(dtype)
+  if not any(dt == jnp.dtype(d) for d in DTYPES):
+    return False, (f"dtype {dt.name}: the Mosaic-GPU kernels support float16 and bfloat16"
+                   " (16-bit wgmma)")
+  if has_score_mod:
+    return False, "score_mod: not implemented in the Mosaic-GPU kernels yet"
+  if mask_mod is not None:
+    return False, "mask_mod: not implemented in the Mosaic-GPU kernels yet"
+  if has_dropout:
+    return False, ("dropout: not implemented in all the Mosaic-GPU kernels yet (the forward"
+                   " has it)")
+  if interpret:
+    return True, f"Mosaic-GPU kernels in interpret mode on {platform!r}"
+  if platform not in _COMPILED_PLATFORMS:
+    return False, (f"the compiled Mosaic-GPU kernels need a CUDA GPU (sm_90a), not"
+                   f" {platform!r}; use interpret=True")
+  return True, f"Pallas Mosaic-GPU kernels, {dt.name}, head_dim {D}"
+
+
+def forward_problem(cfg, q, k, v, *, bias=None, mask=None, q_seg=None, kv_seg=None, seed=None,
+                    consts=(), mod=None, offsets=None):
+  """Why the forward kernel cannot run this call (a sentence), or None when it can."""
+  missing = _compat.unavailable()
+  if missing is not None:
+    return missing
+  if (q_seg is None) != (kv_seg is None):
+    return "segment ids must be given for both queries and keys (or neither)"
+  if cfg.dropout_active and seed is None:
+    return "dropout needs a seed"
+  if offsets is not None and len(tuple(offsets)) != 4:
+    return f"offsets must be (b0, h0, q0, kv0), got {offsets!r}"
+  feats = [("score_mod", cfg.score_mod is not None or bool(tuple(consts or ()))),
+           ("mask_mod", cfg.mask_mod is not None or mod is not None),
+           ("a float32 out (traced scale)", cfg.out_f32)]
+  used = [name for name, on in feats if on]
+  if used:
+    return f"{', '.join(used)}: not implemented in the Mosaic-GPU kernels yet"
+  dts = {jnp.dtype(x.dtype) for x in (q, k, v)}
+  if len(dts) != 1:
+    return f"q, k, v must share one dtype, got {sorted(d.name for d in dts)}"
+  dt = dts.pop()
+  if not any(dt == jnp.dtype(d) for d in DTYPES):
+    return f"dtype {dt.name}: the Mosaic-GPU kernels support float16 and bfloat16"
+  D, Dv = q.shape[-1], v.shape[-1]
+  if max(D, Dv) > MAX_HEAD_DIM:
+    return f"head_dim {D} / head_dim_v {Dv} above {MAX_HEAD_DIM}"
+  if q.shape[1] % k.shape[1]:
+    return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads"
+  return None

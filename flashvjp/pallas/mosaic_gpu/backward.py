@@ -1,0 +1,817 @@
+"""Pallas Mosaic-GPU backward (Hopper, sm_90a): a dK/dV kernel and a dQ kernel.
+
+Room: Pallas Mosaic-GPU backend (backward). Probabilities are recomputed from the saved
+logsumexp in the exp2 domain; nothing O(seq_q * seq_kv) is kept or written; no atomics:
+every output block is written by exactly one program (bitwise deterministic).
+
+Both kernels run two warpgroups per program (`plgpu.kernel`, num_threads=2):
+
+* warpgroup 0 computes. It loads its program's resident tiles itself (TMA, one barrier
+  each) and then consumes a ring of `_STAGES` SMEM slots; every matmul is an SS-wgmma
+  (both operands in SMEM: P and dS are stored to SMEM, fenced with `commit_smem`, then fed
+  to the tensor cores), so the interpreter runs the kernels as they are (no register-operand
+  wgmma, no `pl.run_state`). The dK / dV / dQ accumulators are wgmma accumulator refs
+  (`plgpu.ACC`) that live across the whole loop.
+* warpgroup 1 produces: it streams the loop's tiles into the ring by TMA, one "loaded"
+  barrier per buffer and slot, and waits on the slot's "free" barrier (arrived at by the
+  consumer once its wgmmas on that slot completed) before refilling it.
+
+dK/dV kernel: grid (batch, kv head, kv block); loops over the G query heads of the group
+and, for each, over the q blocks that see this kv block (`MaskSpec.q_block_range`), so GQA
+gradients are summed in-kernel without repeating K/V. Ring: Q, dO, lse, delta of one q
+block (and its segment ids, dropout words, mask tile). Tiles are transposed ([bk, bq]:
+sT = K Q^T, dPT = V dO^T, dV += PT dO, dK += dST Q). The lse / delta (segment, dropout,
+mask) slots are read with generic loads: the consumer fences (`commit_smem`) before it
+frees the slot, or the producer's TMA refill would race those reads (the race of JAX's own
+dkv kernel; the dQ kernel fences its kv-side slots the same way).
+
+dQ kernel: grid (batch, head, q block); loops over the kv blocks of q block i
+(`MaskSpec.kv_block_range`). Ring: K, V of one kv block (and its segment ids, mask tile).
+
+Causal / window / sequence padding: whole blocks outside the mask model's static bounds are
+never visited; the elementwise mask runs only on the blocks outside
+`full_q_block_range` / `full_kv_block_range` (three loops: masked, unmasked, masked).
+
+Segment ids: the q block's ids travel with it (ring slot or resident SMEM, 1-D TMA), and
+every block inside the static bounds is visited with the elementwise mask (no block
+skipping by segment yet: packed documents cost like their causal / window bounds).
+
+Dense mask and bias: tiles streamed with the loop ([bq, bk] for dQ; [bk, bq] tiles of a
+transposed copy, made by XLA, for dK/dV), read generically into the wgmma layout; int8 for
+the mask, float32 for the bias. Every visited block of a masked call is masked
+elementwise, none skipped by the mask's content yet. Broadcast seq dims are materialised
+([.., Sq, Skv]), broadcast batch / head dims are not. dbias: the dQ kernel writes each
+visited tile's score gradient (float32, SMEM then TMA) into a [B, H, Sq, Skv]
+intermediate; XLA zeroes the never-visited blocks and sums the bias' broadcast dims
+(`_reduce_dbias`): O(B H Sq Skv) memory, unlike the Triton family's dbias kernel.
+
+Dropout: the counter hash of `flashvjp._dropout` (the same keep bits as every other
+implementation), split where its inputs split: the per-(b, h, q) words are computed by XLA
+and travel like lse; the kernels finish the hash per element (`_keep`).
+
+score_mod: split by `C.split_per_head` as in the Triton family; its per-(b, h) residuals
+must be scalars (softcap, ALiBi slopes) and travel as per-row words like lse, with the
+global q index and the kv offset; the tile part and its vjp run per tile in the kernels.
+Differentiable score_mod consts are refused. mask_mod: likewise (`C.split_mask_mod`), its
+tile part evaluated at clamped global positions on every visited block; its block classes
+are not read (no block skipped by the mask_mod yet).
+
+Blocks: block_kv = 64 (one wgmma M tile per compute warpgroup), block_q = 64 for dQ and
+for dK/dV up to head dim 64 without a score_mod, 32 otherwise (`_dkdv_block_q`:
+registers). The caller's cfg.blocks are not read yet. sm_90a ptxas (tests): 0 spills for
+every feature alone and for segment ids + dropout + mask + bias + offsets at head dim 128;
+a score_mod together with dropout at head dim 128 spills (dK/dV 80 B, dQ 48 B with a bias).
+
+Supported: bfloat16 / float16 inputs (float32 accumulation), head dims <= 128 (padded with
+zeros to a multiple of 64), GQA / MQA, causal, window, segment ids, a dense mask, a bias
+and dbias, dropout, any sequence lengths (padded to whole 64-blocks), a cotangent on lse
+(folded into delta), global offsets (a ring chunk pair: dropout and the score_mod read
+them), a score_mod and a mask_mod with scalar per-head residuals. Not yet: differentiable
+score_mod consts, per-head array residuals; `backward` refuses them by name before any
+kernel runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from flashvjp import _dropout
+from flashvjp import _mask
+from flashvjp._config import AttentionConfig
+from flashvjp.pallas import _common as C
+from flashvjp.pallas.mosaic_gpu import _compat
+
+LOG2E = math.log2(math.e)
+_STAGES = 2  # ring slots of the streamed operands
+_BLOCK = 64  # block_q = block_kv: one wgmma M tile per compute warpgroup
+_MAX_HEAD_DIM = 128
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+# Test-only fault injection (tests/test_pallas_mosaic_gpu_backward.py): a name from
+# _MUTATIONS removes one synchronisation step so the interpreter's race detector can be
+# shown to catch it. Read when the kernels are traced; never set outside tests.
+_MUTATIONS = ("skip_loaded_wait", "skip_free_wait", "skip_lse_fence", "skip_dbias_wait")
+_TEST_MUTATION: str | None = None
+_DETECT_RACES = True  # interpret mode: race detection on (the tests assert none)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geo:
+  """Static sizes of one backward launch (sequences padded to whole blocks)."""
+
+  B: int
+  H: int
+  Hkv: int
+  Sq: int
+  Skv: int
+  Dp: int
+  Dvp: int
+  bq: int = _BLOCK
+  bk: int = _BLOCK
+
+  @property
+  def G(self) -> int:
+    return self.H // self.Hkv
+
+  @property
+  def nq(self) -> int:
+    return -(-self.Sq // self.bq)
+
+  @property
+  def nk(self) -> int:
+    return -(-self.Skv // self.bk)
+
+  @property
+  def Sqp(self) -> int:
+    return self.nq * self.bq
+
+  @property
+  def Skvp(self) -> int:
+    return self.nk * self.bk
+
+
+def _pad_head(d: int) -> int:
+  return -(-d // 64) * 64
+
+
+def _dkdv_block_q(g: _Geo, cfg) -> int:
+  """The dK/dV kernel's q block. Its tiles are [bk, bq] (bq is the wgmma N dim, so 32 is
+  legal; the kernel's SMEM tiles then share a 64-byte swizzle). Above head dim 64 the dK
+  and dV accumulators alone take 128 registers a thread: 64 spilled (180 B at head dim 128
+  with segment ids and dropout, sm_90a ptxas), 32 does not (the Triton family's launch
+  table makes the same choice); so does a score_mod (its vjp's tiles: 16 B spilled at head
+  dim 64 with a bias). Speed not measured (no GPU here). The operands stay padded to
+  64-blocks (the dQ kernel's)."""
+  return 32 if max(g.Dp, g.Dvp) > 64 or cfg.score_mod is not None else 64
+
+
+def _i32(x):
+  """A scalar as int32 (with jax_enable_x64 a Python int would make int64 indices)."""
+  return jnp.asarray(x, jnp.int32)
+
+
+def _mutated(name: str) -> bool:
+  return _TEST_MUTATION == name
+
+
+def _preprocess(out, lse, dout, dlse, g: _Geo):
+  """(lse2, delta), float32 [B, H, Sqp]: lse in the log2 domain and rowsum(dO * O) - dlse.
+
+  Empty (lse = -inf) and padded rows get the largest finite float32 as lse2, so that
+  exp2(s2 - lse2) == 0 there (zero, finite gradients); padded rows get delta 0.
+  """
+  f32 = jnp.float32
+  delta = jnp.sum(dout.astype(f32) * out.astype(f32), axis=-1)
+  if dlse is not None:
+    delta = delta - dlse.astype(f32)
+  big = jnp.finfo(f32).max
+  lse2 = jnp.where(jnp.isfinite(lse), lse.astype(f32) * f32(LOG2E), big)
+  pad = ((0, 0), (0, 0), (0, g.Sqp - g.Sq))
+  return jnp.pad(lse2, pad, constant_values=big), jnp.pad(delta, pad)
+
+
+def _dropout_rows(cfg, seed, g: _Geo, off=None):
+  """(cq, cq2), uint32 [B, H, Sqp]: the per-(b, h, q) part of `_dropout.random_bits`.
+
+  The counter hash is split where its inputs split: everything before the kv position is
+  a function of (seed, b, h, q) and is computed here, by XLA, once per row; the kernels
+  finish it per element (`_keep`): bits = fmix(fmix(kv * K ^ cq) + cq2). The same bits as
+  `_dropout.keep` (tests/test_pallas_mosaic_gpu_backward.py checks the split). `off`: None
+  or the int32 [4] global (b0, h0, q0, kv0) of local element 0 (`C.offset_operand`): the
+  words are those of the global (b, h, q); kv0 is added in the kernel (`_keep`).
+  """
+  u32 = jnp.uint32
+  fmix = _dropout._fmix
+  b = jnp.arange(g.B, dtype=jnp.int32)[:, None, None]
+  h = jnp.arange(g.H, dtype=jnp.int32)[None, :, None]
+  q = jnp.arange(g.Sqp, dtype=jnp.int32)[None, None, :]
+  if off is not None:
+    b, h, q = b + off[0], h + off[1], q + off[2]
+  b, h = _dropout.hash_coords(cfg.dropout_broadcast, b, h)
+  seed = jnp.asarray(seed).astype(u32)
+  c = fmix(seed[0] ^ fmix(seed[1] + u32(0x9E3779B9)))
+  c = fmix(c ^ (jnp.asarray(b).astype(u32) * u32(0x27D4EB2F)))
+  c = fmix(c + jnp.asarray(h).astype(u32) * u32(0x165667B1))
+  cq = fmix(c ^ (q.astype(u32) * u32(0x9E3779B1)))
+  cq2 = fmix(cq + u32(0x7FEB352D))
+  shape = (g.B, g.H, g.Sqp)
+  return jnp.broadcast_to(cq, shape), jnp.broadcast_to(cq2, shape)
+
+
+def _keep(cfg, kv_idx, cq, cq2, kv0=None):
+  """float32 dropout multiplier of a tile: 1 / (1 - rate) where kept, 0 where dropped.
+  `kv0`: None, or the global kv offset (int32, broadcast to the tile)."""
+  u32 = jnp.uint32
+  fmix = _dropout._fmix
+  if kv0 is not None:
+    kv_idx = kv_idx + kv0
+  kv = lax.bitcast_convert_type(kv_idx, u32)  # positions are >= 0
+  bits = fmix(fmix((kv * u32(0x85EBCA77)) ^ cq) + cq2)
+  keep = bits >= u32(_dropout.threshold(cfg.dropout_rate))
+  return jnp.where(keep, jnp.float32(1.0 / (1.0 - cfg.dropout_rate)), jnp.float32(0.0))
+
+
+def _smem(shape, dtype, minor):
+  """A wgmma operand tile in SMEM, swizzled for rows of `minor` elements: every operand of
+  one wgmma must share its swizzle, so a kernel uses one for all its tiles (the narrowest
+  tile's)."""
+  return _compat.plgpu().SMEM(shape, dtype, transforms=_compat.mma_transforms(dtype, minor))
+
+
+def _visit(run, lo, hi, full, masked_any):
+  """`run(start, stop, masked)` over [lo, hi): unmasked inside `full`, masked outside
+  (`full` None: every block masked)."""
+  if not masked_any:
+    run(lo, hi, False)
+    return
+  if full is None:
+    run(lo, hi, True)
+    return
+  f_lo = jnp.clip(full[0], lo, hi)
+  f_hi = jnp.clip(full[1], f_lo, hi)
+  run(lo, f_lo, True)
+  run(f_lo, f_hi, False)
+  run(f_hi, hi, True)
+
+
+def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
+  """(p, ok, m, sm_vjp) of one tile from raw scores s = q k (any orientation; lse2, the
+  indices and the per-row / per-column vectors `v` (segment ids, dropout and score_mod
+  words) already broadcast to the tile): the probabilities, the mask (None when not
+  `masked`), the dropout multiplier (None without dropout) and the score_mod's vjp (None
+  without one: d(modded score) -> d(score before the mod))."""
+  f32 = jnp.float32
+  ok = None
+  if masked:
+    ok = C.mask_spec(cfg).allowed(q_idx, kv_idx, q_seg=v.get("q_seg"), kv_seg=v.get("kv_seg"),
+                                  dense=v.get("dense"))
+    if cfg.mask_mod is not None:
+      # The tile part of `C.split_mask_mod` at positions clamped into the real sequences,
+      # made global (as `C.mask_mod_allowed`); (b, h) are folded into its residuals.
+      mres = tuple(v[f"mres{n}"] for n in range(_num_res(v, "mres")))
+      kv_m = jnp.minimum(kv_idx, cfg.seq_kv - 1) + v["kv0"]
+      allowed = jnp.vectorize(lambda q_, k_, *r: cfg.mask_mod(0, 0, q_, k_, *r))
+      ok = ok & allowed(v["qm"], kv_m, *mres)
+  sm_vjp = None
+  if cfg.score_mod is None:
+    d = s * f32(cfg.scale * LOG2E) - lse2
+    if "bias" in v:
+      d = d + v["bias"] * f32(LOG2E)
+  else:
+    # As the other kernels (`C.scores`): masked q k set to 0 first (finite, whatever a
+    # padded K holds), score = scale * q k + bias, then the mod at global positions.
+    st = C.masked_scores_for_mod(cfg, s, ok) * f32(cfg.scale)
+    if "bias" in v:
+      st = st + v["bias"]
+    res = tuple(v[f"res{n}"] for n in range(_num_res(v, "res")))
+    kv_g = kv_idx + v["kv0"]
+    # The tile part of `C.split_per_head`: (b, h) are folded into its residuals (it ignores
+    # its b, h arguments), which arrive as tiles (one word per row, broadcast) and are
+    # vectorised over like the indices.
+    mod = jnp.vectorize(lambda x, q_, k_, *r: cfg.score_mod(x, 0, 0, q_, k_, *r))
+    st, sm_vjp = jax.vjp(lambda x: mod(x, v["qg"], kv_g, *res), st)
+    d = st * f32(LOG2E) - lse2
+  if ok is not None:
+    d = jnp.where(ok, d, C.mask_value(f32))
+  m = _keep(cfg, kv_idx, v["cq"], v["cq2"], v.get("kv0")) if cfg.dropout_active else None
+  return jnp.exp2(d), ok, m, sm_vjp
+
+
+def _num_res(v, prefix) -> int:
+  return sum(1 for name in v if name.startswith(prefix) and name[len(prefix):].isdigit())
+
+
+def _dscores(p, dp, delta, ok, m, sm_vjp):
+  """dL/d(score) of one tile (score = scale * q k + bias, before any score_mod: multiply by
+  the scale for dL/d(q k)) from `_probs` and dp = dO v."""
+  f32 = jnp.float32
+  if m is not None:
+    dp = dp * m
+  ds = p * (dp - delta)
+  if ok is not None:
+    # A select, not p * (...): a masked entry contributes exactly nothing.
+    ds = jnp.where(ok, ds, f32(0.0))
+  if sm_vjp is not None:
+    (ds,) = sm_vjp(ds)
+  return ds
+
+
+def _mm_t(shape, a, b):
+  """a @ b^T on the tensor cores (SS-wgmma, both operands in SMEM), read back: [M, N]."""
+  plgpu = _compat.plgpu()
+
+  def body(acc):
+    plgpu.wgmma(acc, a, b.T)
+    return acc[...]
+
+  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def _wait_loaded(loaded, slot):
+  plgpu = _compat.plgpu()
+  for n_bar, bar in enumerate(loaded):
+    if n_bar == 0 and _mutated("skip_loaded_wait"):
+      continue
+    plgpu.barrier_wait(bar.at[slot])
+
+
+def _produce(total, fill, free):
+  """The producer warpgroup's loop: step t's operands into slot t % _STAGES (`fill(t, slot)`
+  issues the TMA copies), once the consumer freed the slot's previous step."""
+  plgpu = _compat.plgpu()
+
+  def body(t, carry):
+    slot = lax.rem(t, _i32(_STAGES))
+    if not _mutated("skip_free_wait"):
+      @pl.when(t >= _STAGES)
+      def _wait_free():
+        plgpu.barrier_wait(free.at[slot])
+    fill(t, slot)
+    return carry
+
+  lax.fori_loop(_i32(0), total, body, None)
+
+
+def _block(ref, b, h, sl):
+  """The TMA source of one block of a [B, H, S, D], [B, H, S] or [B, S] operand."""
+  if len(ref.shape) == 4:
+    return ref.at[b, h, sl, :]
+  if len(ref.shape) == 3:
+    return ref.at[b, h, sl]
+  return ref.at[b, sl]
+
+
+# Operands with both seq dims ([B|1, H|1, Sqp, Skvp]): a tile depends on both blocks, so it
+# always streams with the loop; the dK/dV kernel reads the transposed copy ("...T": its
+# [bk, bq] tiles).
+_PAIRS = ("bias", "mask")
+
+
+def _operands(kind, arrays):
+  """(ring, resident) operand names of a kernel ("dkdv" or "dq"), in their SMEM order."""
+  q_side = ["q", "do", "lse", "delta"] + [n for n in arrays if _is_q_vector(n)]
+  kv_side = ["k", "v"] + ["kv_seg"] * ("kv_seg" in arrays)
+  pairs = [p + ("T" if kind == "dkdv" else "") for p in _PAIRS if p in arrays]
+  if kind == "dkdv":
+    return q_side + pairs, kv_side
+  return kv_side + pairs, q_side
+
+
+def _scratch(kind, arrays, ring, resident, g: _Geo):
+  """SMEM (rings [_STAGES, ...] then resident buffers, then P / dS tiles) and barriers."""
+  plgpu = _compat.plgpu()
+  rows = {"dkdv": (g.bq, g.bk), "dq": (g.bk, g.bq)}[kind]  # (ring block, resident block)
+  minor = min(g.bq, g.bk, g.Dp, g.Dvp)
+  tile = (g.bk, g.bq) if kind == "dkdv" else (g.bq, g.bk)
+
+  def buf(name, block, stages=()):
+    x = arrays[name]
+    if name.rstrip("T") in _PAIRS:  # a tile in the kernel's orientation, read generically
+      return plgpu.SMEM(stages + tile, x.dtype)
+    if x.ndim == 4:
+      return _smem(stages + (block, x.shape[3]), x.dtype, minor)
+    return plgpu.SMEM(stages + (block,), x.dtype)
+
+  dt = arrays["q"].dtype
+  tiles = 2 if kind == "dkdv" else 1  # P and dS ([bk, bq]), or dS ([bq, bk])
+  tile_bufs = tuple(_smem(tile, dt, minor) for _ in range(tiles))
+  if kind == "dq" and "bias" in arrays:  # dS in float32 on its way to the dbias output
+    tile_bufs += (plgpu.SMEM(tile, jnp.float32),)
+  smem = (tuple(buf(n, rows[0], (_STAGES,)) for n in ring),
+          tuple(buf(n, rows[1]) for n in resident), tile_bufs)
+  return (smem, tuple(plgpu.Barrier(num_barriers=_STAGES) for _ in ring),
+          plgpu.Barrier(num_barriers=_STAGES), plgpu.Barrier(num_barriers=len(resident)))
+
+
+def _load_resident(srcs, dsts, bars):
+  plgpu = _compat.plgpu()
+  for n_bar, (src, dst) in enumerate(zip(srcs, dsts)):
+    plgpu.copy_gmem_to_smem(src, dst, bars.at[n_bar])
+  for n_bar in range(len(srcs)):
+    plgpu.barrier_wait(bars.at[n_bar])
+
+
+def _pair_tile(ref, b, h, rows, cols):
+  """The TMA source of one tile of a [B|1, H|1, S1, S2] operand (mask, bias)."""
+  return ref.at[b if ref.shape[0] != 1 else 0, h if ref.shape[1] != 1 else 0, rows, cols]
+
+
+def _load_mask(ref):
+  """bool tile of an int8 mask tile in SMEM, in the wgmma accumulator's layout (a generic
+  load: the tile is not swizzled, so not the optimized path)."""
+  wgmma_layout, _, _ = _compat.layouts()
+  return _compat.plgpu().load(ref, layout=wgmma_layout, optimized=False) != 0
+
+
+# Per-q vectors broadcast to a tile (loaded from SMEM with the wgmma layout's row / column
+# vector layout); the kv ones ("kv_seg") are per kv position.
+_Q_VECTORS = ("q_seg", "cq", "cq2", "kv0", "qg", "qm")
+
+
+def _is_q_vector(name: str) -> bool:
+  """A per-q word travelling like lse: segment ids, dropout words, the score_mod's global
+  q index and per-head residuals ("res<n>"), the mask_mod's ("qm", "mres<n>")."""
+  return name in _Q_VECTORS or name.startswith(("res", "mres"))
+
+
+# ---- dK / dV ----------------------------------------------------------------------
+
+def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
+  plgpu = _compat.plgpu()
+  wgmma_layout, row, col = _compat.layouts()
+  r = dict(zip(names, refs))
+  dk_ref, dv_ref = refs[len(names):len(names) + 2]
+  (ring_smem, res_smem, (p_smem, ds_smem)), loaded, free, res_bars = refs[len(names) + 2:]
+  rs = dict(zip(ring, ring_smem))
+  res = dict(zip(resident, res_smem))
+  b, hk, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("kv")
+  wg = lax.axis_index("wg")
+  spec = C.mask_spec(cfg)
+  lo, hi = spec.q_block_range(j, g.bq, g.bk, g.nq)
+  lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+  n = hi - lo
+  G = g.G
+  cols = pl.ds(j * g.bk, g.bk)
+
+  @pl.when(wg == 1)
+  def _producer():
+    def fill(t, slot):
+      gi, i = lax.div(t, n), lo + lax.rem(t, n)
+      rows = pl.ds(i * g.bq, g.bq)
+      for name, bar in zip(ring, loaded):
+        if name.rstrip("T") in _PAIRS:
+          src = _pair_tile(r[name], b, hk * G + gi, cols, rows)
+        else:
+          src = _block(r[name], b, hk * G + gi, rows)
+        plgpu.copy_gmem_to_smem(src, rs[name].at[slot], bar.at[slot])
+
+    _produce(G * n, fill, free)
+
+  @pl.when(wg == 0)
+  def _compute():
+    _load_resident([_block(r[x], b, hk, cols) for x in resident],
+                   [res[x] for x in resident], res_bars)
+    k_smem, v_smem = res["k"], res["v"]
+    shape = (g.bk, g.bq)
+    kv_idx = j * g.bk + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
+    q_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
+    per_q = lambda x: lax.broadcast_in_dim(x, shape, [1])
+    vecs = {}
+    if "kv_seg" in res:
+      vecs["kv_seg"] = lax.broadcast_in_dim(plgpu.load(res["kv_seg"], layout=row), shape, [0])
+
+    def scope(dk_acc, dv_acc):
+      def step(t, i, masked):
+        slot = lax.rem(t, _i32(_STAGES))
+        q_s, do_s = rs["q"].at[slot], rs["do"].at[slot]
+        _wait_loaded(loaded, slot)
+        sT = _mm_t(shape, k_smem, q_s)
+        dpT = _mm_t(shape, v_smem, do_s)
+        lse2 = per_q(plgpu.load(rs["lse"].at[slot], layout=col))
+        delta = per_q(plgpu.load(rs["delta"].at[slot], layout=col))
+        v = dict(vecs)
+        for name in rs:
+          if _is_q_vector(name):
+            v[name] = per_q(plgpu.load(rs[name].at[slot], layout=col))
+        if "maskT" in rs:
+          v["dense"] = _load_mask(rs["maskT"].at[slot])
+        if "biasT" in rs:
+          v["bias"] = plgpu.load(rs["biasT"].at[slot], layout=wgmma_layout, optimized=False)
+        pT, ok, m, sm_vjp = _probs(cfg, sT, lse2, i * g.bq + q_iota, kv_idx, masked, v)
+        p_smem[...] = (pT if m is None else pT * m).astype(p_smem.dtype)  # dropped out
+        dsT = _dscores(pT, dpT, delta, ok, m, sm_vjp)
+        ds_smem[...] = (dsT * jnp.float32(cfg.scale)).astype(ds_smem.dtype)
+        if not _mutated("skip_lse_fence"):
+          # Orders this thread's generic SMEM accesses (the lse / delta / per-q vector loads,
+          # the P / dS stores) before the async proxy: the wgmmas below and the producer's
+          # TMA refill of this slot.
+          plgpu.commit_smem()
+        plgpu.wgmma(dv_acc, p_smem, do_s)
+        plgpu.wgmma(dk_acc, ds_smem, q_s)
+        plgpu.wgmma_wait(0)  # the slot's Q / dO are read: hand it back
+        plgpu.barrier_arrive(free.at[slot])
+
+      def group(gi, carry):
+        base = gi * n - lo  # step index t = base + i
+
+        def run(start, stop, masked):
+          def body(i, c):
+            step(base + i, i, masked)
+            return c
+          lax.fori_loop(start, stop, body, None)
+
+        # no FULL blocks by the static bounds alone
+        elementwise = "q_seg" in rs or "maskT" in rs or cfg.mask_mod is not None
+        full = None if elementwise else spec.full_q_block_range(j, g.bq, g.bk, g.nq)
+        _visit(run, lo, hi, full, masked_any)
+        return carry
+
+      lax.fori_loop(_i32(0), _i32(G), group, None)
+      return dk_acc[...], dv_acc[...]
+
+    dk, dv = pl.run_scoped(scope, plgpu.ACC((g.bk, g.Dp), jnp.float32),
+                           plgpu.ACC((g.bk, g.Dvp), jnp.float32))
+    k_smem[...] = dk.astype(k_smem.dtype)
+    v_smem[...] = dv.astype(v_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, hk, cols, :], commit_group=False)
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, hk, cols, :], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+
+# ---- dQ ------------------------------------------------------------------------------
+
+def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
+  plgpu = _compat.plgpu()
+  wgmma_layout, row, col = _compat.layouts()
+  r = dict(zip(names, refs))
+  has_bias = "bias" in r
+  dq_ref = refs[len(names)]
+  dbias_ref = refs[len(names) + 1] if has_bias else None
+  (ring_smem, res_smem, tiles), loaded, free, res_bars = refs[len(names) + 1 + has_bias:]
+  ds_smem = tiles[0]
+  rs = dict(zip(ring, ring_smem))
+  res = dict(zip(resident, res_smem))
+  b, h, i = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
+  wg = lax.axis_index("wg")
+  hk = lax.div(h, _i32(g.G))
+  spec = C.mask_spec(cfg)
+  lo, hi = spec.kv_block_range(i, g.bq, g.bk, g.nk)
+  lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+  rows = pl.ds(i * g.bq, g.bq)
+
+  @pl.when(wg == 1)
+  def _producer():
+    def fill(t, slot):
+      cols = pl.ds((lo + t) * g.bk, g.bk)
+      for name, bar in zip(ring, loaded):
+        if name in _PAIRS:
+          src = _pair_tile(r[name], b, h, rows, cols)
+        else:
+          src = _block(r[name], b, hk, cols)
+        plgpu.copy_gmem_to_smem(src, rs[name].at[slot], bar.at[slot])
+
+    _produce(hi - lo, fill, free)
+
+  @pl.when(wg == 0)
+  def _compute():
+    _load_resident([_block(r[x], b, h, rows) for x in resident],
+                   [res[x] for x in resident], res_bars)
+    q_smem, do_smem = res["q"], res["do"]
+    shape = (g.bq, g.bk)
+    per_q = lambda x: lax.broadcast_in_dim(x, shape, [0])
+    lse2 = per_q(plgpu.load(res["lse"], layout=row))
+    delta = per_q(plgpu.load(res["delta"], layout=row))
+    vecs = {name: per_q(plgpu.load(res[name], layout=row)) for name in res
+            if _is_q_vector(name)}
+    q_idx = i * g.bq + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
+    kv_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
+
+    def scope(dq_acc):
+      def step(j, masked):
+        slot = lax.rem(j - lo, _i32(_STAGES))
+        k_s, v_s = rs["k"].at[slot], rs["v"].at[slot]
+        _wait_loaded(loaded, slot)
+        s = _mm_t(shape, q_smem, k_s)
+        dp = _mm_t(shape, do_smem, v_s)
+        v = dict(vecs)
+        if "kv_seg" in rs:
+          v["kv_seg"] = lax.broadcast_in_dim(plgpu.load(rs["kv_seg"].at[slot], layout=col),
+                                             shape, [1])
+        if "mask" in rs:
+          v["dense"] = _load_mask(rs["mask"].at[slot])
+        if has_bias:
+          v["bias"] = plgpu.load(rs["bias"].at[slot], layout=wgmma_layout, optimized=False)
+        p, ok, m, sm_vjp = _probs(cfg, s, lse2, q_idx, j * g.bk + kv_iota, masked, v)
+        ds = _dscores(p, dp, delta, ok, m, sm_vjp)
+        if has_bias:
+          # dL/d(bias) of this tile: the score gradient itself, out through SMEM by TMA (its
+          # previous tile's store must have read the buffer first).
+          if not _mutated("skip_dbias_wait"):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          tiles[1][...] = ds
+        ds_smem[...] = (ds * jnp.float32(cfg.scale)).astype(ds_smem.dtype)
+        # The dS stores before the wgmma / TMA read them; the kv-side loads (segment ids,
+        # mask, bias) before the producer's TMA refill of this slot.
+        plgpu.commit_smem()
+        if dbias_ref is not None:
+          plgpu.copy_smem_to_gmem(tiles[1], dbias_ref.at[b, h, rows, pl.ds(j * g.bk, g.bk)])
+        plgpu.wgmma(dq_acc, ds_smem, k_s)
+        plgpu.wgmma_wait(0)  # the slot's K / V are read: hand it back
+        plgpu.barrier_arrive(free.at[slot])
+
+      def run(start, stop, masked):
+        def body(j, c):
+          step(j, masked)
+          return c
+        lax.fori_loop(start, stop, body, None)
+
+      # no FULL blocks by the static bounds alone
+      elementwise = "q_seg" in res or "mask" in rs or cfg.mask_mod is not None
+      full = None if elementwise else spec.full_kv_block_range(i, g.bq, g.bk)
+      _visit(run, lo, hi, full, masked_any)
+      return dq_acc[...]
+
+    dq = pl.run_scoped(scope, plgpu.ACC((g.bq, g.Dp), jnp.float32))
+    q_smem[...] = dq.astype(q_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, rows, :])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _launch(kind, cfg, g: _Geo, arrays, masked_any):
+  """Build and run one kernel ("dkdv" or "dq") on the named operand `arrays`."""
+  plgpu = _compat.plgpu()
+  arrays = {n: x for n, x in arrays.items()
+            if n.rstrip("T") not in _PAIRS or n.endswith("T") == (kind == "dkdv")}
+  ring, resident = _operands(kind, {n.rstrip("T"): x for n, x in arrays.items()})
+  names = list(arrays)
+  dt = arrays["q"].dtype
+  out_type: object
+  if kind == "dkdv":
+    body, grid, grid_names = _dkdv_kernel, (g.B, g.Hkv, g.nk), ("b", "h", "kv")
+    out_type = (jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), dt),
+                jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), dt))
+  else:
+    body, grid, grid_names = _dq_kernel, (g.B, g.H, g.nq), ("b", "h", "q")
+    out_type = jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dp), dt)
+    if "bias" in arrays:  # dL/d(score) of every visited tile, [B, H, Sqp, Skvp] float32
+      out_type = (out_type, jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Skvp), jnp.float32))
+  kernel = plgpu.kernel(
+      functools.partial(body, cfg=cfg, g=g, masked_any=masked_any, names=names, ring=ring,
+                        resident=resident),
+      out_type=out_type,
+      scratch_types=_scratch(kind, arrays, ring, resident, g),
+      grid=grid, grid_names=grid_names, kernel_name=f"flashvjp_bwd_{kind}",
+      num_threads=2, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_interpret(cfg))
+  return kernel(*arrays.values())
+
+
+# ---- entry point -----------------------------------------------------------------------
+
+def _interpret(cfg):
+  return _compat.interpret_params(detect_races=_DETECT_RACES) if cfg.interpret else None
+
+
+def _reduce_dbias(cfg, ds, bias):
+  """dbias in bias' shape and dtype from the dQ kernel's per-tile score gradients.
+
+  ds [B, H, Sqp, Skvp] float32 holds every visited tile; the blocks the kernel skipped
+  (outside the static bounds) were never written, so everything the static mask model
+  disallows is selected to 0 first (masked entries are 0 anyway), then the bias' broadcast
+  dims are summed.
+  """
+  Sq, Skv = cfg.seq_q, cfg.seq_kv
+  ds = ds[:, :, :Sq, :Skv]
+  ds = jnp.where(C.mask_spec(cfg).dense(), ds, jnp.float32(0.0))
+  axes = tuple(a for a in range(4) if bias.shape[a] == 1 and ds.shape[a] != 1)
+  if axes:
+    ds = jnp.sum(ds, axis=axes, keepdims=True)
+  return ds.astype(bias.dtype)
+
+
+def _split_score_mod(cfg, consts, B, H, offsets):
+  """(cfg with the score_mod's tile part, its per-(b, h) residuals as float32 / int32
+  [B, H, 1]) (`C.split_per_head`); refuses residuals that are arrays per head."""
+  if cfg.score_mod is None:
+    return cfg, ()
+  f32 = jnp.float32
+  cfg, consts = C.hoist_score_mod(cfg, consts, f32)
+  split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), f32, B, H, grads=False,
+                           offsets=offsets)
+  if not all(split.scalar):
+    raise NotImplementedError(
+        "the pallas_mosaic_gpu backward supports a score_mod whose per-head values are scalars"
+        " (softcap, ALiBi slopes), not arrays per head; use implementation='pallas_triton'")
+  arrays = tuple(r.astype(f32 if jnp.issubdtype(r.dtype, jnp.inexact) else jnp.int32)
+                 for r in split.arrays)
+  return split.cfg, arrays
+
+
+def check_supported(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, seed, consts, mod=None,
+                    offsets=None):
+  """Raise NotImplementedError / ValueError naming the first feature this backward lacks."""
+  why = _compat.unavailable()
+  if why is not None:
+    raise NotImplementedError(why)
+  missing = [
+      ("differentiable score_mod consts", cfg.num_diff_consts > 0),
+  ]
+  for name, present in missing:
+    if present:
+      raise NotImplementedError(
+          f"the pallas_mosaic_gpu backward does not support {name} yet;"
+          " use implementation='pallas_triton'")
+  C.offset_operand(offsets)  # ValueError unless None or (b0, h0, q0, kv0)
+  if cfg.dropout_active and seed is None:
+    raise ValueError("dropout needs its seed (uint32 [2]): got seed=None")
+  if jnp.dtype(q.dtype) not in _DTYPES or not (q.dtype == k.dtype == v.dtype):
+    raise ValueError("the pallas_mosaic_gpu backward takes bfloat16 or float16 q, k, v of one"
+                     f" dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  if max(q.shape[3], v.shape[3]) > _MAX_HEAD_DIM:
+    raise ValueError(f"the pallas_mosaic_gpu backward supports head dims <= {_MAX_HEAD_DIM},"
+                     f" got {q.shape[3]} (q/k) and {v.shape[3]} (v)")
+  if q.shape[1] % k.shape[1]:
+    raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+
+
+def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
+             out, lse, dout, dlse, mod=None, offsets=None):
+  """Hand-written Mosaic-GPU backward (the interface of `flashvjp.pallas.triton.backward`).
+
+  Args:
+    cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts: as the forward.
+    out: [B, H, Sq, Dv] forward output; lse: [B, H, Sq] its logsumexp (-inf on empty rows).
+    dout: [B, H, Sq, Dv] cotangent of out; dlse: [B, H, Sq] cotangent of lse (or None).
+    mod: None, or the mask_mod's `ModInputs` (its consts; its block classes are not read).
+    offsets: None, or the global (b0, h0, q0, kv0) of local element 0 (a ring chunk pair):
+      only dropout reads global positions here (the static mask stays local).
+
+  Returns:
+    (dq [B, H, Sq, D], dk [B, Hkv, Skv, D], dv [B, Hkv, Skv, Dv] in the input dtype,
+     dbias in bias' own shape and dtype (or None), dconsts (always (): differentiable
+     score_mod consts are refused)).
+  """
+  check_supported(cfg, q, k, v, bias, mask, q_seg, seed, consts, mod, offsets)
+  off = C.offset_operand(offsets)
+  cfg, sm_arrays = _split_score_mod(cfg, consts, q.shape[0], q.shape[1], offsets)
+  msplit = C.split_mask_mod(cfg, mod, q.shape[0], q.shape[1], offsets)
+  if not all(msplit.scalar):
+    raise NotImplementedError(
+        "the pallas_mosaic_gpu backward supports a mask_mod whose per-head values are scalars,"
+        " not arrays per head; use implementation='pallas_triton'")
+  cfg = msplit.cfg
+  B, H, Sq, D = q.shape
+  Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
+  g = _Geo(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, Dp=_pad_head(D), Dvp=_pad_head(Dv))
+  segs = None
+  if q_seg is not None:  # padding repeats the edge id (padded positions are masked anyway)
+    segs = (_mask.pad_axis(q_seg, 1, g.Sqp, "edge", keep_broadcast=False).astype(jnp.int32),
+            _mask.pad_axis(kv_seg, 1, g.Skvp, "edge", keep_broadcast=False).astype(jnp.int32))
+  masked_any = (cfg.causal or cfg.window is not None or segs is not None or mask is not None
+                or cfg.mask_mod is not None or g.Sqp != Sq or g.Skvp != Skv)
+  if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
+    raise ValueError(f"bias must be a float array, got {bias.dtype}")
+  lse2, delta = _preprocess(out, lse, dout, dlse, g)
+  arrays = {"q": C.pad_seq_head(q, g.Sqp, g.Dp), "k": C.pad_seq_head(k, g.Skvp, g.Dp),
+            "v": C.pad_seq_head(v, g.Skvp, g.Dvp),
+            "do": C.pad_seq_head(dout.astype(q.dtype), g.Sqp, g.Dvp), "lse": lse2,
+            "delta": delta}
+  if segs is not None:
+    arrays["q_seg"], arrays["kv_seg"] = segs
+  if cfg.dropout_active:
+    arrays["cq"], arrays["cq2"] = _dropout_rows(cfg, seed, g, off)
+  rows = (g.B, g.H, g.Sqp)
+  if ((off is not None and cfg.dropout_active) or cfg.score_mod is not None
+      or cfg.mask_mod is not None):
+    # the global kv offset (dropout's hash and the score_mod read global positions)
+    kv0 = 0 if off is None else off[3]
+    arrays["kv0"] = jnp.broadcast_to(jnp.asarray(kv0, jnp.int32), rows)
+  if cfg.score_mod is not None:
+    # The score_mod's global q and its per-(b, h) residuals (global (b, h) folded in by
+    # `C.split_per_head`), one word per row each.
+    q0 = 0 if off is None else off[2]
+    arrays["qg"] = jnp.broadcast_to(jnp.arange(g.Sqp, dtype=jnp.int32) + q0, rows)
+    for n, r in enumerate(sm_arrays):
+      arrays[f"res{n}"] = jnp.broadcast_to(r, rows)
+  if cfg.mask_mod is not None:
+    # The mask_mod's global q (clamped into the real rows first) and its residuals.
+    q0 = 0 if off is None else off[2]
+    qm = jnp.minimum(jnp.arange(g.Sqp, dtype=jnp.int32), Sq - 1) + q0
+    arrays["qm"] = jnp.broadcast_to(qm, rows)
+    for n, r in enumerate(msplit.arrays):
+      f32 = jnp.float32
+      arrays[f"mres{n}"] = jnp.broadcast_to(
+          r.astype(f32 if jnp.issubdtype(r.dtype, jnp.inexact) else jnp.int32), rows)
+  if mask is not None:
+    # int8, padded with False; broadcast seq dims materialised (the kernels read whole
+    # tiles), broadcast batch / head dims kept (indexed with 0). The dK/dV kernel reads it
+    # transposed (one more int8 copy, made by XLA).
+    m = jnp.broadcast_to(mask, mask.shape[:2] + (Sq, Skv)).astype(jnp.int8)
+    m = jnp.pad(m, ((0, 0), (0, 0), (0, g.Sqp - Sq), (0, g.Skvp - Skv)))
+    arrays["mask"], arrays["maskT"] = m, jnp.swapaxes(m, 2, 3)
+  if bias is not None:
+    # float32, padded with 0 (padded positions are masked); seq dims materialised as the mask's.
+    x = jnp.broadcast_to(bias, bias.shape[:2] + (Sq, Skv)).astype(jnp.float32)
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, g.Sqp - Sq), (0, g.Skvp - Skv)))
+    arrays["bias"], arrays["biasT"] = x, jnp.swapaxes(x, 2, 3)
+  g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g, cfg))
+  dk, dv = _launch("dkdv", cfg, g_dkdv, arrays, masked_any)
+  dq = _launch("dq", cfg, g, arrays, masked_any)
+  dbias = None
+  if bias is not None:
+    dq, ds = dq
+    dbias = _reduce_dbias(cfg, ds, bias)
+  dq = dq[:, :, :Sq, :D]
+  dk = dk[:, :, :Skv, :D]
+  dv = dv[:, :, :Skv, :Dv]
+  return dq, dk, dv, dbias, ()

@@ -1,0 +1,617 @@
+"""Pallas Mosaic-GPU forward kernel (Hopper, sm_90a): TMA K/V ring, SS-wgmma, exp2 softmax.
+
+Room: Pallas Mosaic-GPU backend (forward). One CTA per (128-row q tile, head, batch) runs
+three warpgroups (`Plan`): a producer streams K and V blocks by TMA into a ring of `slots`
+SMEM slots (per-slot "loaded" barriers the TMA completes, per-slot "consumed" barriers
+both consumers arrive on before a slot is refilled), and two consumers (setmaxnreg
+232 / 40) each own 64 query rows: Q tile in SMEM, S = Q K^T on wgmma, the online softmax
+in the exp2 domain (log2(e) folded into the scale), P staged in SMEM (input dtype) and
+P V on wgmma with both operands in SMEM (SS-wgmma: the register-operand form is not
+simulated by the interpreter). Each P V product lands in a fresh accumulator (column
+chunks of <= 128) added to the running output: no `pl.run_state`, which the interpreter
+does not handle either. One consumer (64 rows per CTA) when the queries fit in 64 rows.
+
+Causal / window / kv padding: the producer fetches the kv blocks of the CTA's rows inside
+the mask model's static bounds (`MaskSpec.kv_block_range`); each consumer computes those
+of its own 64 rows in three phases (`_mask.split_loop`'s: masked edge blocks, unmasked
+interior blocks, masked edge blocks) and passes by the others (waiting and releasing the
+slot: barrier phases are counted per thread). So both consumers take part in every step
+of the CTA and FA3's ping-pong schedule barrier pairs up (`Plan.pingpong`: one
+consumer's softmax overlaps the other's wgmma). The elementwise mask runs only on edge
+blocks. Masked scores use the finite `_common.mask_value` (no inf inside the kernel for
+finite inputs); an empty row gets l == 0, out 0 and lse -inf (made outside the kernel, as
+the Triton family does).
+
+Segment ids (packed documents): the ids ride along (q ids with Q, kv ids in the ring with
+K) and every visited block is masked elementwise; blocks are skipped by the static bounds
+only, not by the ids. Bias and dense masks (`PairForm`): a full [Sq, Skv] one streams
+through the ring with K (a [128, bk] block per slot), a per-key [1, Skv] one as a vector
+per slot, a per-query [Sq, 1] one is loaded once per consumer. The bias is added to the
+scores in the exp2 domain; the mask (bfloat16 0 / 1 blocks, float32 vectors) joins the
+elementwise mask of every visited block (no block skipping by the mask either). Dropout:
+the family's counter hash (`flashvjp._dropout`), its per-row words made by XLA
+([B, H, 3, Sq], loaded with Q), each entry finished in registers: the same keep bits as
+every other implementation. Global offsets (a ring chunk pair, `offsets`): only dropout
+reads global positions here (the static mask is local); its row words are made at the
+global (b, h, q) and the global kv offset rides along as the third word.
+
+GQA: the producer reads kv head h // G; K/V are never repeated in memory. Sequence
+lengths are zero-padded to whole blocks outside the kernel and head dims to a multiple
+of 64 (the 128-byte swizzle of a 16-bit row).
+
+Not implemented (refused by `_limits.forward_problem` before any kernel is built):
+score_mod, mask_mod, float32 / float64 inputs, a float32 out.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flashvjp import _dropout
+from flashvjp import _mask
+from flashvjp._config import AttentionConfig
+from flashvjp.pallas import _common as C
+from flashvjp.pallas.mosaic_gpu import _compat
+from flashvjp.pallas.mosaic_gpu import _limits
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# One consumer warpgroup owns 64 query rows (the M of one wgmma).
+ROWS_PER_WARPGROUP = 64
+# The barrier waits a test may remove to check that the interpreter catches the race
+# (`_build(..., skip_wait=...)`; never set outside tests).
+SKIPPABLE_WAITS = ("k_loaded", "v_loaded", "k_consumed", "v_consumed", "q_loaded")
+# setmaxnreg with two consumer warpgroups (3 x 128 threads share 64K registers): the
+# consumers get what the TMA producer gives up (2 x 232 + 40 <= 512 per thread slot).
+CONSUMER_REGISTERS = 232
+PRODUCER_REGISTERS = 40
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Static sizes of one forward launch."""
+
+  B: int
+  H: int
+  Hkv: int
+  Sq: int
+  Skv: int
+  D: int
+  Dv: int
+  consumers: int  # consumer warpgroups per CTA, 64 query rows each
+  bk: int  # kv rows per block (64 or 128)
+  Dp: int  # head dims padded to a multiple of 64
+  Dvp: int
+  slots: int  # K/V ring depth
+  slot_extra: int = 0  # bytes per ring slot besides K and V (kv segment ids, bias / mask)
+  pingpong: bool = True  # two consumers take turns on the tensor cores (FA3's schedule)
+
+  @property
+  def G(self) -> int:
+    return self.H // self.Hkv
+
+  @property
+  def rows(self) -> int:
+    """Query rows of one consumer warpgroup."""
+    return ROWS_PER_WARPGROUP
+
+  @property
+  def dv_chunk(self) -> int:
+    """Output columns per P V accumulator: chunks of <= 128 (at head dim 256 the running
+    output alone takes 128 registers a thread; a fresh [64, 256] accumulator would spill)."""
+    return min(self.Dvp, 128)
+
+  @property
+  def bq(self) -> int:
+    """Query rows of one CTA."""
+    return self.consumers * self.rows
+
+  @property
+  def nq(self) -> int:
+    return _mask.num_blocks(self.Sq, self.bq)
+
+  @property
+  def nk(self) -> int:
+    return _mask.num_blocks(self.Skv, self.bk)
+
+  @property
+  def Sqp(self) -> int:
+    return self.nq * self.bq
+
+  @property
+  def Skvp(self) -> int:
+    return self.nk * self.bk
+
+  def smem_bytes(self, itemsize: int = 2) -> int:
+    """SMEM the kernel allocates (tiles, not counting barriers)."""
+    q = self.bq * self.Dp
+    o = 0 if self.Dvp == self.Dp else self.bq * self.Dvp
+    ring = self.slots * self.bk * (self.Dp + self.Dvp)
+    p = self.bq * self.bk
+    return (q + o + ring + p) * itemsize + 4 * self.bq + self.slots * self.slot_extra
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | None = None,
+         consumers: int | None = None, elementwise: bool = False,
+         slot_extra=lambda bq, bk: 0, pingpong: bool = True) -> Plan:
+  """The launch sizes: two consumer warpgroups (128 query rows per CTA; one when the
+  sequence fits in 64 rows), kv blocks of 128 for head dims <= 128 and 64 above (the
+  consumer's registers: S, the output and a P V accumulator are live at once), and a
+  ring of 2-3 slots within the SMEM budget (FA3's Hopper forward at head dim 128: 64 rows
+  per consumer, kv blocks of 128, 2 slots). `elementwise` (segment ids, dropout: more
+  per-entry work on every tile) takes kv blocks of 64: at 128 the consumer spills
+  (sm_90a, ptxas: 8-168 bytes), at 64 it does not. `slot_extra(bq, bk)`: the bytes each
+  ring slot holds besides K and V. `pingpong`: with two consumers, FA3's schedule barrier
+  (one consumer's softmax overlaps the other's wgmma).
+
+  Head dim 256 spills on sm_90a either way (ptxas, causal, S=2048: two consumers 548 bytes,
+  one consumer at 255 registers 356 bytes); two are kept, unmeasured on a GPU."""
+  B, H, Sq, D = q_shape
+  Hkv, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
+  Dp, Dvp = _round_up(D, 64), _round_up(Dv, 64)
+  if consumers is None:
+    consumers = 1 if Sq <= ROWS_PER_WARPGROUP else 2
+  if consumers not in (1, 2):
+    raise ValueError(f"consumers must be 1 or 2, got {consumers}")
+  if block_kv is None:
+    block_kv = 128 if max(Dp, Dvp) <= 128 and Skv > 64 and not elementwise else 64
+  if block_kv not in (64, 128):
+    raise ValueError(f"block_kv must be 64 or 128, got {block_kv}")
+  nk = _mask.num_blocks(Skv, block_kv)
+  extra = slot_extra(consumers * ROWS_PER_WARPGROUP, block_kv)
+  make = lambda n: Plan(B, H, Hkv, Sq, Skv, D, Dv, consumers, block_kv, Dp, Dvp, n, extra,
+                        pingpong and consumers == 2)
+  if slots is None:
+    fits = [n for n in (3, 2, 1) if make(n).smem_bytes() <= _limits.SMEM_BUDGET]
+    if not fits:
+      raise NotImplementedError(
+          f"pallas_mosaic_gpu forward: head dims {D} / {Dv} with kv blocks of {block_kv} need"
+          f" {make(1).smem_bytes()} bytes of SMEM for one ring slot (budget"
+          f" {_limits.SMEM_BUDGET})")
+    slots = fits[0]
+  return make(max(1, min(slots, nk)))
+
+
+def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias=None,
+           mask=None, interpret=None, skip_wait: str | None = None):
+  """The kernel as a function of padded operands -> (out, lse).
+
+  Operands: q [B, H, Sqp, Dp], k [B, Hkv, Skvp, Dp], v [B, Hkv, Skvp, Dvp], then with
+  `segments` the padded segment ids q_seg int32 [B, Sqp] and kv_seg int32 [B, Skvp], then
+  with dropout the hash's per-row words uint32 [B, H, 3, Sqp] (`dropout_rows`), then a
+  bias, then a dense mask, each in its `PairForm` (`bias`, `mask`: the forms).
+  `skip_wait` (tests only) removes one barrier wait (`SKIPPABLE_WAITS`), to check that
+  the interpreter's race detector sees the hazard it guards against.
+  """
+  if skip_wait is not None and skip_wait not in SKIPPABLE_WAITS:
+    raise ValueError(f"skip_wait must be one of {SKIPPABLE_WAITS}, got {skip_wait!r}")
+  mg = _compat.plgpu()
+  f32 = jnp.float32
+  spec = C.mask_spec(cfg)
+  masked = (segments or mask is not None or cfg.causal or cfg.window is not None
+            or p.Skvp != p.Skv)
+  scale2 = float(cfg.scale) * LOG2E
+  neg = float(jnp.finfo(f32).min)
+  rows, bk, slots, nc = p.rows, p.bk, p.slots, p.consumers
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
+  dropout = cfg.dropout_active
+  u32 = jnp.uint32
+  pairs = {n: f for n, f in (("bias", bias), ("mask", mask)) if f is not None}
+  streamed = [n for n, f in pairs.items() if f.kind != "q"]  # read from the ring slots
+  # per-slot side data (kv ids, bias / mask blocks) is read after the QK product with
+  # generic loads: the K slot is released only after them, behind a proxy fence
+  late_release = segments or bool(streamed)
+
+  def wait(name, barrier):
+    if skip_wait != name:
+      mg.barrier_wait(barrier)
+
+  def kv_blocks(i):
+    """[lo, hi) of the kv blocks CTA i fetches (all its consumers' blocks)."""
+    lo, hi = spec.kv_block_range(i, p.bq, bk, p.nk)
+    return i32(lo), i32(hi)
+
+  def own_blocks(r, lo, hi):
+    """Within [lo, hi): the kv blocks of row block r (64 rows), and the unmasked ones
+    (none with segment ids or a dense mask: every block is masked elementwise)."""
+    a, z = spec.kv_block_range(r, rows, bk, p.nk)
+    a = jnp.clip(i32(a), lo, hi)
+    z = jnp.clip(i32(z), a, hi)
+    if not masked:
+      return a, z, a, z
+    if segments or mask is not None:
+      return a, z, z, z
+    f_lo, f_hi = spec.full_kv_block_range(r, rows, bk)
+    f_lo = jnp.clip(i32(f_lo), a, z)
+    f_hi = jnp.clip(i32(f_hi), f_lo, z)
+    return a, z, f_lo, f_hi
+
+  def consumer(R, w, i, h, b):
+    q_smem, o_smem, p_smem, lse_smem = (R[n].at[w] for n in ("q_s", "o_s", "p_s", "lse_s"))
+    r = i * nc + w  # this warpgroup's 64-row block
+    lo, hi = kv_blocks(i)
+    a, z, f_lo, f_hi = own_blocks(r, lo, hi)
+    q_rows = pl_ds(r * rows, rows)
+    mg.copy_gmem_to_smem(R["q"].at[b, h, q_rows], q_smem, R["q_bar"].at[w])
+    if segments:
+      mg.copy_gmem_to_smem(R["q_seg"].at[b, q_rows], R["qseg_s"].at[w], R["qseg_bar"].at[w])
+      wait("q_loaded", R["qseg_bar"].at[w])
+      q_seg = mg.load(R["qseg_s"].at[w], layout=_compat.wgmma_row_layout())  # [rows]
+    if dropout:
+      mg.copy_gmem_to_smem(R["drop_rows"].at[b, h, :, q_rows], R["drop_s"].at[w],
+                           R["drop_bar"].at[w])
+      wait("q_loaded", R["drop_bar"].at[w])
+      row_words = tuple(mg.load(R["drop_s"].at[w, n], layout=_compat.wgmma_row_layout())
+                        for n in range(3))  # [rows] uint32 each: cq, cq2, kv0
+    per_query = {}  # pairs of kind "q": [rows] float32, loaded once
+    for n, f in pairs.items():
+      if f.kind == "q":
+        bb, hb = f.index(b, h)
+        mg.copy_gmem_to_smem(R[n].at[bb, hb, q_rows], R[n + "_s"].at[w], R[n + "_bar"].at[w])
+        wait("q_loaded", R[n + "_bar"].at[w])
+        per_query[n] = mg.load(R[n + "_s"].at[w], layout=_compat.wgmma_row_layout())
+    wait("q_loaded", R["q_bar"].at[w])
+
+    def dropped(prob, t):
+      """prob / (1 - rate) where the shared counter hash keeps (t, q) entries, else 0."""
+      kv = ((t * bk + _compat.wgmma_iota((rows, bk), 1)).astype(u32)
+            + _rows(row_words[2], prob.shape))  # the global kv position (mod 2^32)
+      bits = _dropout.bits_from_row(_rows(row_words[0], prob.shape),
+                                    _rows(row_words[1], prob.shape), kv)
+      keep = bits >= u32(_dropout.threshold(cfg.dropout_rate))
+      return jnp.where(keep, prob * (1.0 / (1.0 - cfg.dropout_rate)), 0.0)
+
+    def slot_of(t):
+      return lax.rem(t - lo, i32(slots))
+
+    def rendezvous():
+      """Both consumers meet here (FA3's ping-pong: with consumer 1 one meeting behind,
+      each one's wgmma runs while the other does its softmax)."""
+      if p.pingpong:
+        mg.barrier_arrive(R["sched"])
+        mg.barrier_wait(R["sched"])
+
+    def wait_k(slot):
+      """K (and the kv segment ids) of `slot` are in SMEM."""
+      wait("k_loaded", R["k_bar"].at[slot])
+      if segments:
+        wait("k_loaded", R["kseg_bar"].at[slot])
+      for n in streamed:
+        wait("k_loaded", R[n + "_bar"].at[slot])
+
+    def step(t, carry, masked_step):
+      m, l, acc = carry
+      slot = slot_of(t)
+      wait_k(slot)
+
+      def qk(acc_ref):
+        mg.wgmma(acc_ref, q_smem, R["k_s"].at[slot].T)
+        rendezvous()  # the other consumer's turn (its softmax ran during this wgmma)
+        return acc_ref[...]
+
+      s = _compat.run_scoped(qk, mg.ACC((rows, bk), f32))
+      s = s * scale2
+
+      def pair_value(n):
+        """The [rows, bk] float32 values of bias / mask `n` on this tile."""
+        kind = pairs[n].kind
+        if kind == "q":
+          return _rows(per_query[n], (rows, bk))
+        if kind == "kv":
+          col = mg.load(R[n + "_s"].at[slot], layout=_compat.wgmma_col_layout())
+          return lax.broadcast_in_dim(col, (rows, bk), [1])
+        tile = mg.load(R[n + "_s"].at[slot, pl_ds(w * rows, rows)], layout=_compat.wgmma_layout())
+        return tile.astype(f32)
+
+      if bias is not None:  # in the exp2 domain: bias * log2(e)
+        s = s + pair_value("bias") * LOG2E
+      dense = None if mask is None else pair_value("mask") != 0.0
+      if segments:
+        kv_seg = mg.load(R["kseg_s"].at[slot], layout=_compat.wgmma_col_layout())  # [bk]
+      if late_release:  # the slot's side data is read: fence it against the TMA refill
+        mg.commit_smem()
+      mg.barrier_arrive(R["k_free"].at[slot])
+      if masked_step:
+        qi = r * rows + _compat.wgmma_iota((rows, bk), 0)
+        ki = t * bk + _compat.wgmma_iota((rows, bk), 1)
+        if segments:
+          ok = spec.allowed(qi, ki, q_seg=_rows(q_seg, (rows, bk)),
+                            kv_seg=lax.broadcast_in_dim(kv_seg, (rows, bk), [1]), dense=dense)
+        else:
+          ok = spec.allowed(qi, ki, dense=dense)
+        m_new = jnp.maximum(m, jnp.where(ok, s, neg).max(axis=1))
+        e = jnp.where(ok, s - _rows(m_new, s.shape), neg)
+      else:
+        m_new = jnp.maximum(m, s.max(axis=1))
+        e = s - _rows(m_new, s.shape)
+      prob = jnp.exp2(e)
+      alpha = jnp.exp2(m - m_new)
+      l = alpha * l + prob.sum(axis=1)
+      if dropout:
+        prob = dropped(prob, t)
+      p_smem[...] = prob.astype(dtype)
+      mg.commit_smem()  # the generic-proxy stores of P before the wgmma reads them
+      if p.pingpong:
+        mg.barrier_arrive(R["sched"])  # softmax done
+      wait("v_loaded", R["v_bar"].at[slot])
+      if p.pingpong:
+        mg.barrier_wait(R["sched"])  # the tensor cores are ours again
+
+      def pv(cols, acc_ref):
+        mg.wgmma(acc_ref, p_smem, R["v_s"].at[slot, :, cols])
+        return acc_ref[...]
+
+      # P V in column chunks of <= 128 (one fresh [64, 128] accumulator live at a time)
+      new_acc = []
+      for n, part in enumerate(acc):
+        cols = pl_ds(n * p.dv_chunk, p.dv_chunk)
+        o = _compat.run_scoped(functools.partial(pv, cols), mg.ACC((rows, p.dv_chunk), f32))
+        new_acc.append(part * _rows(alpha, part.shape) + o)
+      mg.barrier_arrive(R["v_free"].at[slot])
+      return m_new, l, tuple(new_acc)
+
+    def pass_by(t, carry):
+      """A block of the CTA's range outside this warpgroup's: keep the barrier phases in
+      step (every wait is counted per thread) and release the slot."""
+      slot = slot_of(t)
+      wait_k(slot)
+      mg.barrier_arrive(R["k_free"].at[slot])
+      wait("v_loaded", R["v_bar"].at[slot])
+      mg.barrier_arrive(R["v_free"].at[slot])
+      rendezvous()  # the two meetings of a computed step
+      rendezvous()
+      return carry
+
+    def run(start, stop, masked_step, carry):
+      return lax.fori_loop(start, stop, lambda t, c: step(t, c, masked_step), carry)
+
+    carry = (_compat.wgmma_row_vector(jnp.full((rows,), neg, f32)),
+             _compat.wgmma_row_vector(jnp.zeros((rows,), f32)),
+             tuple(_compat.wgmma_tile(jnp.zeros((rows, p.dv_chunk), f32))
+                   for _ in range(p.Dvp // p.dv_chunk)))
+    if p.pingpong:
+      _compat.when(w == 1)(rendezvous)
+    if nc > 1:
+      carry = lax.fori_loop(lo, a, pass_by, carry)
+    carry = run(a, f_lo, True, carry)
+    carry = run(f_lo, f_hi, False, carry)
+    carry = run(f_hi, z, True, carry)
+    if nc > 1:
+      carry = lax.fori_loop(z, hi, pass_by, carry)
+    if p.pingpong:
+      _compat.when(w == 0)(rendezvous)
+    m, l, acc = carry
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    for n, part in enumerate(acc):
+      o_smem[:, pl_ds(n * p.dv_chunk, p.dv_chunk)] = (
+          part / _rows(l_safe, part.shape)).astype(dtype)
+    lse_smem[...] = jnp.where(empty, neg, m * LN2 + jnp.log(l_safe))
+    mg.commit_smem()
+    mg.copy_smem_to_gmem(o_smem, R["out"].at[b, h, q_rows])
+    mg.copy_smem_to_gmem(lse_smem, R["lse"].at[b, h, q_rows])
+    mg.wait_smem_to_gmem(0)
+
+  def producer(R, i, h, b):
+    lo, hi = kv_blocks(i)
+    kvh = lax.div(h, jnp.asarray(p.G, h.dtype))
+
+    def fetch(t, _):
+      n = t - lo
+      slot = lax.rem(n, i32(slots))
+      blk = pl_ds(t * bk, bk)
+
+      @_compat.when(n >= slots)
+      def _():
+        wait("k_consumed", R["k_free"].at[slot])
+
+      mg.copy_gmem_to_smem(R["k"].at[b, kvh, blk], R["k_s"].at[slot], R["k_bar"].at[slot])
+      if segments:
+        mg.copy_gmem_to_smem(R["kv_seg"].at[b, blk], R["kseg_s"].at[slot],
+                             R["kseg_bar"].at[slot])
+      for name in streamed:
+        bb, hb = pairs[name].index(b, h)
+        src = (R[name].at[bb, hb, blk] if pairs[name].kind == "kv"
+               else R[name].at[bb, hb, pl_ds(i * p.bq, p.bq), blk])
+        mg.copy_gmem_to_smem(src, R[name + "_s"].at[slot], R[name + "_bar"].at[slot])
+
+      @_compat.when(n >= slots)
+      def _():
+        wait("v_consumed", R["v_free"].at[slot])
+
+      mg.copy_gmem_to_smem(R["v"].at[b, kvh, blk], R["v_s"].at[slot], R["v_bar"].at[slot])
+      return None
+
+    lax.fori_loop(lo, hi, fetch, None)
+
+  in_names = (["q", "k", "v"] + (["q_seg", "kv_seg"] if segments else [])
+              + (["drop_rows"] if dropout else []) + list(pairs))
+  smem = functools.partial(_compat.smem_tile, dtype=dtype)
+  tiles = {"q_s": smem((nc, rows, p.Dp)),
+           "o_s": None if p.Dvp == p.Dp else smem((nc, rows, p.Dvp)),
+           "k_s": smem((slots, bk, p.Dp)),
+           "v_s": smem((slots, bk, p.Dvp)),
+           "p_s": smem((nc, rows, bk)),
+           "lse_s": mg.SMEM((nc, rows), f32)}
+  bars = {"q_bar": mg.Barrier(num_barriers=nc),
+          "k_bar": mg.Barrier(num_barriers=slots),
+          "v_bar": mg.Barrier(num_barriers=slots),
+          "k_free": mg.Barrier(num_arrivals=nc, num_barriers=slots),
+          "v_free": mg.Barrier(num_arrivals=nc, num_barriers=slots)}
+  if segments:
+    tiles.update(qseg_s=mg.SMEM((nc, rows), jnp.int32), kseg_s=mg.SMEM((slots, bk), jnp.int32))
+    bars.update(qseg_bar=mg.Barrier(num_barriers=nc), kseg_bar=mg.Barrier(num_barriers=slots))
+  if p.pingpong:
+    bars["sched"] = mg.Barrier(num_arrivals=nc)
+  if dropout:
+    tiles.update(drop_s=mg.SMEM((nc, 3, rows), u32))
+    bars.update(drop_bar=mg.Barrier(num_barriers=nc))
+  for n, f in pairs.items():
+    shape = {"q": (nc, rows), "kv": (slots, bk), "tile": (slots, p.bq, bk)}[f.kind]
+    tiles[n + "_s"] = mg.SMEM(shape, f.dtype)
+    bars[n + "_bar"] = mg.Barrier(num_barriers=nc if f.kind == "q" else slots)
+
+  def body(R):
+    if R["o_s"] is None:
+      R["o_s"] = R["q_s"]
+    i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+    wg = lax.axis_index("wg")
+
+    @_compat.when(wg < nc)
+    def _():
+      if nc > 1:
+        mg.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      consumer(R, wg, i, h, b)
+
+    @_compat.when(wg == nc)
+    def _():
+      if nc > 1:
+        mg.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+      producer(R, i, h, b)
+
+  def entry(*refs):
+    R = dict(zip(in_names + ["out", "lse"], refs))
+    t_names, b_names = list(tiles), list(bars)
+
+    def scoped(*allocs):
+      ts, bs = allocs
+      body(dict(R, **dict(zip(t_names, ts)), **dict(zip(b_names, bs))))
+
+    _compat.run_scoped(scoped, tuple(tiles.values()), tuple(bars.values()),
+                       collective_axes="wg")
+
+  out_type = (jax.ShapeDtypeStruct((p.B, p.H, p.Sqp, p.Dvp), dtype),
+              jax.ShapeDtypeStruct((p.B, p.H, p.Sqp), f32))
+  return mg.kernel(entry, out_type=out_type, grid=(p.nq, p.H, p.B), grid_names=("q", "h", "b"),
+                   num_threads=nc + 1, thread_name="wg", interpret=interpret,
+                   compiler_params=mg.CompilerParams(approx_math=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class PairForm:
+  """How a rank-4 bias or dense mask (each dim 1 or full) reaches the kernel.
+
+  kind "tile" ([.., Sq, Skv]): a [128, bk] block per ring slot, 16-bit (a bias in its own
+  dtype when that is 16-bit, a mask as bfloat16 0 / 1), else float32; "kv" ([.., 1, Skv]):
+  a float32 [bk] vector per ring slot; "q" ([.., Sq | 1, 1]): a float32 [64] vector per
+  consumer, loaded once. `per_batch` / `per_head`: whether the batch / head dims are full
+  (else index 0 is read for every b / h).
+  """
+
+  kind: str
+  dtype: object
+  per_batch: bool
+  per_head: bool
+
+  @staticmethod
+  def of(x) -> PairForm:
+    Bb, Hb, Sq2, Sk2 = x.shape
+    kind = "q" if Sk2 == 1 else ("kv" if Sq2 == 1 else "tile")
+    dtype = jnp.dtype(jnp.bfloat16 if x.dtype == jnp.bool_ else x.dtype)
+    if kind != "tile" or dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+      dtype = jnp.dtype(jnp.float32)
+    return PairForm(kind, dtype, Bb != 1, Hb != 1)
+
+  def index(self, b, h):
+    zero = jnp.zeros((), jnp.int32)
+    return (b if self.per_batch else zero), (h if self.per_head else zero)
+
+  def slot_bytes(self, bq: int, bk: int) -> int:
+    return {"q": 0, "kv": 4 * bk, "tile": bq * bk * self.dtype.itemsize}[self.kind]
+
+  def operand(self, x, p: Plan):
+    """The padded array the kernel reads: [Bb, Hb, Sqp, Skvp], [Bb, Hb, Skvp] or [Bb, Hb, Sqp]
+    (a mask's padding is False, i.e. masked)."""
+    if self.kind == "tile":
+      return C.pad_pair(x.astype(self.dtype), p)
+    if self.kind == "kv":
+      return _mask.pad_axis(x[:, :, 0, :].astype(jnp.float32), 2, p.Skvp)
+    col = jnp.broadcast_to(x[:, :, :, 0], x.shape[:2] + (p.Sq,)).astype(jnp.float32)
+    return _mask.pad_axis(col, 2, p.Sqp)
+
+
+def dropout_rows(cfg: AttentionConfig, seed, p: Plan, offsets=None):
+  """uint32 [B, H, 3, Sqp]: the counter hash's per-row words (`_dropout.row_words`) of every
+  (b, h, q) at its global position, computed by XLA, and the global kv offset (the same in
+  every row); the kernel finishes each entry (`_dropout.bits_from_row`) at kv0 + its local kv.
+  `offsets`: None or the global (b0, h0, q0, kv0) of local element 0 (ints or traced)."""
+  b0, h0, q0, kv0 = (0, 0, 0, 0) if offsets is None else tuple(offsets)
+  i32 = lambda o: jnp.asarray(o, jnp.int32)
+  b = jnp.arange(p.B, dtype=jnp.int32)[:, None, None] + i32(b0)
+  h = jnp.arange(p.H, dtype=jnp.int32)[None, :, None] + i32(h0)
+  q = jnp.arange(p.Sqp, dtype=jnp.int32)[None, None, :] + i32(q0)
+  b, h = _dropout.hash_coords(cfg.dropout_broadcast, b, h)
+  cq, cq2 = _dropout.row_words(seed[0], seed[1], b, h, q)
+  shape = (p.B, p.H, p.Sqp)
+  words = (cq, cq2, i32(kv0).astype(jnp.uint32))
+  return jnp.stack([jnp.broadcast_to(x, shape) for x in words], axis=2)
+
+
+def pl_ds(start, size):
+  return _compat.ds(start, size)
+
+
+def _rows(x, shape):
+  """A per-row vector [rows] broadcast over a [rows, cols] tile."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None,
+            offsets=None, *, block_kv: int | None = None, slots: int | None = None,
+            consumers: int | None = None, pingpong: bool = True, interpret=None,
+            _skip_wait: str | None = None):
+  """Mosaic-GPU forward with the interface of `flashvjp.pallas.triton.forward`.
+
+  Args:
+    cfg: static configuration; cfg.interpret runs the kernel under the Mosaic-GPU
+      interpreter (race detection on) unless `interpret` gives other parameters.
+    q: [B, H, Sq, D]; k: [B, Hkv, Skv, D]; v: [B, Hkv, Skv, Dv]; float16 or bfloat16.
+    bias, mask, q_seg, kv_seg, seed, consts, mod, offsets: must be absent (None / empty):
+      the family refuses them (`_limits.forward_problem`) before building a kernel.
+    block_kv, slots, consumers, pingpong: override the launch plan (`plan`; tests).
+
+  Returns:
+    (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32, natural log, -inf for an empty
+    row).
+  """
+  problem = _limits.forward_problem(cfg, q, k, v, bias=bias, mask=mask, q_seg=q_seg,
+                                    kv_seg=kv_seg, seed=seed, consts=consts, mod=mod,
+                                    offsets=offsets)
+  if problem is not None:
+    raise NotImplementedError(f"pallas_mosaic_gpu forward: {problem}")
+  forms = [None if x is None else PairForm.of(x) for x in (bias, mask)]
+  p = plan(q.shape, k.shape, v.shape, block_kv=block_kv, slots=slots, consumers=consumers,
+           elementwise=(q_seg is not None or cfg.dropout_active or bias is not None
+                        or mask is not None),
+           slot_extra=lambda bq, bk: (4 * bk if q_seg is not None else 0) + sum(
+               f.slot_bytes(bq, bk) for f in forms if f is not None), pingpong=pingpong)
+  if interpret is None and cfg.interpret:
+    interpret = _compat.interpret_params(detect_races=True)
+  segments = q_seg is not None
+  kernel = _build(cfg, p, q.dtype, segments=segments, bias=forms[0], mask=forms[1],
+                  interpret=interpret, skip_wait=_skip_wait)
+  operands = [C.pad_seq_head(q, p.Sqp, p.Dp), C.pad_seq_head(k, p.Skvp, p.Dp),
+              C.pad_seq_head(v, p.Skvp, p.Dvp)]
+  if segments:  # padding repeats the edge id (the mask model masks padded positions)
+    q_seg_p, kv_seg_p = C.pad_segments(q_seg, kv_seg, p)
+    operands += [q_seg_p.astype(jnp.int32), kv_seg_p.astype(jnp.int32)]
+  if cfg.dropout_active:
+    operands.append(dropout_rows(cfg, seed, p, offsets))
+  for x, f in zip((bias, mask), forms):
+    if f is not None:
+      operands.append(f.operand(x, p))
+  out, lse = kernel(*operands)
+  lse = lse[:, :, : p.Sq]
+  # -inf at empty rows only, by log(0) there (as the Triton family: no -inf array built).
+  empty = lse == C.mask_value(jnp.float32)
+  lse = lse + jnp.log(jnp.where(empty, 0.0, 1.0).astype(jnp.float32))
+  return out[:, :, : p.Sq, : p.Dv], lse
