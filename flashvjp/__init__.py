@@ -15,6 +15,8 @@ from flashvjp._mask_mod import document_causal
 from flashvjp._mask_mod import make_block_mask
 from flashvjp._mask_mod import prefix_lm
 from flashvjp._mask_mod import sliding_window_with_global
+from flashvjp._plan import Plan
+from flashvjp._plan import plan
 from flashvjp._score_mod import ScoreMod
 from flashvjp._score_mod import alibi
 from flashvjp._score_mod import alibi_slopes
@@ -31,7 +33,7 @@ __version__ = "0.2.0"  # the one place; pyproject reads it (CHANGELOG.md says wh
 __all__ = [
     "BlockMask", "BlockSizes", "Decision", "MaskMod", "ScoreMod", "alibi", "alibi_slopes",
     "chunked", "document_causal", "dot_product_attention", "dropout_mask", "explain",
-    "make_block_mask", "prefix_lm", "sliding_window_with_global",
+    "make_block_mask", "Plan", "plan", "prefix_lm", "sliding_window_with_global",
     "flash_attention", "memory_efficient_attention", "pallas_flash_attention",
     "relative_position_bias", "softcap",
     "from_zigzag", "ring_attention", "ring_schedule", "sharded_attention", "to_zigzag", "testing",

@@ -1,10 +1,12 @@
-"""flashvjp's command line: `python -m flashvjp check` and `python -m flashvjp bench`.
+"""flashvjp's command line: `python -m flashvjp check`, `bench` and `plan`.
 
   check   compare the output and gradients of every implementation that runs on this
           machine with naive attention computed in float64, feature by feature
   bench   time and compiled memory of each implementation against jax.nn
+  plan    compile one layer for a named GPU / TPU target without that hardware: per-device
+          memory, strategy, collectives, kernels (registers, spills) as its compiler says
 
-Run `python -m flashvjp check --help` or `python -m flashvjp bench --help` for the options.
+Run `python -m flashvjp check --help` (or bench, plan) for the options.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import time
 # Importing _bench adds the CPU flag that compiled-memory numbers need; it must happen
 # before the backend starts (before any jax computation), so it is imported here.
 from flashvjp import _bench
+from flashvjp import _plan
 
 _CHECK_HELP = "check the output and gradients of every implementation against float64 naive"
 _CHECK_DESCRIPTION = """\
@@ -205,7 +208,7 @@ def _feature_arg(name: str) -> str:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="python -m flashvjp", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  sub = parser.add_subparsers(dest="command", required=True, metavar="{check,bench}")
+  sub = parser.add_subparsers(dest="command", required=True, metavar="{check,bench,plan}")
   c = sub.add_parser("check", help=_CHECK_HELP, description=_CHECK_DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
   c.add_argument("function", nargs="?", metavar="MODULE:FUNCTION",
@@ -223,5 +226,7 @@ def main(argv=None) -> None:
   c.set_defaults(func=_check)
   b = _bench.add_bench_parser(sub)
   b.set_defaults(func=_bench.run_bench)
+  pl = _plan.add_plan_parser(sub)
+  pl.set_defaults(func=_plan.run_plan)
   args = parser.parse_args(argv)
   sys.exit(args.func(args))
