@@ -1,4 +1,4 @@
-"""GPU check of flashvjp's Pallas-Triton kernels: correctness, headline timings, block-size sweep.
+"""GPU check of flashvjp's Pallas kernels: correctness, headline timings, block-size sweep.
 
 Run on a GPU machine (jax with CUDA, chex, numpy; no other package, no registry needed)::
 
@@ -9,6 +9,15 @@ Run on a GPU machine (jax with CUDA, chex, numpy; no other package, no registry 
 The parts, in order of value (each row is recorded as it finishes, so a run that is stopped
 still leaves its results):
 
+0. The Mosaic-GPU family (`implementation="pallas_mosaic_gpu"`, Hopper), first because it has
+   never run on a GPU: (a) correctness of every feature it takes (the same comparison as part
+   1: out, lse, every gradient and the jvp tangents against float64 naive, bitwise
+   determinism; a feature the family refuses is listed as not planned, with the refusal),
+   (b) timing, bfloat16, head_dim 128, seq 4k and 16k, causal and not, forward and
+   forward+backward, against Pallas-Triton and cuDNN in the same run. The results file's
+   `mosaic_verdict` says, per (head_dim, causal) class, whether the family was valid (every
+   correctness row passed) and faster than Pallas-Triton at every timed shape: what a launch
+   table for choosing between the two NVIDIA families would record.
 1. Correctness: every feature through the compiled Triton kernels (interpret=False) on
    bfloat16, float16 and float32: out, lse, every gradient (value_and_grad) and the jvp
    tangents of out and lse, against naive attention in float64 on the host CPU, plus bitwise
@@ -31,7 +40,8 @@ still leaves its results):
 4. (gpu_check.sh, after this script) the sm_90a compile check with the GPU image's Triton,
    compared with the CI's pip-Triton figures (benchmarks/results/triton_sm90.json).
 
-The run keeps to --budget-s: part 1 must end by 35% of it, part 2 by 80%, part 3 by 100%
+The run keeps to --budget-s: part 0 must end by 30% of it (its correctness by 15%), part 1
+by 50%, part 2 by 85%, part 3 by 100%
 (time a part leaves unused goes to the next). A row starts only if its estimated seconds fit
 before its part's deadline; what was skipped, and why, is recorded. Estimates are a model
 (compile + run at assumed rates) unless a previous GPU run's results file holds the row's
@@ -70,13 +80,17 @@ ROOT = os.path.dirname(HERE)
 RESULTS_DIR = os.path.join(HERE, "results")
 SMOKE_RESULTS_DIR = os.path.join(ROOT, "build", "gpu_check_smoke")  # git-ignored
 BACKEND = "pallas_triton"  # the Pallas family under test
-if BACKEND not in _dispatch.CONCRETE:  # renamed backends: fail at once, not on a lent GPU
-  raise ImportError(f"gpu_check: backend {BACKEND!r} is not in flashvjp._dispatch.CONCRETE "
-                    f"{_dispatch.CONCRETE}")
+MOSAIC = "pallas_mosaic_gpu"  # the Hopper family, checked first (part 0)
+for _b in (BACKEND, MOSAIC):
+  if _b not in _dispatch.CONCRETE:  # renamed backends: fail at once, not on a lent GPU
+    raise ImportError(f"gpu_check: backend {_b!r} is not in flashvjp._dispatch.CONCRETE "
+                      f"{_dispatch.CONCRETE}")
 IMPLS = ("flashvjp", "cudnn", "xla", "jax_pallas_mha")
+MOSAIC_IMPLS = ("mosaic", "flashvjp", "cudnn")  # part 0's timing: the family, Triton, cuDNN
 MODES = ("fwd", "fwd+bwd", "jvp")
 JVP_IMPLS = ("flashvjp", "xla")  # cuDNN and JAX's mha are custom_vjp: no forward mode
-PART_DEADLINES = {"correctness": 0.35, "timing": 0.80, "sweep": 1.00}  # share of the budget
+PART_DEADLINES = {"mosaic_correctness": 0.15, "mosaic_timing": 0.30, "correctness": 0.50,
+                  "timing": 0.85, "sweep": 1.00}  # share of the budget
 DEFAULT_BUDGET_S = 360.0  # gpu_check.sh gives the compile check the rest of 480 s
 TOTAL_S = 480  # gpu_check.sh: this script + the compile check (about 8 minutes)
 ASSUMED_GPU = ("NVIDIA H200 (assumed: no GPU here)", 141e9)  # device, memory bytes (dry run)
@@ -205,6 +219,105 @@ def plan_correctness(plan: Plan, smoke):
                          dict(name=name, dims=dims, kw=kw, precision=pname)))
 
 
+# -- part 0: the Mosaic-GPU family
+
+def mosaic_cases(smoke):
+  """[(name, dims, kwargs, None)] of the Mosaic-GPU family in priority order (16-bit only)."""
+  S = 40 if smoke else 300  # not a multiple of the blocks: padding is exercised
+  S2 = 33 if smoke else 257
+  rng = np.random.default_rng(0)
+  mask = rng.random((2, 1, S, S2)) > 0.3
+  mask[:, :, 3] = False  # an empty row
+  seg_q = np.repeat(np.arange(S)[None] * 3 // S, 2, 0).astype(np.int32)
+  seg_kv = np.repeat(np.arange(S2)[None] * 3 // S2, 2, 0).astype(np.int32)
+  bias = 0.5 * jax.random.normal(jax.random.key(9), (2, 4, S, S2), jnp.float32)
+  base = dict(B=2, H=4, Hkv=2, Sq=S, Skv=S2, D=64, Dv=64, dtype="bfloat16")
+  c = [
+      ("plain bf16", {}, {}),
+      ("causal", {}, dict(causal=True)),
+      ("head_dim 128 causal", dict(D=128, Dv=128), dict(causal=True)),
+      ("window(48,16)", {}, dict(window=(48, 16))),
+      ("segment_ids", {}, dict(segment_ids=(jnp.asarray(seg_q), jnp.asarray(seg_kv)))),
+      ("mask dense + empty row", {}, dict(mask=jnp.asarray(mask))),
+      ("bias full (grad)", {}, dict(bias=bias)),
+      ("dropout", {}, dict(dropout_rate=0.2, dropout_rng=jax.random.key(3),
+                           deterministic=False)),
+      ("sinks (grad)", {}, dict(causal=True, sinks=jnp.linspace(-1.0, 2.0, 4))),
+      ("plain f16", dict(dtype="float16"), {}),
+      ("mqa", dict(Hkv=1), dict(causal=True)),
+      ("head_dim 256 causal", dict(D=256, Dv=256), dict(causal=True)),
+      ("head_dim 96/40 (padded)", dict(D=96, Dv=40), dict(causal=True)),
+  ]
+  if smoke:  # interpret mode simulates every warpgroup: a few cases keep CI's smoke run short
+    c = c[:3]
+  return [(name, {**base, **shape}, kw, None) for name, shape, kw in c]
+
+
+def mosaic_refusal(dims, kw):
+  """Why the family refuses this case (its limits, asked as in interpret mode: what the
+  kernels take on any host), or None."""
+  q = jax.ShapeDtypeStruct((dims["B"], dims["H"], dims["Sq"], dims["D"]), dims["dtype"])
+  k = jax.ShapeDtypeStruct((dims["B"], dims["Hkv"], dims["Skv"], dims["D"]), dims["dtype"])
+  v = jax.ShapeDtypeStruct((dims["B"], dims["Hkv"], dims["Skv"], dims["Dv"]), dims["dtype"])
+  try:
+    flashvjp.explain(q, k, v, implementation=MOSAIC, interpret=True, **kw)
+  except (ValueError, TypeError) as e:
+    return _err(e)
+  return None
+
+
+def plan_mosaic(plan: Plan, smoke, mem_bytes):
+  for name, dims, kw, _ in mosaic_cases(smoke):
+    key = f"mosaic correctness {name}"
+    why = mosaic_refusal(dims, kw)
+    if why is not None:
+      plan.not_planned.append(f"{key}: the family refuses it ({why})")
+      continue
+    shape = (f"B{dims['B']} H{dims['H']}/{dims['Hkv']} S{dims['Sq']}x{dims['Skv']} "
+             f"D{dims['D']}/{dims['Dv']} {dims['dtype']} grad+jvp")
+    est = (15.0 if dims["D"] <= 128 else 25.0) if smoke else _est_correctness(smoke, dims) + 2.0
+    plan.rows.append(Row("mosaic_correctness", key, shape, est, run_correctness_row,
+                         dict(name=name, dims=dims, kw=kw, precision=None, impl=MOSAIC)))
+  impls = [i for i in MOSAIC_IMPLS if not (smoke and i == "cudnn")]
+  for S in ((64,) if smoke else (4096, 16384)):
+    D = 64 if smoke else 128
+    B, H = timing_dims(S, D, smoke)
+    for causal in (True, False):
+      for mode in ("fwd+bwd", "fwd"):
+        for impl in impls:
+          key = f"mosaic timing {impl} S={S} D={D} causal={causal} {mode}"
+          need = _mem_bytes(impl, B, H, S, D, mode)
+          if need > 0.5 * mem_bytes:
+            plan.not_planned.append(f"{key}: needs ~{need / 1e9:.0f} GB")
+            continue
+          i = MODES.index(mode)
+          est = (2.0 if smoke else _COMPILE_S[impl][i]) + (SAMPLES + 2) * SAMPLE_S \
+              + (0.0 if smoke else flops(B, H, S, D, causal, mode) / (_TFLOPS[impl] * 1e12))
+          plan.rows.append(Row("mosaic_timing", key, f"B{B} H{H} S{S} D{D} bf16", round(est, 2),
+                               run_timing_row, dict(impl=impl, B=B, H=H, S=S, D=D,
+                                                    causal=causal, mode=mode)))
+
+
+def mosaic_verdict(rows) -> dict:
+  """Per (head_dim, causal) class: valid (every Mosaic correctness row passed, and at least
+  one ran) and faster (its fwd+bwd and fwd beat Pallas-Triton's at every timed shape)."""
+  checked = [r for r in rows if r.get("part") == "mosaic_correctness"]
+  valid = bool(checked) and all(r["status"] == "PASS" for r in checked)
+  out = {}
+  timed = [r for r in rows if r.get("part") == "mosaic_timing" and r.get("status") == "timed"]
+  for r in timed:
+    if r["impl"] != "mosaic":
+      continue
+    cls = f"D={r['D']} causal={r['causal']}"
+    v = out.setdefault(cls, dict(valid=valid, faster=True, vs_triton=[]))
+    if "vs_triton" not in r:
+      v["faster"] = False
+      continue
+    v["vs_triton"].append(r["vs_triton"])
+    v["faster"] = v["faster"] and r["vs_triton"] > 1.0
+  return out
+
+
 # -- part 2: timing
 
 # Priority tiers of (seqs, head dims, modes): the budget cuts from the end.
@@ -220,8 +333,9 @@ TOKENS = 16384  # batch * seq (batch >= 1); heads * head_dim = 2048
 # Model of one timing row on an H200 (bf16): compile seconds and TFLOP/s. Guesses until a GPU
 # run records measured seconds (then --estimates uses those).
 _COMPILE_S = {"flashvjp": (2.5, 5.0, 4.0), "cudnn": (1.5, 3.0, 0.0), "xla": (1.5, 3.0, 3.0),
-              "jax_pallas_mha": (2.5, 5.0, 0.0)}
-_TFLOPS = {"flashvjp": 250.0, "cudnn": 400.0, "xla": 80.0, "jax_pallas_mha": 200.0}
+              "jax_pallas_mha": (2.5, 5.0, 0.0), "mosaic": (4.0, 8.0, 0.0)}
+_TFLOPS = {"flashvjp": 250.0, "cudnn": 400.0, "xla": 80.0, "jax_pallas_mha": 200.0,
+           "mosaic": 450.0}
 SAMPLES = 5
 SAMPLE_S = 0.05  # each sample queues calls for about this long
 
@@ -311,6 +425,8 @@ def plan_sweep(plan: Plan, smoke):
 
 def build_plan(smoke, mem_bytes, skip=()) -> Plan:
   plan = Plan()
+  if "mosaic" not in skip:
+    plan_mosaic(plan, smoke, mem_bytes)
   if "correctness" not in skip:
     plan_correctness(plan, smoke)
   if "timing" not in skip:
@@ -481,7 +597,7 @@ def _diff_args(kw):
 def _checked_fn(impl, fixed, interpret, w_out, w_lse):
   """f(q, k, v, diff, tq, tk, tv, tdiff) -> out, lse, grads of a weighted loss, jvp tangents."""
   def att(q, k, v, diff):
-    extra = dict(interpret=interpret) if impl == BACKEND else {}
+    extra = dict(interpret=interpret) if impl in (BACKEND, MOSAIC) else {}
     return flashvjp.flash_attention(q, k, v, implementation=impl, return_lse=True, **fixed,
                                     **diff, **extra)
 
@@ -502,19 +618,19 @@ def _checked_fn(impl, fixed, interpret, w_out, w_lse):
   return f
 
 
-def check_case(dims, kw, precision, smoke):
-  """({name: max rel err}, tol, deterministic) of one correctness case."""
+def check_case(dims, kw, precision, smoke, impl=BACKEND):
+  """({name: max rel err}, tol, deterministic) of one correctness case through `impl`."""
   dtype = jnp.dtype(dims["dtype"])
   (q, k, v), (tq, tk, tv), w_out, w_lse, kt = _inputs(
       0, *(dims[x] for x in ("B", "H", "Hkv", "Sq", "Skv", "D", "Dv")), dtype)
   diff, fixed = _diff_args(kw)
   tdiff = {n: jax.random.normal(jax.random.fold_in(kt, i), a.shape, a.dtype)
            for i, (n, a) in enumerate(sorted(diff.items()))}
-  f = jax.jit(_checked_fn(BACKEND, fixed, smoke, w_out, w_lse))
+  f = jax.jit(_checked_fn(impl, fixed, smoke, w_out, w_lse))
   with jax.default_matmul_precision(precision or "default"):
     res = f(q, k, v, diff, tq, tk, tv, tdiff)
     res2 = f(q, k, v, diff, tq, tk, tv, tdiff)
-    tol = _check.tolerance(dtype, BACKEND, precision=precision or "default")
+    tol = _check.tolerance(dtype, impl, precision=precision or "default")
   deterministic = all(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
                       for a, b in zip(jax.tree_util.tree_leaves(res),
                                       jax.tree_util.tree_leaves(res2)))
@@ -537,7 +653,8 @@ def check_case(dims, kw, precision, smoke):
 
 def run_correctness_row(run: Run, row: Row) -> dict:
   a = row.args
-  errors, tol, det = check_case(a["dims"], a["kw"], a["precision"], run.smoke)
+  errors, tol, det = check_case(a["dims"], a["kw"], a["precision"], run.smoke,
+                                a.get("impl", BACKEND))
   passed = all(e <= tol for e in errors.values()) and det
   worst = max(errors, key=errors.get)
   return dict(status="PASS" if passed else "FAIL", dtype=a["dims"]["dtype"],
@@ -585,6 +702,9 @@ def _blocks_fn(causal, interpret, blocks: _config.BlockSizes):
 
 def make_fn(impl, causal, smoke, blocks=None):
   """f(q, k, v) in that implementation's native layout; returns (f, layout)."""
+  if impl == "mosaic":
+    return (lambda q, k, v: flashvjp.flash_attention(
+        q, k, v, causal=causal, implementation=MOSAIC, interpret=smoke)), "BHSD"
   if impl == "flashvjp":
     if blocks is not None:
       return _blocks_fn(causal, smoke, blocks), "BHSD"
@@ -654,16 +774,18 @@ def run_timing_row(run: Run, row: Row) -> dict:
                          run.smoke), a["B"], a["H"], a["S"], a["D"], a["causal"], a["mode"])
   res.update(impl=a["impl"], B=a["B"], H=a["H"], S=a["S"], D=a["D"], causal=a["causal"],
              mode=a["mode"], dtype="bfloat16")
-  # Ratios against the baselines measured in this run at the same (S, D, causal, mode).
-  same = [r for r in run.data["rows"] if r.get("part") == "timing" and r.get("status") == "timed"
+  # Ratios against the baselines measured in this run (same part) at the same shape.
+  same = [r for r in run.data["rows"] if r.get("part") == row.part and r.get("status") == "timed"
           and (r["S"], r["D"], r["causal"], r["mode"]) == (a["S"], a["D"], a["causal"], a["mode"])]
+  bases = (("cudnn", "cudnn"), ("xla", "xla"), ("triton", "flashvjp"))
   for r in same + [res]:
-    for base in ("cudnn", "xla"):
+    for name, base in bases:
       b = next((x for x in same + [res] if x["impl"] == base), None)
-      if b is not None:
-        r[f"vs_{base}"] = round(b["ms"] / r["ms"], 3)  # > 1: faster than the baseline
+      if b is not None and (name != "triton" or r["impl"] == "mosaic"):
+        r[f"vs_{name}"] = round(b["ms"] / r["ms"], 3)  # > 1: faster than the baseline
   res["summary"] = f"{res['ms']} ms, {res['tflops']} TFLOP/s" + "".join(
-      f", x{res[k]} vs {k[3:]}" for k in ("vs_cudnn", "vs_xla") if k in res and a["impl"] != k[3:])
+      f", x{res[k]} vs {k[3:]}" for k in ("vs_cudnn", "vs_xla", "vs_triton")
+      if k in res and a["impl"] != dict(bases)[k[3:]])
   return res
 
 
