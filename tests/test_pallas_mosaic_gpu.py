@@ -88,16 +88,18 @@ CASES = {
                               dict(dropout_rate=0.2, segments=([[50]], [[30]])), {}),
     # bias: a full block per ring slot, a per-key vector per slot, a per-query vector
     "bias_full_causal": (2, 2, 1, 130, 130, 64, jnp.bfloat16,
-                         dict(causal=True, bias=(2, 2, 130, 130)), {}),
+                         dict(causal=True, bias=(2, 2, 130, 130)), dict(slots=2)),
     "bias_2d_f32_d128": (1, 1, 1, 100, 130, 128, jnp.float16, dict(bias=(1, 1, 100, 130),
                                                                    bias_dtype=jnp.float32), {}),
     "bias_head_kv_segments": (2, 2, 1, 130, 130, 64, jnp.bfloat16,
-                              dict(bias=(1, 2, 1, 130), segments=([[70], [20, 90]], None)), {}),
+                              dict(bias=(1, 2, 1, 130), segments=([[70], [20, 90]], None)),
+                              dict(slots=2)),
     "bias_per_query_window": (1, 2, 1, 200, 200, 64, jnp.float16,
                               dict(bias=(1, 2, 200, 1), window=(40, 40)), {}),
     # dense masks (bfloat16 0 / 1 blocks in the ring, vectors): rows 3 and 40-43 of batch 1
-    # attend nothing (empty rows); per-key and per-query masks with causal
-    "mask_full": (2, 2, 1, 100, 120, 64, jnp.bfloat16, dict(mask="full"), {}),
+    # attend nothing (empty rows); per-key and per-query masks with causal. Rings of 2
+    # slots for more kv blocks than slots: side data (ids, bias, mask) is refilled too
+    "mask_full": (2, 2, 1, 100, 200, 64, jnp.bfloat16, dict(mask="full"), dict(slots=2)),
     "mask_per_key_causal_d128": (1, 2, 1, 130, 130, 128, jnp.float16,
                                  dict(mask="per_key", causal=True), {}),
     "mask_per_query_bias": (1, 2, 1, 90, 90, 64, jnp.bfloat16,
@@ -175,6 +177,30 @@ def test_interpreter_reports_a_removed_barrier_wait(skip, consumers):
   assert raised is not None or races, f"removing the {skip} wait went unnoticed"
   if raised is not None:
     assert "RACE" in str(raised) or "arrier" in str(raised), str(raised)[:2000]
+
+
+@pytest.mark.parametrize("side", ["segments", "bias", "mask"])
+def test_interpreter_reports_a_removed_side_data_fence(side):
+  """The generic loads of a slot's kv ids / bias block / mask block must be fenced
+  (commit_smem) before the slot is released to the TMA refill: without it, a race."""
+  q, k, v = _util.random_qkv(1, 1, 1, 1, 128, 256, 64, dtype=jnp.bfloat16)
+  cfg = _cfg(128, 256, 64)
+  kw = {"segments": dict(q_seg=jnp.zeros((1, 128), jnp.int32),
+                         kv_seg=jnp.zeros((1, 256), jnp.int32)),
+        "bias": dict(bias=jnp.zeros((1, 1, 128, 256), jnp.bfloat16)),
+        "mask": dict(mask=jnp.ones((1, 1, 128, 256), bool))}[side]
+  args = dict(dict(bias=None, mask=None, q_seg=None, kv_seg=None), **kw)
+  _compat.reset_interpret_state()
+  raised = None
+  try:
+    out, _ = _forward(cfg, q, k, v, args["bias"], args["mask"], args["q_seg"], args["kv_seg"],
+                      None, (), block_kv=64, slots=2, _skip_wait="side_fence")
+    out.block_until_ready()
+  except Exception as e:
+    raised = e
+  races = _compat.interpret_races_found()
+  _compat.reset_interpret_state()
+  assert raised is not None or races, f"removing the {side} fence went unnoticed"
 
 
 def test_dropout_at_global_offsets():

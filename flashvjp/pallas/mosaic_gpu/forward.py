@@ -63,9 +63,12 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 # One consumer warpgroup owns 64 query rows (the M of one wgmma).
 ROWS_PER_WARPGROUP = 64
-# The barrier waits a test may remove to check that the interpreter catches the race
-# (`_build(..., skip_wait=...)`; never set outside tests).
-SKIPPABLE_WAITS = ("k_loaded", "v_loaded", "k_consumed", "v_consumed", "q_loaded")
+# The barrier waits (and the fence) a test may remove to check that the interpreter catches
+# the race (`_build(..., skip_wait=...)`; never set outside tests). "side_fence": the proxy
+# fence between the generic loads of a slot's side data (kv ids, bias / mask blocks) and
+# the slot's release to the TMA producer.
+SKIPPABLE_WAITS = ("k_loaded", "v_loaded", "k_consumed", "v_consumed", "q_loaded",
+                   "side_fence")
 # setmaxnreg with two consumer warpgroups (3 x 128 threads share 64K registers): the
 # consumers get what the TMA producer gives up (2 x 232 + 40 <= 512 per thread slot).
 CONSUMER_REGISTERS = 232
@@ -317,8 +320,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       dense = None if mask is None else pair_value("mask") != 0.0
       if segments:
         kv_seg = mg.load(R["kseg_s"].at[slot], layout=_compat.wgmma_col_layout())  # [bk]
-      if late_release:  # the slot's side data is read: fence it against the TMA refill
-        mg.commit_smem()
+      if late_release and skip_wait != "side_fence":
+        mg.commit_smem()  # the slot's side data is read: fence it against the TMA refill
       mg.barrier_arrive(R["k_free"].at[slot])
       if masked_step:
         qi = r * rows + _compat.wgmma_iota((rows, bk), 0)
