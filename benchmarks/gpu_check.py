@@ -40,8 +40,8 @@ still leaves its results):
 4. (gpu_check.sh, after this script) the sm_90a compile check with the GPU image's Triton,
    compared with the CI's pip-Triton figures (benchmarks/results/triton_sm90.json).
 
-The run keeps to --budget-s: part 0 must end by 30% of it (its correctness by 15%), part 1
-by 50%, part 2 by 85%, part 3 by 100%
+The run keeps to --budget-s: part 0 must end by 36% of it (its correctness by 18%), part 1
+by 55%, part 2 by 85%, part 3 by 100%
 (time a part leaves unused goes to the next). A row starts only if its estimated seconds fit
 before its part's deadline; what was skipped, and why, is recorded. Estimates are a model
 (compile + run at assumed rates) unless a previous GPU run's results file holds the row's
@@ -89,7 +89,7 @@ IMPLS = ("flashvjp", "cudnn", "xla", "jax_pallas_mha")
 MOSAIC_IMPLS = ("mosaic", "flashvjp", "cudnn")  # part 0's timing: the family, Triton, cuDNN
 MODES = ("fwd", "fwd+bwd", "jvp")
 JVP_IMPLS = ("flashvjp", "xla")  # cuDNN and JAX's mha are custom_vjp: no forward mode
-PART_DEADLINES = {"mosaic_correctness": 0.15, "mosaic_timing": 0.30, "correctness": 0.50,
+PART_DEADLINES = {"mosaic_correctness": 0.18, "mosaic_timing": 0.36, "correctness": 0.55,
                   "timing": 0.85, "sweep": 1.00}  # share of the budget
 DEFAULT_BUDGET_S = 360.0  # gpu_check.sh gives the compile check the rest of 480 s
 TOTAL_S = 480  # gpu_check.sh: this script + the compile check (about 8 minutes)
@@ -854,6 +854,21 @@ def run_table_row(run: Run, row: Row) -> dict:
 
 # ---- report --------------------------------------------------------------------------------
 
+def _correctness_table(rows, part, prefix) -> list:
+  lines = ["| case | dtype | precision | status | deterministic | max rel err | tol | s |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    if r["part"] != part:
+      continue
+    errs = r.get("errors")
+    errs = ", ".join(f"{k} {v:.2g}" for k, v in errs.items()) if errs else \
+        r.get("error") or r.get("summary", "")
+    lines.append(f"| {r['key'][len(prefix):]} | {r.get('dtype', '')} | "
+                 f"{r.get('precision') or ''} | {r['status']} | {r.get('deterministic', '')} | "
+                 f"{errs} | {r.get('tol', '')} | {r['seconds']} |")
+  return lines
+
+
 def markdown(d) -> str:
   m = d["machine"]
   rows = d["rows"]
@@ -863,19 +878,26 @@ def markdown(d) -> str:
            f" jaxlib {m['jaxlib']}, triton {m['triton']}, python {m['python']}; "
            f"{d.get('elapsed_s', '?')} s of a {d['budget_s']:.0f} s budget "
            f"(part deadlines {d['part_deadlines_s']}); {len(rows)} of {d['planned']} planned rows"
-           f" ran. Float32 precisions: {', '.join(d['precisions'])}.",
-           "", "## 1. Correctness (compiled Pallas-Triton kernels vs float64 naive)", "",
-           "| case | dtype | precision | status | deterministic | max rel err | tol | s |",
-           "|---|---|---|---|---|---|---|---|"]
-  for r in rows:
-    if r["part"] != "correctness":
-      continue
-    errs = r.get("errors")
-    errs = ", ".join(f"{k} {v:.2g}" for k, v in errs.items()) if errs else \
-        r.get("error") or r.get("summary", "")
-    lines.append(f"| {r['key'][len('correctness '):]} | {r.get('dtype', '')} | "
-                 f"{r.get('precision') or ''} | {r['status']} | {r.get('deterministic', '')} | "
-                 f"{errs} | {r.get('tol', '')} | {r['seconds']} |")
+           f" ran. Float32 precisions: {', '.join(d['precisions'])}."]
+  mosaic = [r for r in rows if r["part"].startswith("mosaic")]
+  if mosaic:
+    lines += ["", "## 0. The Mosaic-GPU family (pallas_mosaic_gpu)", ""]
+    lines += _correctness_table(rows, "mosaic_correctness", "mosaic correctness ")
+    lines += ["", "| S | D | causal | mode | Mosaic TFLOP/s | Triton TFLOP/s | cuDNN TFLOP/s | "
+              "Mosaic vs Triton | Mosaic vs cuDNN |", "|---|---|---|---|---|---|---|---|---|"]
+    groups = {}
+    for r in mosaic:
+      if r["part"] == "mosaic_timing" and "impl" in r:
+        groups.setdefault((r["S"], r["D"], r["causal"], r["mode"]), {})[r["impl"]] = r
+    for (S, D, causal, mode), by in groups.items():
+      tf = lambda i, by=by: by[i].get("tflops", by[i]["status"]) if i in by else ""
+      m = by.get("mosaic", {})
+      lines.append(f"| {S} | {D} | {causal} | {mode} | {tf('mosaic')} | {tf('flashvjp')} | "
+                   f"{tf('cudnn')} | {m.get('vs_triton', '')} | {m.get('vs_cudnn', '')} |")
+    lines += ["", f"Verdict per class (valid and faster than Pallas-Triton): "
+              f"{d.get('mosaic_verdict') or 'none (no Mosaic timing ran)'}"]
+  lines += ["", "## 1. Correctness (compiled Pallas-Triton kernels vs float64 naive)", ""]
+  lines += _correctness_table(rows, "correctness", "correctness ")
   lines += ["", "## 2. Timing (bfloat16; TFLOP/s, FlashAttention convention, jvp = 3x forward;"
             " ratio = baseline time / flashvjp time, > 1: flashvjp faster)", "",
             "| S | D | causal | mode | B x H | flashvjp | cuDNN | xla | JAX Pallas mha | "
@@ -928,7 +950,8 @@ def main(argv=None):
   p.add_argument("--cpu-smoke", action="store_true", help="interpret mode, tiny shapes, on CPU")
   p.add_argument("--dry-run", action="store_true",
                  help="print the plan (rows, shapes, estimated seconds, total vs budget); run nothing")
-  p.add_argument("--skip", nargs="*", default=[], choices=["correctness", "timing", "bench", "sweep"])
+  p.add_argument("--skip", nargs="*", default=[],
+                 choices=["mosaic", "correctness", "timing", "bench", "sweep"])
   p.add_argument("--out", default=None, help="results file prefix (default gpu_check, "
                                              "gpu_check_smoke with --cpu-smoke)")
   p.add_argument("--results-dir", default=None, help="default benchmarks/results "
@@ -961,15 +984,16 @@ def main(argv=None):
   run = Run(args.budget_s, smoke, out_dir, prefix, plan)
   print(f"jax {jax.__version__} on {run.data['machine']['device_kind']}; {len(plan.rows)} rows "
         f"planned, budget {args.budget_s:.0f} s", flush=True)
-  if "correctness" not in skip:
-    # float64 references on the host; the kernels' inputs stay bf16/f16/f32. Timing and the
-    # sweep run without x64, as users do (JAX's own mha breaks under x64).
-    jax.config.update("jax_enable_x64", True)
-  try:
-    execute(run, _part(plan, "correctness"))
-  finally:
-    jax.config.update("jax_enable_x64", False)
-  execute(run, _part(plan, "timing", "sweep"))
+  # float64 references on the host; the kernels' inputs stay bf16/f16/f32. Timing and the
+  # sweep run without x64, as users do (JAX's own mha breaks under x64).
+  for parts, x64 in ((("mosaic_correctness",), True), (("mosaic_timing",), False),
+                     (("correctness",), True), (("timing", "sweep"), False)):
+    jax.config.update("jax_enable_x64", x64)
+    try:
+      execute(run, _part(plan, *parts))
+    finally:
+      jax.config.update("jax_enable_x64", False)
+  run.data["mosaic_verdict"] = mosaic_verdict(run.data["rows"])
   run.save()
   counts = {}
   for r in run.data["rows"]:
