@@ -69,14 +69,14 @@ def _run(cfg, q, k, v, do, dlse, out, lse, segs=(None, None), seed=None, mask=No
 
 CASES = {
     # name: (B, H, Hkv, Sq, Skv, D, dtype, causal, window, with dlse)
-    "plain_d64": (1, 2, 2, 128, 128, 64, jnp.bfloat16, False, None, False),
+    "plain_d64": (1, 1, 1, 128, 128, 64, jnp.bfloat16, False, None, False),
     "causal_gqa_ragged_dlse": (1, 4, 2, 200, 136, 64, jnp.bfloat16, True, None, True),
     "window_mqa_d128_f16": (1, 2, 1, 96, 160, 128, jnp.float16, False, (40, 10), False),
     "causal_d128_full_blocks": (1, 2, 1, 192, 192, 128, jnp.bfloat16, True, None, False),
     "padded_head_batch": (2, 1, 1, 130, 70, 80, jnp.bfloat16, False, None, True),
     "causal_kv_blocks_unseen": (1, 1, 1, 64, 192, 64, jnp.float16, True, None, False),
     "empty_rows": (1, 2, 1, 128, 128, 64, jnp.bfloat16, False, (None, -70), True),
-    "mqa_h4_window_causal": (1, 4, 1, 160, 160, 64, jnp.bfloat16, True, (70, None), False),
+    "mqa_h4_window_causal": (1, 4, 1, 130, 130, 64, jnp.bfloat16, True, (70, None), False),
 }
 
 
