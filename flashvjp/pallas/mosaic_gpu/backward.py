@@ -302,15 +302,17 @@ def _dscores(p, dp, delta, ok, m, sm_vjp):
   return ds
 
 
-def _mm_t(shape, a, b):
-  """a @ b^T on the tensor cores (SS-wgmma, both operands in SMEM), read back: [M, N]."""
+def _mm_t2(shape, a1, b1, a2, b2):
+  """(a1 @ b1^T, a2 @ b2^T) on the tensor cores (SS-wgmma, operands in SMEM), both issued
+  before either is read back (one wgmma wait for the two): [M, N] each."""
   plgpu = _compat.plgpu()
 
-  def body(acc):
-    plgpu.wgmma(acc, a, b.T)
-    return acc[...]
+  def body(acc1, acc2):
+    plgpu.wgmma(acc1, a1, b1.T)
+    plgpu.wgmma(acc2, a2, b2.T)
+    return acc1[...], acc2[...]
 
-  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
 
 def _wait_loaded(loaded, slot):
@@ -471,8 +473,7 @@ def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
         slot = lax.rem(t, _i32(_STAGES))
         q_s, do_s = rs["q"].at[slot], rs["do"].at[slot]
         _wait_loaded(loaded, slot)
-        sT = _mm_t(shape, k_smem, q_s)
-        dpT = _mm_t(shape, v_smem, do_s)
+        sT, dpT = _mm_t2(shape, k_smem, q_s, v_smem, do_s)
         lse2 = per_q(plgpu.load(rs["lse"].at[slot], layout=col))
         delta = per_q(plgpu.load(rs["delta"].at[slot], layout=col))
         v = dict(vecs)
@@ -579,8 +580,7 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
         slot = lax.rem(j - lo, _i32(_STAGES))
         k_s, v_s = rs["k"].at[slot], rs["v"].at[slot]
         _wait_loaded(loaded, slot)
-        s = _mm_t(shape, q_smem, k_s)
-        dp = _mm_t(shape, do_smem, v_s)
+        s, dp = _mm_t2(shape, q_smem, k_s, do_smem, v_s)
         v = dict(vecs)
         if "kv_seg" in rs:
           v["kv_seg"] = lax.broadcast_in_dim(plgpu.load(rs["kv_seg"].at[slot], layout=col),
