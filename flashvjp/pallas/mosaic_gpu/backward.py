@@ -58,9 +58,11 @@ are not read (no block skipped by the mask_mod yet).
 
 Blocks: block_kv = 64 (one wgmma M tile per compute warpgroup), block_q = 64 for dQ and
 for dK/dV up to head dim 64 without a score_mod, 32 otherwise (`_dkdv_block_q`:
-registers). The caller's cfg.blocks are not read yet. sm_90a ptxas (tests): 0 spills for
-every feature alone and for segment ids + dropout + mask + bias + offsets at head dim 128;
-a score_mod together with dropout at head dim 128 spills (dK/dV 80 B, dQ 48 B with a bias).
+registers). The caller's cfg.blocks are not read yet. sm_90a ptxas (causal GQA bf16,
+S=1024): 0 spills for each feature alone, for segment ids + dropout + mask + bias + offsets
+at head dim 128 and for score_mod + bias + mask_mod at 64 and 128; a score_mod together with
+dropout at head dim 128 spills (with a bias: dK/dV 16 B, dQ 44 B; every feature at once:
+dK/dV 48 B).
 
 Supported: bfloat16 / float16 inputs (float32 accumulation), head dims <= 128 (padded with
 zeros to a multiple of 64), GQA / MQA, causal, window, segment ids, a dense mask, a bias
