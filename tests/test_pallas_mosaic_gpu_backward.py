@@ -4,9 +4,13 @@ dq, dk, dv of `flashvjp.pallas.mosaic_gpu.backward` against autodiff of float64 
 attention (the forward residuals out / lse come from that float64 reference, so these
 tests need no Mosaic-GPU forward), for plain, causal, window, GQA / MQA, head dims 64 / 128
 (and a padded 80), sequence lengths that are not multiples of the 64-blocks, an lse
-cotangent, empty rows and kv blocks no query sees. Every run asserts that the interpreter
-found no race. Mutation tests remove one synchronisation step each (test-only flag) and
-assert that the interpreter reports it. Unsupported features are refused by name.
+cotangent, empty rows and kv blocks no query sees; then segment ids, a dense mask, a bias
+with dbias, dropout (and its hash split), Dv != D under jit, global offsets (ring chunk
+pairs), a score_mod with a differentiable const, a mask_mod, determinism. Every run asserts
+that the interpreter found no race. Mutation tests remove one synchronisation step each
+(test-only flag) and assert that the interpreter reports it. What is not supported is
+refused by name. A deviceless sm_90a compile (the CUDA plugin's Mosaic compiler and ptxas,
+no GPU) checks for register spills and shared memory.
 """
 import dataclasses
 import os
