@@ -52,22 +52,27 @@ and travel like lse; the kernels finish the hash per element (`_keep`).
 score_mod: split by `C.split_per_head` as in the Triton family; its per-(b, h) residuals
 must be scalars (softcap, ALiBi slopes) and travel as per-row words like lse, with the
 global q index and the kv offset; the tile part and its vjp run per tile in the kernels.
-Differentiable score_mod consts are refused. mask_mod: likewise (`C.split_mask_mod`), its
+Differentiable score_mod consts: the dQ kernel sums each differentiable residual's
+per-element gradient over its kv tiles into per-row partials ([B, H, Sq], TMA); XLA sums
+the rows and maps them to the consts (`HeadSplit.to_consts`). mask_mod: likewise (`C.split_mask_mod`), its
 tile part evaluated at clamped global positions on every visited block; its block classes
 are not read (no block skipped by the mask_mod yet).
 
 Blocks: block_kv = 64 (one wgmma M tile per compute warpgroup), block_q = 64 for dQ and
 for dK/dV up to head dim 64 without a score_mod, 32 otherwise (`_dkdv_block_q`:
-registers). The caller's cfg.blocks are not read yet. sm_90a ptxas (tests): 0 spills for
-every feature alone and for segment ids + dropout + mask + bias + offsets at head dim 128;
-a score_mod together with dropout at head dim 128 spills (dK/dV 80 B, dQ 48 B with a bias).
+registers). The caller's cfg.blocks are not read yet. sm_90a ptxas (causal GQA bf16,
+S=1024): 0 spills for each feature alone, for segment ids + dropout + mask + bias + offsets
+at head dim 128 and for score_mod + bias + mask_mod at 64 and 128 (before the score_mod's
+consts were differentiable); at head dim 128 a score_mod spills with dropout (with a bias:
+dK/dV 16 B, dQ 44 B; every feature at once: dK/dV 48 B), and the dQ kernel with a
+differentiable score_mod const alone (4 B).
 
 Supported: bfloat16 / float16 inputs (float32 accumulation), head dims <= 128 (padded with
 zeros to a multiple of 64), GQA / MQA, causal, window, segment ids, a dense mask, a bias
 and dbias, dropout, any sequence lengths (padded to whole 64-blocks), a cotangent on lse
 (folded into delta), global offsets (a ring chunk pair: dropout and the score_mod read
-them), a score_mod and a mask_mod with scalar per-head residuals. Not yet: differentiable
-score_mod consts, per-head array residuals; `backward` refuses them by name before any
+them), a score_mod (with differentiable consts) and a mask_mod with scalar per-head
+residuals. Not yet: per-head array residuals; `backward` refuses them by name before any
 kernel runs.
 """
 from __future__ import annotations
@@ -224,20 +229,18 @@ def _smem(shape, dtype, minor):
   return _compat.plgpu().SMEM(shape, dtype, transforms=_compat.mma_transforms(dtype, minor))
 
 
-def _visit(run, lo, hi, full, masked_any):
-  """`run(start, stop, masked)` over [lo, hi): unmasked inside `full`, masked outside
-  (`full` None: every block masked)."""
+def _visit(run, lo, hi, full, masked_any, carry=None):
+  """`run(start, stop, masked, carry) -> carry` over [lo, hi): unmasked inside `full`,
+  masked outside (`full` None: every block masked)."""
   if not masked_any:
-    run(lo, hi, False)
-    return
+    return run(lo, hi, False, carry)
   if full is None:
-    run(lo, hi, True)
-    return
+    return run(lo, hi, True, carry)
   f_lo = jnp.clip(full[0], lo, hi)
   f_hi = jnp.clip(full[1], f_lo, hi)
-  run(lo, f_lo, True)
-  run(f_lo, f_hi, False)
-  run(f_hi, hi, True)
+  carry = run(lo, f_lo, True, carry)
+  carry = run(f_lo, f_hi, False, carry)
+  return run(f_hi, hi, True, carry)
 
 
 def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
@@ -245,7 +248,8 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
   indices and the per-row / per-column vectors `v` (segment ids, dropout and score_mod
   words) already broadcast to the tile): the probabilities, the mask (None when not
   `masked`), the dropout multiplier (None without dropout) and the score_mod's vjp (None
-  without one: d(modded score) -> d(score before the mod))."""
+  without one: d(modded score) -> (d(score before the mod), d(differentiable residual
+  tiles)...))."""
   f32 = jnp.float32
   ok = None
   if masked:
@@ -275,7 +279,9 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
     # its b, h arguments), which arrive as tiles (one word per row, broadcast) and are
     # vectorised over like the indices.
     mod = jnp.vectorize(lambda x, q_, k_, *r: cfg.score_mod(x, 0, 0, q_, k_, *r))
-    st, sm_vjp = jax.vjp(lambda x: mod(x, v["qg"], kv_g, *res), st)
+    n_diff = cfg.num_diff_consts  # the first n_diff residuals take gradients (per element)
+    st, sm_vjp = jax.vjp(lambda x, *r: mod(x, v["qg"], kv_g, *r, *res[n_diff:]), st,
+                         *res[:n_diff])
     d = st * f32(LOG2E) - lse2
   if ok is not None:
     d = jnp.where(ok, d, C.mask_value(f32))
@@ -288,8 +294,9 @@ def _num_res(v, prefix) -> int:
 
 
 def _dscores(p, dp, delta, ok, m, sm_vjp):
-  """dL/d(score) of one tile (score = scale * q k + bias, before any score_mod: multiply by
-  the scale for dL/d(q k)) from `_probs` and dp = dO v."""
+  """(ds, dres) of one tile: dL/d(score) (score = scale * q k + bias, before any score_mod:
+  multiply by the scale for dL/d(q k)) from `_probs` and dp = dO v, and the tiles of
+  dL/d(differentiable score_mod residual) (a tuple, empty without)."""
   f32 = jnp.float32
   if m is not None:
     dp = dp * m
@@ -297,20 +304,23 @@ def _dscores(p, dp, delta, ok, m, sm_vjp):
   if ok is not None:
     # A select, not p * (...): a masked entry contributes exactly nothing.
     ds = jnp.where(ok, ds, f32(0.0))
-  if sm_vjp is not None:
-    (ds,) = sm_vjp(ds)
-  return ds
+  if sm_vjp is None:
+    return ds, ()
+  ds, *dres = sm_vjp(ds)
+  return ds, tuple(dres)
 
 
-def _mm_t(shape, a, b):
-  """a @ b^T on the tensor cores (SS-wgmma, both operands in SMEM), read back: [M, N]."""
+def _mm_t2(shape, a1, b1, a2, b2):
+  """(a1 @ b1^T, a2 @ b2^T) on the tensor cores (SS-wgmma, operands in SMEM), both issued
+  before either is read back (one wgmma wait for the two): [M, N] each."""
   plgpu = _compat.plgpu()
 
-  def body(acc):
-    plgpu.wgmma(acc, a, b.T)
-    return acc[...]
+  def body(acc1, acc2):
+    plgpu.wgmma(acc1, a1, b1.T)
+    plgpu.wgmma(acc2, a2, b2.T)
+    return acc1[...], acc2[...]
 
-  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
 
 def _wait_loaded(loaded, slot):
@@ -363,7 +373,7 @@ def _operands(kind, arrays):
   return kv_side + pairs, q_side
 
 
-def _scratch(kind, arrays, ring, resident, g: _Geo):
+def _scratch(kind, arrays, ring, resident, g: _Geo, n_diff=0):
   """SMEM (rings [_STAGES, ...] then resident buffers, then P / dS tiles) and barriers."""
   plgpu = _compat.plgpu()
   rows = {"dkdv": (g.bq, g.bk), "dq": (g.bk, g.bq)}[kind]  # (ring block, resident block)
@@ -383,6 +393,8 @@ def _scratch(kind, arrays, ring, resident, g: _Geo):
   tile_bufs = tuple(_smem(tile, dt, minor) for _ in range(tiles))
   if kind == "dq" and "bias" in arrays:  # dS in float32 on its way to the dbias output
     tile_bufs += (plgpu.SMEM(tile, jnp.float32),)
+  if kind == "dq":  # per-row partial d(residual) of the score_mod, on their way out
+    tile_bufs += tuple(plgpu.SMEM((g.bq,), jnp.float32) for _ in range(n_diff))
   smem = (tuple(buf(n, rows[0], (_STAGES,)) for n in ring),
           tuple(buf(n, rows[1]) for n in resident), tile_bufs)
   return (smem, tuple(plgpu.Barrier(num_barriers=_STAGES) for _ in ring),
@@ -471,8 +483,7 @@ def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
         slot = lax.rem(t, _i32(_STAGES))
         q_s, do_s = rs["q"].at[slot], rs["do"].at[slot]
         _wait_loaded(loaded, slot)
-        sT = _mm_t(shape, k_smem, q_s)
-        dpT = _mm_t(shape, v_smem, do_s)
+        sT, dpT = _mm_t2(shape, k_smem, q_s, v_smem, do_s)
         lse2 = per_q(plgpu.load(rs["lse"].at[slot], layout=col))
         delta = per_q(plgpu.load(rs["delta"].at[slot], layout=col))
         v = dict(vecs)
@@ -485,7 +496,7 @@ def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
           v["bias"] = plgpu.load(rs["biasT"].at[slot], layout=wgmma_layout, optimized=False)
         pT, ok, m, sm_vjp = _probs(cfg, sT, lse2, i * g.bq + q_iota, kv_idx, masked, v)
         p_smem[...] = (pT if m is None else pT * m).astype(p_smem.dtype)  # dropped out
-        dsT = _dscores(pT, dpT, delta, ok, m, sm_vjp)
+        dsT, _ = _dscores(pT, dpT, delta, ok, m, sm_vjp)
         ds_smem[...] = (dsT * jnp.float32(cfg.scale)).astype(ds_smem.dtype)
         if not _mutated("skip_lse_fence"):
           # Orders this thread's generic SMEM accesses (the lse / delta / per-q vector loads,
@@ -500,11 +511,11 @@ def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
       def group(gi, carry):
         base = gi * n - lo  # step index t = base + i
 
-        def run(start, stop, masked):
+        def run(start, stop, masked, carry):
           def body(i, c):
             step(base + i, i, masked)
             return c
-          lax.fori_loop(start, stop, body, None)
+          return lax.fori_loop(start, stop, body, carry)
 
         # no FULL blocks by the static bounds alone
         elementwise = "q_seg" in rs or "maskT" in rs or cfg.mask_mod is not None
@@ -533,10 +544,14 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
   wgmma_layout, row, col = _compat.layouts()
   r = dict(zip(names, refs))
   has_bias = "bias" in r
+  n_diff = cfg.num_diff_consts if cfg.score_mod is not None else 0
   dq_ref = refs[len(names)]
   dbias_ref = refs[len(names) + 1] if has_bias else None
-  (ring_smem, res_smem, tiles), loaded, free, res_bars = refs[len(names) + 1 + has_bias:]
+  dres_refs = refs[len(names) + 1 + has_bias:len(names) + 1 + has_bias + n_diff]
+  (ring_smem, res_smem, tiles), loaded, free, res_bars = refs[len(names) + 1 + has_bias
+                                                              + n_diff:]
   ds_smem = tiles[0]
+  dres_smem = tiles[1 + has_bias:]
   rs = dict(zip(ring, ring_smem))
   res = dict(zip(resident, res_smem))
   b, h, i = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
@@ -575,12 +590,11 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
     kv_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
 
     def scope(dq_acc):
-      def step(j, masked):
+      def step(j, masked, dres_rows):
         slot = lax.rem(j - lo, _i32(_STAGES))
         k_s, v_s = rs["k"].at[slot], rs["v"].at[slot]
         _wait_loaded(loaded, slot)
-        s = _mm_t(shape, q_smem, k_s)
-        dp = _mm_t(shape, do_smem, v_s)
+        s, dp = _mm_t2(shape, q_smem, k_s, do_smem, v_s)
         v = dict(vecs)
         if "kv_seg" in rs:
           v["kv_seg"] = lax.broadcast_in_dim(plgpu.load(rs["kv_seg"].at[slot], layout=col),
@@ -590,7 +604,8 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
         if has_bias:
           v["bias"] = plgpu.load(rs["bias"].at[slot], layout=wgmma_layout, optimized=False)
         p, ok, m, sm_vjp = _probs(cfg, s, lse2, q_idx, j * g.bk + kv_iota, masked, v)
-        ds = _dscores(p, dp, delta, ok, m, sm_vjp)
+        ds, dres = _dscores(p, dp, delta, ok, m, sm_vjp)
+        dres_rows = tuple(a + jnp.sum(t, axis=1) for a, t in zip(dres_rows, dres))
         if has_bias:
           # dL/d(bias) of this tile: the score gradient itself, out through SMEM by TMA (its
           # previous tile's store must have read the buffer first).
@@ -606,23 +621,26 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
         plgpu.wgmma(dq_acc, ds_smem, k_s)
         plgpu.wgmma_wait(0)  # the slot's K / V are read: hand it back
         plgpu.barrier_arrive(free.at[slot])
+        return dres_rows
 
-      def run(start, stop, masked):
-        def body(j, c):
-          step(j, masked)
-          return c
-        lax.fori_loop(start, stop, body, None)
+      def run(start, stop, masked, carry):
+        return lax.fori_loop(start, stop, lambda j, c: step(j, masked, c), carry)
 
       # no FULL blocks by the static bounds alone
       elementwise = "q_seg" in res or "mask" in rs or cfg.mask_mod is not None
       full = None if elementwise else spec.full_kv_block_range(i, g.bq, g.bk)
-      _visit(run, lo, hi, full, masked_any)
-      return dq_acc[...]
+      zero = plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), row)
+      dres_rows = _visit(run, lo, hi, full, masked_any, (zero,) * n_diff)
+      return dq_acc[...], dres_rows
 
-    dq = pl.run_scoped(scope, plgpu.ACC((g.bq, g.Dp), jnp.float32))
+    dq, dres_rows = pl.run_scoped(scope, plgpu.ACC((g.bq, g.Dp), jnp.float32))
     q_smem[...] = dq.astype(q_smem.dtype)
+    for buf, x in zip(dres_smem, dres_rows):  # per-row partial d(residual)
+      buf[...] = x
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, rows, :])
+    for buf, ref in zip(dres_smem, dres_refs):
+      plgpu.copy_smem_to_gmem(buf, ref.at[b, h, rows])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -634,6 +652,7 @@ def _launch(kind, cfg, g: _Geo, arrays, masked_any):
   ring, resident = _operands(kind, {n.rstrip("T"): x for n, x in arrays.items()})
   names = list(arrays)
   dt = arrays["q"].dtype
+  n_diff = cfg.num_diff_consts if cfg.score_mod is not None else 0
   out_type: object
   if kind == "dkdv":
     body, grid, grid_names = _dkdv_kernel, (g.B, g.Hkv, g.nk), ("b", "h", "kv")
@@ -642,13 +661,17 @@ def _launch(kind, cfg, g: _Geo, arrays, masked_any):
   else:
     body, grid, grid_names = _dq_kernel, (g.B, g.H, g.nq), ("b", "h", "q")
     out_type = jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dp), dt)
+    outs = [out_type]
     if "bias" in arrays:  # dL/d(score) of every visited tile, [B, H, Sqp, Skvp] float32
-      out_type = (out_type, jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Skvp), jnp.float32))
+      outs.append(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Skvp), jnp.float32))
+    # per-row partial d(residual) of each differentiable score_mod residual, [B, H, Sqp]
+    outs += [jax.ShapeDtypeStruct((g.B, g.H, g.Sqp), jnp.float32)] * n_diff
+    out_type = tuple(outs) if len(outs) > 1 else out_type
   kernel = plgpu.kernel(
       functools.partial(body, cfg=cfg, g=g, masked_any=masked_any, names=names, ring=ring,
                         resident=resident),
       out_type=out_type,
-      scratch_types=_scratch(kind, arrays, ring, resident, g),
+      scratch_types=_scratch(kind, arrays, ring, resident, g, n_diff),
       grid=grid, grid_names=grid_names, kernel_name=f"flashvjp_bwd_{kind}",
       num_threads=2, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -681,12 +704,13 @@ def _reduce_dbias(cfg, ds, bias):
 
 def _split_score_mod(cfg, consts, B, H, offsets):
   """(cfg with the score_mod's tile part, its per-(b, h) residuals as float32 / int32
-  [B, H, 1]) (`C.split_per_head`); refuses residuals that are arrays per head."""
+  [B, H, 1], the `C.HeadSplit` or None) (`C.split_per_head`, with gradients to the
+  differentiable consts); refuses residuals that are arrays per head."""
   if cfg.score_mod is None:
-    return cfg, ()
+    return cfg, (), None
   f32 = jnp.float32
   cfg, consts = C.hoist_score_mod(cfg, consts, f32)
-  split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), f32, B, H, grads=False,
+  split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), f32, B, H, grads=True,
                            offsets=offsets)
   if not all(split.scalar):
     raise NotImplementedError(
@@ -694,7 +718,21 @@ def _split_score_mod(cfg, consts, B, H, offsets):
         " (softcap, ALiBi slopes), not arrays per head; use implementation='pallas_triton'")
   arrays = tuple(r.astype(f32 if jnp.issubdtype(r.dtype, jnp.inexact) else jnp.int32)
                  for r in split.arrays)
-  return split.cfg, arrays
+  return split.cfg, arrays, split
+
+
+def _dconsts(split, dres_rows, user_consts, n_user_diff, Sq):
+  """Grads of the differentiable score_mod consts from the dQ kernel's per-row partial
+  d(residual) [B, H, Sqp] (summed over the real rows, then `split.to_consts`), in the
+  consts' dtypes; zeros where the scores do not depend on them."""
+  user = user_consts[:n_user_diff]
+  if not n_user_diff:
+    return ()
+  if split is None or not split.n_diff:
+    return tuple(jnp.zeros(jnp.shape(c), jnp.result_type(c)) for c in user)
+  dres = tuple(d[:, :, :Sq].sum(axis=2) for d in dres_rows)  # [B, H]: scalar residuals
+  assert split.to_consts is not None  # set whenever n_diff > 0
+  return tuple(d.astype(jnp.result_type(c)) for d, c in zip(split.to_consts(dres), user))
 
 
 def check_supported(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, seed, consts, mod=None,
@@ -703,14 +741,7 @@ def check_supported(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, seed, cons
   why = _compat.unavailable()
   if why is not None:
     raise NotImplementedError(why)
-  missing = [
-      ("differentiable score_mod consts", cfg.num_diff_consts > 0),
-  ]
-  for name, present in missing:
-    if present:
-      raise NotImplementedError(
-          f"the pallas_mosaic_gpu backward does not support {name} yet;"
-          " use implementation='pallas_triton'")
+  del bias, mask, q_seg, consts, mod  # all supported (array residuals refused in backward)
   C.offset_operand(offsets)  # ValueError unless None or (b0, h0, q0, kv0)
   if cfg.dropout_active and seed is None:
     raise ValueError("dropout needs its seed (uint32 [2]): got seed=None")
@@ -738,12 +769,13 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
 
   Returns:
     (dq [B, H, Sq, D], dk [B, Hkv, Skv, D], dv [B, Hkv, Skv, Dv] in the input dtype,
-     dbias in bias' own shape and dtype (or None), dconsts (always (): differentiable
-     score_mod consts are refused)).
+     dbias in bias' own shape and dtype (or None), the grads of the cfg.num_diff_consts
+     differentiable score_mod consts).
   """
   check_supported(cfg, q, k, v, bias, mask, q_seg, seed, consts, mod, offsets)
   off = C.offset_operand(offsets)
-  cfg, sm_arrays = _split_score_mod(cfg, consts, q.shape[0], q.shape[1], offsets)
+  user_consts, n_user_diff = tuple(consts), cfg.num_diff_consts
+  cfg, sm_arrays, split = _split_score_mod(cfg, consts, q.shape[0], q.shape[1], offsets)
   msplit = C.split_mask_mod(cfg, mod, q.shape[0], q.shape[1], offsets)
   if not all(msplit.scalar):
     raise NotImplementedError(
@@ -806,12 +838,13 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     arrays["bias"], arrays["biasT"] = x, jnp.swapaxes(x, 2, 3)
   g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g, cfg))
   dk, dv = _launch("dkdv", cfg, g_dkdv, arrays, masked_any)
-  dq = _launch("dq", cfg, g, arrays, masked_any)
+  outs = _launch("dq", cfg, g, arrays, masked_any)
+  outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+  dq = outs.pop(0)
   dbias = None
   if bias is not None:
-    dq, ds = dq
-    dbias = _reduce_dbias(cfg, ds, bias)
+    dbias = _reduce_dbias(cfg, outs.pop(0), bias)
   dq = dq[:, :, :Sq, :D]
   dk = dk[:, :, :Skv, :D]
   dv = dv[:, :, :Skv, :Dv]
-  return dq, dk, dv, dbias, ()
+  return dq, dk, dv, dbias, _dconsts(split, outs, user_consts, n_user_diff, Sq)
