@@ -61,7 +61,7 @@ def _backend(name: str, partition: bool = False):
   elif name == "pallas_tpu":
     from flashvjp.pallas import tpu as backend  # type: ignore[no-redef]
   elif name == "pallas_mosaic_gpu":
-    from flashvjp.pallas import mosaic_gpu as backend  # type: ignore[no-redef]
+    from flashvjp.pallas.mosaic_gpu import backend  # type: ignore[no-redef]
   else:
     raise ValueError(f"no custom_vjp backend named {name!r}")
   # Under jit with inputs sharded over batch / heads / the sequence, each device runs its

@@ -249,10 +249,13 @@ def test_refuses_what_it_does_not_implement():
   common = dict(platform="cpu", interpret=True, query_shape=q.shape, key_shape=k.shape,
                 value_shape=v.shape)
   assert _limits.supports(dtype=jnp.bfloat16, **common)[0]
-  for kw, word in ((dict(dtype=jnp.float32), "float32"),
-                   (dict(dtype=jnp.bfloat16, has_dropout=True), "dropout"),
-                   (dict(dtype=jnp.bfloat16, has_score_mod=True), "score_mod")):
-    ok, reason = _limits.supports(**kw, **common)
+  assert _limits.supports(dtype=jnp.bfloat16, has_dropout=True, **common)[0]  # both kernels
+  big = dict(common, query_shape=(1, 2, 64, 256), key_shape=(1, 1, 64, 256),
+             value_shape=(1, 1, 64, 256))
+  for kw, word in ((dict(dtype=jnp.float32, **common), "float32"),
+                   (dict(dtype=jnp.bfloat16, has_score_mod=True, **common), "score_mod"),
+                   (dict(dtype=jnp.bfloat16, **big), "backward supports head dims up to 128")):
+    ok, reason = _limits.supports(**kw)
     assert not ok and word in reason, reason
   ok, reason = _limits.supports(**dict(common, interpret=False), dtype=jnp.bfloat16)
   assert not ok and "CUDA" in reason

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -455,14 +456,24 @@ def pad_seq_head(x, seq, head):
   return pad_to(pad_to(x, 2, seq), 3, head)
 
 
-def pad_pair(x, g: Geometry):
+class PaddedSeqs(Protocol):
+  """What padding reads of a geometry: the padded seq lengths (a `Geometry`, or a kernel
+  family's own launch plan)."""
+  @property
+  def Sqp(self) -> int: ...
+
+  @property
+  def Skvp(self) -> int: ...
+
+
+def pad_pair(x, g: PaddedSeqs):
   """Rank-4 bias/mask (dims 1 or full): pad the full seq dims to whole blocks."""
   if x is None:
     return None
   return _mask.pad_axis(_mask.pad_axis(x, 2, g.Sqp), 3, g.Skvp)
 
 
-def pad_segments(q_seg, kv_seg, g: Geometry):
+def pad_segments(q_seg, kv_seg, g: PaddedSeqs):
   if q_seg is None:
     return None, None
   return (_mask.pad_axis(q_seg, 1, g.Sqp, "edge", keep_broadcast=False),

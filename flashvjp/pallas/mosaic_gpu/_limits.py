@@ -4,12 +4,16 @@ Room: Pallas Mosaic-GPU limits. `supports(...)` answers before tracing (a value 
 reason), never a caught exception) and `forward_problem(...)` refuses, at the forward's
 entry, every operand the kernel does not implement yet, so nothing falls back silently.
 
-Forward now: float16 / bfloat16 inputs (compiled and interpret mode alike: the kernel
-runs 16-bit wgmma), head dims up to 256 (zero-padded to a multiple of 64), GQA / MQA,
-causal, window, segment ids, dropout, bias, dense masks, global offsets (ring chunk
-pairs), any sequence lengths (padded to whole blocks). Not yet: score_mod, mask_mod, a
-float32 out (a traced scale), float32 / float64 inputs. (`supports` answers for the
-family: it refuses dropout until the backward kernels have it.)
+`supports` answers for the family: what both the forward and the backward take.
+
+Forward: float16 / bfloat16 inputs (compiled and interpret mode alike: the kernel runs
+16-bit wgmma), head dims up to 256 (zero-padded to a multiple of 64), GQA / MQA, causal,
+window, segment ids, dropout, bias, dense masks, global offsets (ring chunk pairs), any
+sequence lengths (padded to whole blocks). Not yet: score_mod, mask_mod, a float32 out (a
+traced scale), float32 / float64 inputs. Backward: the same, with head dims up to 128
+(`BACKWARD_MAX_HEAD_DIM`; it also takes score_mod / mask_mod with scalar per-head values,
+which the forward does not yet). So the family: 16-bit, head dims <= 128, no score_mod or
+mask_mod.
 """
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ import jax.numpy as jnp
 
 from flashvjp.pallas.mosaic_gpu import _compat
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 256  # the forward's
+BACKWARD_MAX_HEAD_DIM = 128  # the backward's (flashvjp/pallas/mosaic_gpu/backward.py)
 DTYPES = (jnp.float16, jnp.bfloat16)
 # Hopper's per-block SMEM (227 KiB) less a margin for barriers and alignment.
 SMEM_BUDGET = 220 * 1024
@@ -37,6 +42,10 @@ def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
   if missing is not None:
     return False, missing
   D, Dv = query_shape[-1], value_shape[-1]
+  if max(D, Dv) > BACKWARD_MAX_HEAD_DIM:
+    return False, (f"head_dim {D} / head_dim_v {Dv}: the Mosaic-GPU backward supports head"
+                   f" dims up to {BACKWARD_MAX_HEAD_DIM} (the forward {MAX_HEAD_DIM});"
+                   " implementation='pallas_triton' takes them")
   if max(D, Dv) > MAX_HEAD_DIM:
     return False, (f"head_dim {D} / head_dim_v {Dv}: the Mosaic-GPU kernels support head"
                    f" dims up to {MAX_HEAD_DIM}")
@@ -48,9 +57,6 @@ def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
     return False, "score_mod: not implemented in the Mosaic-GPU kernels yet"
   if mask_mod is not None:
     return False, "mask_mod: not implemented in the Mosaic-GPU kernels yet"
-  if has_dropout:
-    return False, ("dropout: not implemented in all the Mosaic-GPU kernels yet (the forward"
-                   " has it)")
   if interpret:
     return True, f"Mosaic-GPU kernels in interpret mode on {platform!r}"
   if platform not in _COMPILED_PLATFORMS:

@@ -395,8 +395,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
     m, l, acc = carry
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
-    for n, part in enumerate(acc):
-      o_smem[:, pl_ds(n * p.dv_chunk, p.dv_chunk)] = (
+    for c, part in enumerate(acc):
+      o_smem[:, pl_ds(c * p.dv_chunk, p.dv_chunk)] = (
           part / _rows(l_safe, part.shape)).astype(dtype)
     lse_smem[...] = jnp.where(empty, neg, m * LN2 + jnp.log(l_safe))
     mg.commit_smem()
@@ -414,7 +414,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       blk = pl_ds(t * bk, bk)
 
       @_compat.when(n >= slots)
-      def _():
+      def _wait_k_free():
         wait("k_consumed", R["k_free"].at[slot])
 
       mg.copy_gmem_to_smem(R["k"].at[b, kvh, blk], R["k_s"].at[slot], R["k_bar"].at[slot])
@@ -428,7 +428,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         mg.copy_gmem_to_smem(src, R[name + "_s"].at[slot], R[name + "_bar"].at[slot])
 
       @_compat.when(n >= slots)
-      def _():
+      def _wait_v_free():
         wait("v_consumed", R["v_free"].at[slot])
 
       mg.copy_gmem_to_smem(R["v"].at[b, kvh, blk], R["v_s"].at[slot], R["v_bar"].at[slot])
@@ -511,7 +511,7 @@ class PairForm:
   """
 
   kind: str
-  dtype: object
+  dtype: jnp.dtype
   per_batch: bool
   per_head: bool
 
