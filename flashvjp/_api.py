@@ -455,7 +455,9 @@ def flash_attention(
     deterministic: True disables dropout.
     return_lse: also return lse float32 [batch, num_heads, seq_q] (differentiable).
     implementation: None (choose), "pallas" (this platform's kernels), "pallas_triton",
-      "pallas_tpu", "blockwise" or "naive". See `explain`.
+      "pallas_tpu", "pallas_mosaic_gpu" (Hopper; named only), "blockwise" or "naive". The
+      platform is the program's target (the inputs' shardings, else the abstract mesh in
+      context, else the host). See `explain`.
     block_q, block_kv: block sizes (None: tuned defaults); any positive size works.
     interpret: Pallas interpret mode; None means exactly when the platform is CPU.
     context_parallel: under ``jax.jit`` with query / key / value sharded along the
