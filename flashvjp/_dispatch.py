@@ -98,13 +98,20 @@ def decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype,
                      has_score_mod=has_score_mod, has_dropout=has_dropout, score_mod=score_mod,
                      score_mod_consts=score_mod_consts, mask_mod=mask_mod,
                      mask_mod_consts=mask_mod_consts,
-                     plat=platform() if target is None else target.platform)
+                     plat=_platform_of(target))
   if decision.implementation == "pallas_mosaic_gpu" and not decision.interpret:
     kind = None if target is None else target.device_kind
     problem = _limits("pallas_mosaic_gpu").device_problem(kind)
     if problem is not None:
       raise ValueError(f"implementation='pallas_mosaic_gpu' cannot run on the target: {problem}")
   return dataclasses.replace(decision, target=target)
+
+
+def _platform_of(target) -> str:
+  """The target's platform; the host's (`platform()`) when the target is the default backend."""
+  if target is None or target.source == _target.SOURCES[2]:
+    return platform()
+  return target.platform
 
 
 def _decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype, has_score_mod,

@@ -12,7 +12,7 @@ enters nothing, and the target decides.
 
 Only used where the host has no GPU (`on_target` returns the call itself on a GPU host:
 the programs a GPU runs are unchanged). The primitive is a plain call: its impl and
-lowering evaluate the kernel's jaxpr, its batching rule vmaps it. It is never
+lowering trace the kernel again (in the target's abstract mesh), its batching rule vmaps it. It is never
 differentiated (the kernels sit inside the op's custom_vjp / tangent primitive).
 """
 from __future__ import annotations
@@ -82,22 +82,22 @@ def lowering_abstract_device(ctx):
                 platform="gpu")
 
 
-def _impl(*args, call, out_avals):
-  del out_avals
+def _impl(*args, call, jaxpr):
+  del jaxpr
   return call(*args)
 
 
-def _abstract_eval(*avals, call, out_avals):
+def _abstract_eval(*avals, call, jaxpr):
   del avals, call
-  return list(out_avals)
+  return list(jaxpr.out_avals)
 
 
-def _lowering(ctx, *args, call, out_avals):
+def _lowering(ctx, *args, call, jaxpr):
   # The kernel is traced again here, inside the target's abstract mesh: a jaxpr equation
   # keeps the abstract mesh of the context it was traced in, and Pallas-Triton lowers its
   # pallas_call under that mesh (so re-evaluating an already traced jaxpr would not do).
   dev = lowering_abstract_device(ctx)
-  lower = mlir.lower_fun(functools.partial(_impl, call=call, out_avals=out_avals),
+  lower = mlir.lower_fun(functools.partial(_impl, call=call, jaxpr=jaxpr),
                          multiple_results=True)
   if dev is None:
     return lower(ctx, *args)
@@ -108,8 +108,8 @@ def _lowering(ctx, *args, call, out_avals):
     return lower(ctx, *args)
 
 
-def _batch(args, dims, *, call, out_avals):
-  del out_avals
+def _batch(args, dims, *, call, jaxpr):
+  del jaxpr
   unmapped = lambda d: d is None or d is getattr(batching, "not_mapped", None)
   moved = [a if unmapped(d) else jax.numpy.moveaxis(a, d, 0) for a, d in zip(args, dims)]
   in_axes = [None if unmapped(d) else 0 for d in dims]
@@ -127,9 +127,11 @@ batching.primitive_batchers[on_target_p] = _batch
 
 
 def _bind(call, flat):
-  """call(*flat) -> a flat list of arrays, as one on_target_p equation."""
-  out_avals = tuple(jax.make_jaxpr(lambda *f: list(call(*f)))(*flat).out_avals)
-  return on_target_p.bind(*flat, call=call, out_avals=out_avals)
+  """call(*flat) -> a flat list of arrays, as one on_target_p equation. The call's jaxpr
+  rides along as a parameter: its out_avals are the equation's, and a jaxpr walk (tests that
+  read the kernels' dot precisions) sees the pallas_call inside it."""
+  jaxpr = jax.make_jaxpr(lambda *f: list(call(*f)))(*flat)
+  return on_target_p.bind(*flat, call=call, jaxpr=jaxpr)
 
 
 def _needed() -> bool:
