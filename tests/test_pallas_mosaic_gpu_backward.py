@@ -28,6 +28,7 @@ from flashvjp import _mask_mod
 from flashvjp import reference
 from flashvjp._config import AttentionConfig
 from flashvjp._config import BlockSizes
+from flashvjp.pallas._common import Geometry
 from flashvjp.pallas.mosaic_gpu import _compat
 from tests import _util
 
@@ -160,7 +161,8 @@ def test_dropout_hash_split(broadcast):
   are exactly `_dropout.keep`'s, for every (b, h, q, kv) of a small grid (no kernel run)."""
   B, H, S = 2, 3, 80
   cfg = _cfg(S, S, 64, dropout_rate=0.3, dropout_broadcast=broadcast)
-  g = mgpu_backward._Geo(B=B, H=H, Hkv=H, Sq=S, Skv=S, Dp=64, Dvp=64)
+  blk = mgpu_backward._BLOCK
+  g = Geometry(B=B, H=H, Hkv=H, Sq=S, Skv=S, D=64, Dv=64, bq=blk, bk=blk, Dp=64, Dvp=64)
   seed = jnp.asarray([0x1234567, 0x89ABCDE], jnp.uint32)
   cq, cq2 = mgpu_backward._dropout_rows(cfg, seed, g)
   kv = jnp.arange(S, dtype=jnp.int32)[None, None, None, :]

@@ -106,46 +106,11 @@ _TEST_MUTATION: str | None = None
 _DETECT_RACES = True  # interpret mode: race detection on (the tests assert none)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Geo:
-  """Static sizes of one backward launch (sequences padded to whole blocks)."""
-
-  B: int
-  H: int
-  Hkv: int
-  Sq: int
-  Skv: int
-  Dp: int
-  Dvp: int
-  bq: int = _BLOCK
-  bk: int = _BLOCK
-
-  @property
-  def G(self) -> int:
-    return self.H // self.Hkv
-
-  @property
-  def nq(self) -> int:
-    return -(-self.Sq // self.bq)
-
-  @property
-  def nk(self) -> int:
-    return -(-self.Skv // self.bk)
-
-  @property
-  def Sqp(self) -> int:
-    return self.nq * self.bq
-
-  @property
-  def Skvp(self) -> int:
-    return self.nk * self.bk
-
-
 def _pad_head(d: int) -> int:
   return -(-d // 64) * 64
 
 
-def _dkdv_block_q(g: _Geo, cfg) -> int:
+def _dkdv_block_q(g: C.Geometry, cfg) -> int:
   """The dK/dV kernel's q block. Its tiles are [bk, bq] (bq is the wgmma N dim, so 32 is
   legal; the kernel's SMEM tiles then share a 64-byte swizzle). Above head dim 64 the dK
   and dV accumulators alone take 128 registers a thread: 64 spilled (180 B at head dim 128
@@ -165,7 +130,7 @@ def _mutated(name: str) -> bool:
   return _TEST_MUTATION == name
 
 
-def _preprocess(out, lse, dout, dlse, g: _Geo):
+def _preprocess(out, lse, dout, dlse, g: C.Geometry):
   """(lse2, delta), float32 [B, H, Sqp]: lse in the log2 domain and rowsum(dO * O) - dlse.
 
   Empty (lse = -inf) and padded rows get the largest finite float32 as lse2, so that
@@ -181,7 +146,7 @@ def _preprocess(out, lse, dout, dlse, g: _Geo):
   return jnp.pad(lse2, pad, constant_values=big), jnp.pad(delta, pad)
 
 
-def _dropout_rows(cfg, seed, g: _Geo, off=None):
+def _dropout_rows(cfg, seed, g: C.Geometry, off=None):
   """(cq, cq2), uint32 [B, H, Sqp]: the per-(b, h, q) part of `_dropout.random_bits`.
 
   The counter hash is split where its inputs split: everything before the kv position is
@@ -231,16 +196,10 @@ def _smem(shape, dtype, minor):
 
 def _visit(run, lo, hi, full, masked_any, carry=None):
   """`run(start, stop, masked, carry) -> carry` over [lo, hi): unmasked inside `full`,
-  masked outside (`full` None: every block masked)."""
+  masked outside (`full` None: every block masked); all unmasked without `masked_any`."""
   if not masked_any:
     return run(lo, hi, False, carry)
-  if full is None:
-    return run(lo, hi, True, carry)
-  f_lo = jnp.clip(full[0], lo, hi)
-  f_hi = jnp.clip(full[1], f_lo, hi)
-  carry = run(lo, f_lo, True, carry)
-  carry = run(f_lo, f_hi, False, carry)
-  return run(f_hi, hi, True, carry)
+  return _mask.split_loop(run, lo, hi, full, carry)
 
 
 def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
@@ -373,7 +332,7 @@ def _operands(kind, arrays):
   return kv_side + pairs, q_side
 
 
-def _scratch(kind, arrays, ring, resident, g: _Geo, n_diff=0):
+def _scratch(kind, arrays, ring, resident, g: C.Geometry, n_diff=0):
   """SMEM (rings [_STAGES, ...] then resident buffers, then P / dS tiles) and barriers."""
   plgpu = _compat.plgpu()
   rows = {"dkdv": (g.bq, g.bk), "dq": (g.bk, g.bq)}[kind]  # (ring block, resident block)
@@ -434,7 +393,7 @@ def _is_q_vector(name: str) -> bool:
 
 # ---- dK / dV ----------------------------------------------------------------------
 
-def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
+def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
   plgpu = _compat.plgpu()
   wgmma_layout, row, col = _compat.layouts()
   r = dict(zip(names, refs))
@@ -539,7 +498,7 @@ def _dkdv_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
 
 # ---- dQ ------------------------------------------------------------------------------
 
-def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
+def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
   plgpu = _compat.plgpu()
   wgmma_layout, row, col = _compat.layouts()
   r = dict(zip(names, refs))
@@ -644,7 +603,7 @@ def _dq_kernel(*refs, cfg, g: _Geo, masked_any, names, ring, resident):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _launch(kind, cfg, g: _Geo, arrays, masked_any):
+def _launch(kind, cfg, g: C.Geometry, arrays, masked_any):
   """Build and run one kernel ("dkdv" or "dq") on the named operand `arrays`."""
   plgpu = _compat.plgpu()
   arrays = {n: x for n, x in arrays.items()
@@ -784,7 +743,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   cfg = msplit.cfg
   B, H, Sq, D = q.shape
   Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
-  g = _Geo(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, Dp=_pad_head(D), Dvp=_pad_head(Dv))
+  g = C.Geometry(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=Dv, bq=_BLOCK, bk=_BLOCK,
+                 Dp=_pad_head(D), Dvp=_pad_head(Dv))
   segs = None
   if q_seg is not None:  # padding repeats the edge id (padded positions are masked anyway)
     segs = (_mask.pad_axis(q_seg, 1, g.Sqp, "edge", keep_broadcast=False).astype(jnp.int32),
