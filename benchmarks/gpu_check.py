@@ -145,8 +145,9 @@ class Plan:
 
 # -- part 1: correctness
 
-def correctness_cases(smoke):
-  """[(name, dims, kwargs, precision name or None)] in priority order (budget cuts the end)."""
+def _case_arrays(smoke):
+  """(S, S2, dense mask [2, 1, S, S2] with an empty row, q / kv segment ids [2, S] / [2, S2])
+  shared by the correctness cases of parts 0 and 1."""
   S = 40 if smoke else 300  # not a multiple of the blocks: padding is exercised
   S2 = 33 if smoke else 257
   rng = np.random.default_rng(0)
@@ -154,6 +155,12 @@ def correctness_cases(smoke):
   mask[:, :, 3] = False  # an empty row
   seg_q = np.repeat(np.arange(S)[None] * 3 // S, 2, 0).astype(np.int32)
   seg_kv = np.repeat(np.arange(S2)[None] * 3 // S2, 2, 0).astype(np.int32)
+  return S, S2, mask, seg_q, seg_kv
+
+
+def correctness_cases(smoke):
+  """[(name, dims, kwargs, precision name or None)] in priority order (budget cuts the end)."""
+  S, S2, mask, seg_q, seg_kv = _case_arrays(smoke)
   bias = lambda shape: 0.5 * jax.random.normal(jax.random.key(9), shape, jnp.float32)
   drop = dict(dropout_rate=0.2, dropout_rng=jax.random.key(3), deterministic=False)
   prefix = jnp.asarray([S // 3, S // 2], jnp.int32)
@@ -223,13 +230,7 @@ def plan_correctness(plan: Plan, smoke):
 
 def mosaic_cases(smoke):
   """[(name, dims, kwargs, None)] of the Mosaic-GPU family in priority order (16-bit only)."""
-  S = 40 if smoke else 300  # not a multiple of the blocks: padding is exercised
-  S2 = 33 if smoke else 257
-  rng = np.random.default_rng(0)
-  mask = rng.random((2, 1, S, S2)) > 0.3
-  mask[:, :, 3] = False  # an empty row
-  seg_q = np.repeat(np.arange(S)[None] * 3 // S, 2, 0).astype(np.int32)
-  seg_kv = np.repeat(np.arange(S2)[None] * 3 // S2, 2, 0).astype(np.int32)
+  S, S2, mask, seg_q, seg_kv = _case_arrays(smoke)
   bias = 0.5 * jax.random.normal(jax.random.key(9), (2, 4, S, S2), jnp.float32)
   base = dict(B=2, H=4, Hkv=2, Sq=S, Skv=S2, D=64, Dv=64, dtype="bfloat16")
   c = [
