@@ -68,13 +68,9 @@ def platform() -> str:
   return jax.default_backend()
 
 
-def _home(plat: str) -> str:
-  return _target.home(plat)
-
-
 def family_for_platform(plat: str) -> str:
   """The kernel family "pallas" means on `plat` (Triton on GPU and CPU, Mosaic on TPU)."""
-  return "pallas_tpu" if _home(plat) == "tpu" else "pallas_triton"
+  return "pallas_tpu" if _target.home(plat) == "tpu" else "pallas_triton"
 
 
 def _limits(family: str):
@@ -122,7 +118,7 @@ def _decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype,
   if requested == "blockwise":
     return Decision("blockwise", False, "requested: pure-JAX blockwise forward and backward")
   family = family_for_platform(plat) if requested in (None, "pallas") else requested
-  native = _home(plat) == _FAMILY_PLATFORM[family]
+  native = _target.home(plat) == _FAMILY_PLATFORM[family]
   interp = (not native) if interpret is None else bool(interpret)
 
   def ask():
