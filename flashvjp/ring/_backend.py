@@ -287,21 +287,16 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     for a, b, branches, index in st.pairs:
       def fn(m, qa, kb, vb, bias_ab, mask_ab, qs, ks, oa, la, doa, dla, a=a, b=b, j=j,
              dtypes=tuple(d.dtype for d in dconsts)):
-        # The pair's dQ / dK / dV / dbias leave the branch in their operands' dtype (the
-        # backend contract's), and the float32 accumulators take them in the adds below,
-        # where the conversion fuses: a float32 copy per branch output would be a
-        # [heads, chunk, head_dim] float32 buffer each (64 MiB per device for dQ at 8 x 8k
-        # tokens, 16 heads, head_dim 128), for the same sums.
         if m == ("skip",):
-          z = lambda x: None if x is None else jnp.zeros(x.shape, x.dtype)
+          z = lambda x: None if x is None else jnp.zeros(x.shape, acc)
           return (z(qa), z(kb), z(vb), z(bias_ab),
                   [jnp.zeros(jnp.shape(c), dt) for c, dt in zip(consts, dtypes)])
         kw = {} if not C.offsets_needed else {"offsets": C.offsets(a, b, j)}
         g = inner.backward(C.pair_cfg(m, a, b), qa, kb, vb, bias_ab, mask_ab, qs, ks, seed,
                            consts, oa, la, doa, dla, mod, **kw)
         gq, gk, gv, gb, gc = g
-        return (gq.astype(qa.dtype), gk.astype(kb.dtype), gv.astype(vb.dtype),
-                None if gb is None else gb.astype(bias_ab.dtype),
+        return (gq.astype(acc), gk.astype(acc), gv.astype(acc),
+                None if gb is None else gb.astype(acc),
                 [x.astype(dt) for x, dt in zip(gc, dtypes)])
       bias_ab = C.pair_block(bias, a, b, j)
       gq, gk, gv, gb, gc = C.switch(
