@@ -65,6 +65,12 @@ import traceback
 import warnings
 from collections.abc import Callable
 
+if "--cpu-smoke" in sys.argv:
+  # The Mosaic-GPU interpreter runs each warpgroup as a program on XLA's CPU pool (sized from
+  # NPROC when XLA's CPU client starts): fewer threads than warpgroups deadlocks it
+  # (flashvjp.pallas.mosaic_gpu._compat.interpret_threads_problem).
+  os.environ.setdefault("NPROC", "8")
+
 import jax
 import jax.numpy as jnp
 import numpy as np

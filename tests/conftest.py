@@ -17,6 +17,10 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # may each load libtpu (its lockfile otherwise lets one process in).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# The Mosaic-GPU interpreter runs each warpgroup of a CTA as a program on XLA's CPU client
+# pool, which XLA sizes from NPROC (else the CPU count): on a 2-core machine a 3-warpgroup
+# kernel can deadlock at a barrier (mosaic_gpu._compat.interpret_threads_problem).
+os.environ.setdefault("NPROC", "8")
 
 import jax
 

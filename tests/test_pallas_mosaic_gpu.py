@@ -8,7 +8,8 @@ requires the interpreter to report it. Not simulated (so not tested here): wgmma
 asynchrony (waits are no-ops) and a missing wait on a TMA copy the waiting warpgroup
 issued itself (the Q tile's load; the interpreter orders it by program order). The
 deviceless compile for H100 (sm_90a) runs where the CUDA plugin is installed: ptxas's
-registers, spills and the kernel's SMEM are checked.
+registers, spills and the kernel's SMEM are checked, and its SASS (tests/_sass.py) shows the
+warpgroup MMAs and TMA loads inside the main loops and the register reallocation.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from flashvjp import reference
 from flashvjp._config import AttentionConfig
 from flashvjp._config import BlockSizes
 from flashvjp.pallas.mosaic_gpu import _compat
+from tests import _sass
 from tests import _util
 
 pytestmark = pytest.mark.skipif(
@@ -348,6 +350,52 @@ def test_compiles_for_sm90a_without_spills(D, tmp_path):
     assert spills == 0, (variant, spills)
     assert regs <= 255
     assert smem <= 227 * 1024
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
+                    reason="the deviceless sm_90a compile needs jax-cuda12-plugin")
+@pytest.mark.skipif(_sass.unavailable() is not None, reason=str(_sass.unavailable()))
+@pytest.mark.parametrize("D", [64, 128])
+def test_sm90a_sass_has_wgmma_and_tma_in_the_main_loops(D, tmp_path):
+  """The causal forward's SASS (two consumers and the producer): HGMMA (QK^T and PV of each
+  consumer) and UTMALDG (K and V into a ring slot) inside loops, and the producer / consumer
+  register reallocation (USETMAXREG) that the warp specialization relies on."""
+  compile_sm90(D, 1024, ("causal",), tmp_path)
+  listing = _sass.Listing.parse(_sass.sass(str(tmp_path / "entry_0.ptx")))
+  mma = listing.count("HGMMA", in_loops=True)
+  tma = listing.count("UTMALDG", in_loops=True)
+  print(f"sm_90a forward D={D} causal SASS: {len(listing.opcodes)} instructions,"
+        f" HGMMA {mma} of {listing.count('HGMMA')} in main loops, UTMALDG {tma} of"
+        f" {listing.count('UTMALDG')}, USETMAXREG {listing.count('USETMAXREG')}")
+  # each consumer's loop: QK^T and PV (D/64 x block 16-deep k-steps each, >= 2), so >= 4 HGMMA
+  assert mma >= 4 and mma >= listing.count("HGMMA") // 2, listing.loops
+  assert tma >= 2  # K and V of a slot, issued by the producer's loop
+  assert listing.count("USETMAXREG") >= 2  # the producer gives up registers, consumers take
+  assert listing.count("HMMA") == 0  # no mma.sync fallback
+
+
+def test_sass_listing_parse():
+  text = textwrap.dedent("""\
+      /*0000*/                   MOV R1, c[0x0][0x28] ;
+      .L_x_1:
+      /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+      /*0020*/              @!P0 BRA `(.L_x_1) ;
+      /*0030*/                   UTMALDG.5D [UR8], [UR4] ;
+      .L_x_2:
+      /*0040*/              @!P0 BRA `(.L_x_2) ;
+      /*0050*/                   BRA `(.L_x_1) ;
+      """)
+  listing = _sass.Listing.parse(text)
+  assert listing.opcodes == ("MOV", "HGMMA.64x64x16.F32.BF16", "BRA", "UTMALDG.5D", "BRA",
+                             "BRA")
+  assert listing.loops == ((1, 2), (4, 4))  # the unconditional branch back is not a loop
+  assert listing.count("HGMMA") == 1 and listing.count("UTMALDG") == 1
+  old_min, _sass.MIN_LOOP = _sass.MIN_LOOP, 1
+  try:
+    assert listing.count("HGMMA", in_loops=True) == 1
+    assert listing.count("UTMALDG", in_loops=True) == 0
+  finally:
+    _sass.MIN_LOOP = old_min
 
 
 def forward_module():

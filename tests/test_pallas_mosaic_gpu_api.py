@@ -57,6 +57,25 @@ def test_old_jax_is_refused_naming_the_version(monkeypatch):
     flashvjp.explain(q, k, v, implementation=IMPL)
 
 
+def test_a_cpu_pool_too_small_for_the_interpreter_is_an_error_not_a_hang(monkeypatch):
+  # The interpreter runs each warpgroup as a program on XLA's CPU pool (sized from NPROC):
+  # the 3-warpgroup forward on a 2-thread pool deadlocked CI at a barrier. The check reads
+  # the environment, so a small NPROC here must refuse before anything is traced.
+  monkeypatch.setenv("NPROC", "2")
+  assert _compat.cpu_pool_threads() == 2
+  q, k, v = _qkv(S=256)  # 256 rows: two consumer warpgroups and the producer
+  with pytest.raises(RuntimeError, match=r"forward.*3 warpgroups.*NPROC=4"):
+    jax.jit(lambda q, k, v: flashvjp.flash_attention(
+        q, k, v, causal=True, implementation=IMPL)).trace(q, k, v)
+  monkeypatch.setenv("NPROC", "1")
+  loss = lambda q: flashvjp.flash_attention(q, k, v, implementation=IMPL).sum()
+  with pytest.raises(RuntimeError, match="NPROC"):
+    jax.jit(jax.grad(loss)).trace(q)
+  monkeypatch.setenv("NPROC", "3")
+  assert _compat.interpret_threads_problem(3, "forward") is None
+  assert "backward" in _compat.interpret_threads_problem(4, "backward")
+
+
 def test_grad_through_flash_attention_against_float64():
   q, k, v = _qkv(S=160)  # not a multiple of the blocks
   report = flashvjp.testing.check(query=q, key=k, value=v, causal=True, implementation=IMPL)

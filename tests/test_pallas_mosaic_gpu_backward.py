@@ -30,6 +30,7 @@ from flashvjp._config import AttentionConfig
 from flashvjp._config import BlockSizes
 from flashvjp.pallas._common import Geometry
 from flashvjp.pallas.mosaic_gpu import _compat
+from tests import _sass
 from tests import _util
 
 _WHY = _compat.unavailable()
@@ -443,6 +444,38 @@ def _cuda_plugin() -> bool:
     return False
 
 
+def _compile_sm90a(D, features, dump_dir):
+  """Compile both backward kernels for H100 in a fresh process; their PTX, ptxas report and
+  resources land in dump_dir (the MLIR pass logs, tens of MB each, are deleted)."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(dump_dir),
+             MOSAIC_GPU_DUMP_PTXAS="1", PYTHONPATH=str(root))
+  proc = subprocess.run([sys.executable, "-c", _COMPILE, str(_TARGET), str(D), features],
+                        env=env, cwd=root, capture_output=True, text=True, timeout=600)
+  for log in dump_dir.glob("*.mlir-passes.log"):
+    log.unlink()
+  assert "COMPILED" in proc.stdout, proc.stderr[-4000:]
+
+
+@pytest.mark.skipif(not _cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
+                    "sm_90a compile); no GPU needed")
+@pytest.mark.skipif(_sass.unavailable() is not None, reason=str(_sass.unavailable()))
+def test_sm90a_sass_has_wgmma_and_tma_in_the_main_loops(tmp_path):
+  """Both kernels' SASS (D=128, causal): warpgroup MMAs (HGMMA) and TMA loads (UTMALDG) of
+  the streamed operand inside the main loop, no mma.sync fallback."""
+  _compile_sm90a(128, "", tmp_path)
+  for kernel, dots in (("flashvjp_bwd_dkdv", 4), ("flashvjp_bwd_dq", 3)):
+    (ptx,) = tmp_path.glob(f"{kernel}_*.ptx")
+    listing = _sass.Listing.parse(_sass.sass(str(ptx)))
+    mma, tma = listing.count("HGMMA", in_loops=True), listing.count("UTMALDG", in_loops=True)
+    print(f"sm_90a {kernel} D=128 causal SASS: HGMMA {mma} of {listing.count('HGMMA')} in"
+          f" main loops, UTMALDG {tma} of {listing.count('UTMALDG')}")
+    # dK/dV: S = K Q^T, dP = V dO^T, dV += P dO, dK += dS Q; dQ: S, dP, dQ += dS K
+    assert mma >= dots and mma >= listing.count("HGMMA") // 2, (kernel, listing.loops)
+    assert tma >= 2, kernel  # the streamed Q / dO (dK/dV) or K / V (dQ) tiles
+    assert listing.count("HMMA") == 0, kernel
+
+
 @pytest.mark.skipif(not _cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
                     "sm_90a compile); no GPU needed")
 @pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (64, "mod+bias+prefix"),
@@ -451,15 +484,7 @@ def test_sm90a_compile_no_spills(D, features, tmp_path):
   """Both kernels (causal, GQA, bf16, S=1024; with segment ids, dropout at global offsets, a
   dense mask, a bias with its gradient, a score_mod, a mask_mod) compile for sm_90a with the CUDA plugin's Mosaic compiler; ptxas reports no spill and
   shared memory fits an H100 / H200 block."""
-  root = pathlib.Path(__file__).resolve().parent.parent
-  env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(tmp_path),
-             MOSAIC_GPU_DUMP_PTXAS="1", PYTHONPATH=str(root))
-  proc = subprocess.run([sys.executable, "-c", _COMPILE, str(_TARGET), str(D), features],
-                        env=env,
-                        cwd=root, capture_output=True, text=True, timeout=600)
-  for log in tmp_path.glob("*.mlir-passes.log"):  # tens of MB each, not read here
-    log.unlink()
-  assert "COMPILED" in proc.stdout, proc.stderr[-4000:]
+  _compile_sm90a(D, features, tmp_path)
   for kernel in ("flashvjp_bwd_dkdv", "flashvjp_bwd_dq"):
     (ptxas,) = tmp_path.glob(f"{kernel}_*.ptxas")
     report = ptxas.read_text()

@@ -7,6 +7,8 @@ jax (None when it can), so dispatch refuses it with that reason before tracing.
 """
 from __future__ import annotations
 
+import os
+
 import jax
 
 MIN_JAX = (0, 11, 2)
@@ -42,6 +44,39 @@ def plgpu():
 def interpret_params(detect_races: bool = True):
   """`plgpu.InterpretGPUParams` for CPU runs (simulated SMEM, TMA, barriers, wgmma)."""
   return plgpu().InterpretGPUParams(detect_races=detect_races)
+
+
+def cpu_pool_threads() -> int:
+  """Threads of XLA's CPU client pool: the NPROC environment variable when it is set (XLA
+  reads it when the CPU client starts), else the CPUs this process may run on."""
+  v = os.environ.get("NPROC", "").strip()
+  if v.isdigit():
+    return int(v)
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # pragma: no cover - no sched_getaffinity (macOS)
+    return os.cpu_count() or 1
+
+
+def interpret_threads_problem(warpgroups: int, kernel: str) -> str | None:
+  """Why the GPU interpreter would hang for a kernel of `warpgroups` warpgroups here, or None.
+
+  The interpreter runs each warpgroup of a CTA as its own program on XLA's CPU client pool,
+  and a warpgroup waiting at a barrier holds its pool thread: with fewer pool threads than
+  warpgroups the one that must arrive can wait for a thread forever (seen: a 3-warpgroup
+  forward on a 1- or 2-thread pool). Checked before tracing, so the answer is an error, not a
+  hang. Only the CPU client is concerned (interpret mode on a GPU host runs elsewhere).
+  """
+  if jax.default_backend() != "cpu":
+    return None
+  have = cpu_pool_threads()
+  if have >= warpgroups:
+    return None
+  return (f"the Mosaic-GPU interpreter runs the {kernel} kernel's {warpgroups} warpgroups as"
+          f" concurrent programs on XLA's CPU thread pool, which has {have} thread(s) here:"
+          f" it would deadlock at the first barrier. Set the environment variable"
+          f" NPROC={max(warpgroups, 4)} (or more) before JAX starts (XLA sizes that pool from"
+          f" it), or run interpret=False on a GPU")
 
 
 # ---- Pallas / Mosaic-GPU spellings the kernels use (jax 0.11.2-0.12) ----------------------

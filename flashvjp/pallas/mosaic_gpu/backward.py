@@ -98,6 +98,8 @@ _BLOCK = 64  # block_q = block_kv: one wgmma M tile per compute warpgroup
 _MAX_HEAD_DIM = 128
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
+_WARPGROUPS = 2  # per CTA (both kernels)
+
 # Test-only fault injection (tests/test_pallas_mosaic_gpu_backward.py): a name from
 # _MUTATIONS removes one synchronisation step so the interpreter's race detector can be
 # shown to catch it. Read when the kernels are traced; never set outside tests.
@@ -632,7 +634,7 @@ def _launch(kind, cfg, g: C.Geometry, arrays, masked_any):
       out_type=out_type,
       scratch_types=_scratch(kind, arrays, ring, resident, g, n_diff),
       grid=grid, grid_names=grid_names, kernel_name=f"flashvjp_bwd_{kind}",
-      num_threads=2, thread_name="wg",
+      num_threads=_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_interpret(cfg))
   return kernel(*arrays.values())
@@ -732,6 +734,10 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
      differentiable score_mod consts).
   """
   check_supported(cfg, q, k, v, bias, mask, q_seg, seed, consts, mod, offsets)
+  if cfg.interpret:
+    threads = _compat.interpret_threads_problem(_WARPGROUPS, "backward")
+    if threads is not None:
+      raise RuntimeError(f"pallas_mosaic_gpu backward (interpret): {threads}")
   off = C.offset_operand(offsets)
   user_consts, n_user_diff = tuple(consts), cfg.num_diff_consts
   cfg, sm_arrays, split = _split_score_mod(cfg, consts, q.shape[0], q.shape[1], offsets)

@@ -599,6 +599,10 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
                f.slot_bytes(bq, bk) for f in forms if f is not None), pingpong=pingpong)
   if interpret is None and cfg.interpret:
     interpret = _compat.interpret_params(detect_races=True)
+  if interpret:
+    threads = _compat.interpret_threads_problem(p.consumers + 1, "forward")
+    if threads is not None:
+      raise RuntimeError(f"pallas_mosaic_gpu forward (interpret): {threads}")
   segments = q_seg is not None
   kernel = _build(cfg, p, q.dtype, segments=segments, bias=forms[0], mask=forms[1],
                   interpret=interpret, skip_wait=_skip_wait)
