@@ -47,6 +47,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
+from flashvjp import _delta
 from flashvjp import _mask_mod
 from flashvjp import _strategy
 from flashvjp import ring
@@ -364,8 +365,12 @@ def _ulysses(cfg, sig, plan: _Plan, base, extra, mod):
   base = (to_heads(q), to_heads(k), to_heads(v), heads(bias), heads(mask), whole(q_seg),
           whole(kv_seg), seed, consts)
   if sig.kind == "backward":
+    # rowsum(dO * O) is a per-row term: computed here, where the rows are local, and folded
+    # into the lse cotangent, so O never moves to the heads layout (`_delta`): one all-to-all
+    # of a [B, H, S, Dv] array fewer, and its buffer (8 x H100, S=64k: 193 -> 161 MiB temp).
     out, lse, dout, dlse = extra
-    extra = (to_heads(out), to_heads(lse), to_heads(dout), to_heads(dlse))
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    extra = (None, to_heads(lse), to_heads(dout), to_heads(_delta.fold(out, dout, dlse, acc)))
   elif sig.kind == "tangent":
     out, lse, tq, tk, tv, tbias, tconsts = extra
     extra = (to_heads(out), to_heads(lse), to_heads(tq), to_heads(tk), to_heads(tv),

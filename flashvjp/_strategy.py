@@ -128,8 +128,10 @@ def costs(p: Problem) -> dict:
   kv_b = p.batch * p.kv_heads * p.local_kv * (p.head_dim + p.head_dim_v) * it
   seg_b = (n - 1) * p.batch * (p.local_q + p.local_kv) * 4 if p.has_segments else 0
   fwd = share * (q_b + kv_b + o_b + lse_b + p.pair_bytes) + seg_b
-  bwd = share * (q_b + kv_b + 2 * o_b + 2 * lse_b + p.pair_bytes  # q k v out dO lse dlse
-                 + q_b + kv_b + p.pair_bytes) + seg_b  # dq dk dv (dbias), the inputs' dtype
+  # backward: q k v dO lse and dlse - rowsum(dO * O) (O stays: `flashvjp._delta`), then
+  # dq dk dv (dbias) back, in the inputs' dtype
+  bwd = share * (q_b + kv_b + o_b + 2 * lse_b + p.pair_bytes
+                 + q_b + kv_b + p.pair_bytes) + seg_b
   if p.heads % n or p.kv_heads % n:
     out["ulysses"] = (f"num_heads ({p.heads}) and num_kv_heads ({p.kv_heads}) per device must"
                       f" be divisible by the {n} sequence shards")

@@ -73,7 +73,7 @@ def count(hlo: str, op: str) -> int:
 
 def collective_results(hlo: str, op: str) -> list[str]:
   """The result types of every `op` instruction (e.g. 'bf16[1,16,65536,128]')."""
-  pat = rf"=\s*\(?([a-z0-9]+\[[0-9,]*\])[^=]*?\s{re.escape(op)}(?:-start)?\("
+  pat = rf"=\s*\(*([a-z0-9]+\[[0-9,]*\])[^=]*?\s{re.escape(op)}(?:-start)?\("
   return re.findall(pat, hlo)
 
 

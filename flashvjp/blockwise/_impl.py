@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from flashvjp import _delta
 from flashvjp import _dropout
 from flashvjp import _mask
 from flashvjp import _mask_mod
@@ -453,9 +454,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   # lse = +inf so that exp(s - lse) = 0 there: zero, finite gradients.
   # (From dO in the loop's layout, do5: XLA then computes a dO produced by the caller, e.g.
   # 2 * out, in one kernel, not one per layout.)
-  delta5 = jnp.sum(do5.astype(acc) * L.q5(out).astype(acc), axis=-1)
-  if dlse is not None:
-    delta5 = delta5 - L.q5(dlse).astype(acc)
+  delta5 = _delta.delta(None if out is None else L.q5(out), do5,
+                        None if dlse is None else L.q5(dlse), acc)
   lse_b = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(acc))
   lse5 = L.q5(jnp.pad(lse_b, ((0, 0), (0, 0), (0, L.Sqp - L.Sq)), constant_values=jnp.inf))
 

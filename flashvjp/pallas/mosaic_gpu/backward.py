@@ -86,6 +86,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from flashvjp import _delta
 from flashvjp import _dropout
 from flashvjp import _mask
 from flashvjp._config import AttentionConfig
@@ -139,9 +140,7 @@ def _preprocess(out, lse, dout, dlse, g: C.Geometry):
   exp2(s2 - lse2) == 0 there (zero, finite gradients); padded rows get delta 0.
   """
   f32 = jnp.float32
-  delta = jnp.sum(dout.astype(f32) * out.astype(f32), axis=-1)
-  if dlse is not None:
-    delta = delta - dlse.astype(f32)
+  delta = _delta.delta(out, dout, dlse, f32)
   big = jnp.finfo(f32).max
   lse2 = jnp.where(jnp.isfinite(lse), lse.astype(f32) * f32(LOG2E), big)
   pad = ((0, 0), (0, 0), (0, g.Sqp - g.Sq))

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from flashvjp import _delta
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas import _compat
@@ -81,9 +82,7 @@ def tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, masked
 def preprocess(out, lse, dout, dlse, Sqp, acc):
   """(delta, lse_b) [B, H, Sqp]: lse = the largest finite number on empty / padded rows
   (`_common.lse_pad_value`: p = 0 there, no inf), delta 0 on padded rows."""
-  delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)
-  if dlse is not None:
-    delta = delta - dlse.astype(acc)
+  delta = _delta.delta(out, dout, dlse, acc)
   big = C.lse_pad_value(acc)
   lse_b = jnp.where(jnp.isfinite(lse), lse.astype(acc), big)  # no -inf operand (debug_infs)
   lse_b = jnp.pad(lse_b, ((0, 0), (0, 0), (0, Sqp - lse.shape[2])), constant_values=big)

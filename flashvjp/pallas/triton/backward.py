@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flashvjp import _delta
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas import _compat
@@ -92,9 +93,7 @@ def _preprocess(out, lse, dout, dlse, g: C.Geometry, acc):
 
   Empty (lse = -inf) and padded rows get `lse_pad_value` (finite): p = 0 there.
   """
-  delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)
-  if dlse is not None:
-    delta = delta - dlse.astype(acc)
+  delta = _delta.delta(out, dout, dlse, acc)
   big = C.lse_pad_value(acc)
   lse_b = jnp.where(jnp.isfinite(lse), lse.astype(acc), big)  # no -inf operand (debug_infs)
   pad = ((0, 0), (0, 0), (0, g.Sqp - g.Sq))
