@@ -3,7 +3,6 @@ cotangent (what Ulysses passes, so O never moves to the heads layout) equals the
 given O, in every backend family."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
