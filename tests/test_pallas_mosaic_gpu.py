@@ -374,7 +374,7 @@ def test_sm90a_sass_has_wgmma_and_tma_in_the_main_loops(D, tmp_path):
   assert listing.count("HMMA") == 0  # no mma.sync fallback
 
 
-def test_sass_listing_parse():
+def test_sass_listing_parse(monkeypatch):
   text = textwrap.dedent("""\
       /*0000*/                   MOV R1, c[0x0][0x28] ;
       .L_x_1:
@@ -390,12 +390,9 @@ def test_sass_listing_parse():
                              "BRA")
   assert listing.loops == ((1, 2), (4, 4))  # the unconditional branch back is not a loop
   assert listing.count("HGMMA") == 1 and listing.count("UTMALDG") == 1
-  old_min, _sass.MIN_LOOP = _sass.MIN_LOOP, 1
-  try:
-    assert listing.count("HGMMA", in_loops=True) == 1
-    assert listing.count("UTMALDG", in_loops=True) == 0
-  finally:
-    _sass.MIN_LOOP = old_min
+  monkeypatch.setattr(_sass, "MIN_LOOP", 1)
+  assert listing.count("HGMMA", in_loops=True) == 1
+  assert listing.count("UTMALDG", in_loops=True) == 0
 
 
 def forward_module():
