@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import time
 
 # Importing _bench adds the CPU flag that compiled-memory numbers need; it must happen
 # before the backend starts (before any jax computation), so it is imported here.
 from flashvjp import _bench
 from flashvjp import _plan
+from flashvjp.testing._compare import PASS_RULE
 
 _CHECK_HELP = "check the output and gradients of every implementation against float64 naive"
 _CHECK_DESCRIPTION = """\
@@ -30,10 +32,9 @@ problem (batch 1, 4 query heads on 2 kv heads, seq 70, head_dim 32) and compares
 naive attention computed in float64 and differentiated by jax autodiff (also the
 gradients of the bias, the sinks and the arrays a score_mod closes over: the "more"
 column). Each row is one flashvjp.testing.check, the check your own test suite can call
-(docs/testing.md). A quantity passes when |error| <= tolerance x (max |reference| +
-|reference|) at every entry (numpy's allclose with rtol = tolerance and atol = tolerance
-x max |reference|; tolerance per input dtype); the columns show the largest
-|error| / (max |reference| + |reference|).
+(docs/testing.md).
+
+{rule}
 
 Your own function: `python -m flashvjp check my_module:attention_fn` checks
 my_module.attention_fn (any function with flash_attention's signature; the current
@@ -49,7 +50,10 @@ the whole check takes about a minute with jax 0.12 and about four minutes with j
 Each row is printed as soon as it finishes, with its time.
 
 Exit status: 0 when every row passes, 1 otherwise.
-"""
+""".format(rule=textwrap.fill(
+    f"The pass rule: {PASS_RULE} (numpy's allclose with rtol = tolerance and atol = tolerance x"
+    " max |ref|; the tolerance follows the input dtype). A row passes when every quantity"
+    " does; the columns show each quantity's error.", 88, break_on_hyphens=False))
 
 
 def _fmt_seconds(s: float) -> str:
@@ -140,8 +144,8 @@ def _check_rows(args):
         "; the wider one is for float32 matmuls in TF32, the GPU's default precision, which"
         " interpret mode reproduces (jax.default_matmul_precision('highest') for IEEE float32, 'high' for"
         " 3xTF32)")
-  print(f"Inputs {dtype.name}; a row passes when max |error| <= tolerance x max |reference|,"
-        f" tolerance {tol_text}.")
+  print(f"Inputs {dtype.name}, tolerance {tol_text}. The pass rule: {PASS_RULE}; a row passes"
+        " when every quantity does.")
   if pallas_note:
     print(pallas_note)
   if plat == "cpu":

@@ -1,6 +1,7 @@
 """`python -m flashvjp check`: help written for users, rows printed as they finish, exit status."""
 import dataclasses
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -30,6 +31,19 @@ def test_help_is_for_users(argv, capsys):
     assert "about a minute" in out and "--budget" in out
 
 
+def _words(text):
+  return " ".join(text.split())
+
+
+def test_pass_rule_is_stated_once_everywhere(capsys):
+  """--help, docs/testing.md and the banner (below) state the rule _compare implements."""
+  from flashvjp.testing._compare import PASS_RULE
+  assert _run_main(["check", "--help"]) == 0
+  assert _words(PASS_RULE) in _words(capsys.readouterr().out)
+  docs = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "testing.md").read_text()
+  assert _words(PASS_RULE) in _words(docs)
+
+
 def test_features_match_the_checked_list():
   import jax.numpy as jnp  # noqa: F401
   assert tuple(name for name, _ in _check._features(1, 4, 70)) == _check.FEATURES
@@ -48,6 +62,8 @@ def test_check_prints_each_row_and_a_summary(capsys):
   assert out.index("Expect about") < out.index(rows[0])
   assert "not checked (--skip-pallas)" in out
   assert "2 passed, 0 failed" in out
+  from flashvjp.testing._compare import PASS_RULE
+  assert _words(PASS_RULE) in _words(out)  # the banner states the one pass rule
 
 
 def test_check_rejects_unknown_feature(capsys):

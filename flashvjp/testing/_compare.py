@@ -54,6 +54,13 @@ class Quantity:
 
 SCALE_FLOOR = 0.1
 
+# The pass rule in words: `check`'s docs, `python -m flashvjp check`'s banner and --help, and
+# docs/testing.md state exactly this sentence (tests/test_cli.py compares them).
+PASS_RULE = ("a quantity passes when |got - ref| <= tolerance x (max |ref| + |ref|) at every"
+             f" entry, where max |ref| of a gradient is at least {SCALE_FLOOR:.0%} of the problem's scale (the"
+             " largest max |ref| of out, dq, dk and dv); the error shown is the largest"
+             " |got - ref| / (max |ref| + |ref|), so a quantity passes when error <= tolerance")
+
 
 def compare(name: str, got, ref, tolerance: float, floor: float = 0.0) -> Quantity:
   """Compare one array with its float64 reference (shapes must match).
