@@ -57,6 +57,46 @@ def test_snippets_found():
       assert why != "", f"{name}:{line}: '<!-- not run: -->' needs a reason"
 
 
+# The user-facing pages whose snippets must run (a page that lost its runnable snippets, or
+# left FILES, would silently stop being checked).
+PAGES = ("README.md", "getting_started.md", "implementations.md", "distributed.md", "testing.md",
+         "ecosystem.md", "forward_mode.md")
+
+
+def test_user_pages_have_running_snippets():
+  runnable = {p.name: [s for s in snippets(p) if s[2] is None] for p in FILES}
+  for name in PAGES:
+    assert runnable.get(name), f"{name}: no runnable ```python snippet (or not in FILES)"
+
+
+# Statements that contradicted the code (issue 31). Each is false now; the pages must not
+# make it again. (phrase, what is true instead)
+STALE = [
+    ("one `jax.custom_vjp`", "the op is a custom_jvp whose tangent is transposed by the backward"),
+    ("same `jax.custom_vjp`", "the op is a custom_jvp whose tangent is transposed by the backward"),
+    ("custom_vjp and no forward mode", "ring attention has forward mode"),
+    ("carry no custom_partitioning rule", "the tangent pass is partitioned like fwd / bwd"),
+    ("max |error| <= tolerance x max |reference|", "flashvjp.testing._compare.PASS_RULE"),
+]
+
+
+def test_no_statement_that_contradicts_the_code():
+  for path in FILES + [ROOT / "BUILD.md"]:
+    text = " ".join(path.read_text().split())
+    for phrase, truth in STALE:
+      assert phrase not in text, f"{path.name} says {phrase!r}; true: {truth}"
+
+
+def test_flax_extra_and_the_readme_says_to_install_it():
+  import tomllib
+  extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+      "optional-dependencies"]
+  assert extras.get("flax") == ["flax"], extras.get("flax")
+  readme = (ROOT / "README.md").read_text()
+  dropin = readme[readme.index("## Drop-in for jax.nn and Flax"):]
+  assert dropin.index('".[flax]"') < dropin.index("import flax.linen")
+
+
 @pytest.mark.parametrize("path", [p for p in FILES if snippets(p)], ids=lambda p: p.name)
 def test_snippets_run_standalone(path):
   todo = [(line, code) for line, code, why in snippets(path) if why is None]
