@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import re
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,41 @@ from flashvjp._config import default_block_sizes
 
 _FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
+
+# A sharding applied inside jax.jit (`with_sharding_constraint`, `jit(in_shardings=...)`) is
+# known only when XLA partitions the program, after tracing: the partitioning rule
+# (`flashvjp._partition`) checks it then, and XLA reports an exception of that Python
+# callback as `JaxRuntimeError: INTERNAL: custom_partitioner: <traceback>`. The handler
+# below gives the user the ValueError / TypeError flashvjp raised, with its own message,
+# so that `except ValueError` catches a sequence that the shard count does not divide.
+_PARTITIONER_ERROR = re.compile(r"^(ValueError|TypeError): (flashvjp: .*)$", re.M)
+
+
+def _partitioner_error(err: Exception) -> Exception | None:
+  """flashvjp's own ValueError / TypeError inside an XLA custom_partitioner error, or None."""
+  text = str(err)
+  if "custom_partitioner" not in text or "flashvjp" not in text:
+    return None
+  found = _PARTITIONER_ERROR.findall(text)
+  if not found:
+    return None
+  kind, message = found[-1]
+  cls = ValueError if kind == "ValueError" else TypeError
+  return cls(f"{message.rstrip()} (found while XLA partitioned the program under jax.jit, where"
+             " the sharding was applied)")
+
+
+def _register_partitioner_errors() -> None:
+  try:  # jax's hook for compile errors (jax._src.compiler, jax 0.10.2-0.12)
+    from jax._src import compiler
+    register = compiler.register_xla_runtime_error_handler
+  except (ImportError, AttributeError):  # without it the error stays JaxRuntimeError
+    return
+  if _partitioner_error not in getattr(compiler, "_XLA_RUNTIME_ERROR_HANDLERS", ()):
+    register(_partitioner_error)
+
+
+_register_partitioner_errors()
 
 def _is_array(x, allow_shapes=False):
   if allow_shapes and isinstance(x, jax.ShapeDtypeStruct):

@@ -318,6 +318,18 @@ def test_indivisible_sequence_is_a_clear_error():
                                      x.shape, 4, {}, False)
 
 
+def test_indivisible_sequence_inside_jit_is_a_value_error():
+  """A sharding applied inside jit is checked while XLA partitions: still a ValueError."""
+  mesh = _mesh((4,))
+  sh = NamedSharding(mesh, P(None, None, "sp", None))
+  x = jnp.ones((1, 2, 4 * 255 + 2, 8), jnp.float32)  # S = 1022 over 4 devices
+  f = jax.jit(lambda x: flashvjp.flash_attention(
+      *(jax.lax.with_sharding_constraint(x, sh),) * 3, causal=True, implementation="blockwise"))
+  with pytest.raises(ValueError, match=r"seq_q \(1022\).*divisible by 4 for context") as e:
+    f(x)
+  assert "custom_partitioner" not in str(e.value) and "Traceback" not in str(e.value)
+
+
 def test_explicit_mesh_axes_are_a_clear_error():
   if not hasattr(jax.sharding, "AxisType"):
     pytest.skip("no explicit sharding in this jax")
