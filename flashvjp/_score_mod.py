@@ -372,6 +372,12 @@ def check(score_mod: Callable, target, acc_dtype):
   if getattr(out, "shape", None) != tuple(target):
     raise ValueError(f"score_mod must return scores of the same shape {tuple(target)}, got "
                      f"{getattr(out, 'shape', type(out).__name__)}")
+  if not jnp.issubdtype(out.dtype, jnp.floating):
+    hint = (": a bool is a mask, which is mask_mod's job (mask_mod=lambda b, h, q_idx, kv_idx:"
+            " ...), or jnp.where(cond, scores, -jnp.inf) inside score_mod"
+            if out.dtype == jnp.bool_ else "")
+    raise TypeError(f"score_mod must return float scores (the modified scores, e.g. scores +"
+                    f" bias), got dtype {out.dtype}{hint}")
   # A small tile at positions spread over the real ranges (first and last batch/head).
   tb, th, tq, tk = min(B, 2), min(H, 2), min(Sq, 3), min(Skv, 4)
   pos = lambda n, t: np.unique(np.linspace(0, n - 1, t).round().astype(np.int32))

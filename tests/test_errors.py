@@ -57,6 +57,8 @@ CASES = [
     (dict(score_mod=lambda s, b, h, qi, ki: s + jnp.zeros((2, 4, 8, 10)) * h), ValueError, "score_mod must be elementwise.*block"),
     (dict(score_mod=lambda s, b, h, qi, ki: s if s > 0 else -s), ValueError, "score_mod raised .* traced"),
     (dict(score_mod=lambda s, b, h, qi, ki: s + float(qi)), TypeError, "score_mod raised .* traced"),
+    (dict(score_mod=lambda s, b, h, qi, ki: s > 0), TypeError, "score_mod must return float.*bool.*mask_mod"),
+    (dict(score_mod=lambda s, b, h, qi, ki: (s > 0).astype(jnp.int32)), TypeError, "score_mod must return float.*int32"),
     # scale: a Python number or a scalar float array
     (dict(scale=jnp.ones((3,), jnp.float32)), ValueError, "scale must be a scalar"),
     (dict(scale=jnp.int32(2)), TypeError, "scale.*dtype"),
