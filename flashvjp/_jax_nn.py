@@ -141,6 +141,11 @@ def dot_product_attention(
   if not query.ndim == key.ndim == value.ndim:
     raise ValueError("query, key and value must have the same rank, got shapes"
                      f" {query.shape}, {key.shape}, {value.shape}")
+  for name, x in (("value", value), ("query", query)):  # jax.nn's check, its type and order
+    if x.dtype != key.dtype:
+      raise ValueError(f"{name} dtype should be {key.dtype} (key's dtype: query, key and value"
+                       f" must have one dtype, as in jax.nn.dot_product_attention), but got"
+                       f" {x.dtype}")
   if not isinstance(is_causal, bool):
     raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
   if not isinstance(return_residual, bool):

@@ -269,6 +269,19 @@ def test_rejects_jax_nn_backend_names_and_bad_input():
     flashvjp.dot_product_attention(q, k, v, jnp.ones((T + 1, S), F32))
 
 
+def test_mixed_dtypes_are_a_value_error_as_in_jax_nn():
+  q, k, v, *_ = _inputs(0)
+  bf = lambda x: x.astype(jnp.bfloat16)
+  for args, name in (((q, bf(k), bf(v)), "query"), ((q, k, bf(v)), "value"),
+                     ((bf(q), k, v), "query")):
+    with pytest.raises(ValueError) as ours:
+      flashvjp.dot_product_attention(*args)
+    with pytest.raises(ValueError) as theirs:
+      jax.nn.dot_product_attention(*args)
+    assert str(ours.value).startswith(f"{name} dtype should be {args[1].dtype}")
+    assert str(theirs.value).startswith(f"{name} dtype should be {args[1].dtype}")
+
+
 def test_explain_reports_the_path_for_the_drop_in():
   """The drop-in runs the same dispatch as flash_attention (observable via explain)."""
   q, k, v, *_ = _inputs(0)
