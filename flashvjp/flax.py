@@ -68,6 +68,7 @@ def _broadcast_pair(name, x, batch_dims, target_tail):
     raise TypeError(f"{name} must be an array, got {type(x).__name__}")
   nb = len(batch_dims)
   full = tuple(batch_dims) + tuple(target_tail)
+  given = tuple(x.shape)  # errors name the shape the user passed, not the padded one
   if x.ndim > nb + 3:
     raise ValueError(f"{name} must broadcast to [batch..., heads, q_length, kv_length] = {full},"
                      f" got shape {x.shape}")
@@ -78,7 +79,7 @@ def _broadcast_pair(name, x, batch_dims, target_tail):
   x = jnp.reshape(x, (1,) * (nb + 3 - x.ndim) + tuple(x.shape))
   for got, want in zip(x.shape, full):
     if got not in (1, want):
-      raise ValueError(f"{name} of shape {x.shape} does not broadcast to"
+      raise ValueError(f"{name} of shape {given} does not broadcast to"
                        f" [batch..., heads, q_length, kv_length] = {full}")
   if all(d == 1 for d in x.shape[:nb]):
     return jnp.reshape(x, (1,) + tuple(x.shape[nb:]))

@@ -234,6 +234,10 @@ def test_attention_fn_signature_and_errors():
     flashvjp.flax.attention_fn(q, q, q, qk_attn_weights_einsum=jnp.einsum)
   with pytest.raises(ValueError, match="mask of shape"):
     flashvjp.flax.attention_fn(q, q, q, mask=jnp.ones((BATCH, 3, L, L), bool))
+  with pytest.raises(ValueError, match=r"mask of shape \(2, 16\) does not broadcast"):
+    flashvjp.flax.attention_fn(q, q, q, mask=jnp.ones((2, 16), bool))  # the shape passed
+  with pytest.raises(ValueError, match=r"bias of shape \(3, 10\) does not broadcast"):
+    flashvjp.flax.attention_fn(q, q, q, bias=jnp.ones((3, L), F32))
   with pytest.raises(ValueError, match="batch dims must match"):
     flashvjp.flax.attention_fn(q, q[:1], q[:1])
   with pytest.raises(ValueError, match="dropout_rng is required"):
