@@ -10,7 +10,10 @@ import dataclasses
 import functools
 import math
 import numbers
+import os
 import re
+import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +70,7 @@ def _register_partitioner_errors() -> None:
 
 
 _register_partitioner_errors()
+
 
 def _is_array(x, allow_shapes=False):
   if allow_shapes and isinstance(x, jax.ShapeDtypeStruct):
@@ -226,6 +230,14 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
     raise TypeError(f"dropout_rate must be a float in [0, 1), got {dropout_rate!r}")
   if not 0.0 <= float(dropout_rate) < 1.0:
     raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+  if deterministic is None:  # left at its default: True (no dropout), as attnax's names had it
+    deterministic = True
+    if float(dropout_rate) > 0.0 and dropout_rng is not None and not allow_shapes:
+      warnings.warn(
+          f"flashvjp: dropout_rate={dropout_rate} and a dropout_rng were given but deterministic"
+          " was left at its default (True), so no dropout is applied. Pass deterministic=False"
+          " to apply dropout, or deterministic=True to say that none is meant (as at eval"
+          " time).", UserWarning, stacklevel=_user_stacklevel())
   dropout_active = float(dropout_rate) > 0.0 and not deterministic
   if dropout_active and dropout_rng is None:
     raise ValueError("dropout_rng is required when dropout is active"
@@ -310,6 +322,15 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
   arrays = (query, key, value, bias, mask, q_seg, kv_seg, seed, consts, scale_array, mm_consts,
             mm_classes, sinks)
   return decision, cfg, arrays
+
+
+def _user_stacklevel() -> int:
+  """warnings.warn's stacklevel, called from here, of the first frame outside flashvjp."""
+  pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
+  frame, level = sys._getframe(1), 1
+  while frame is not None and frame.f_code.co_filename.startswith(pkg):
+    frame, level = frame.f_back, level + 1
+  return level
 
 
 def _fold_scale(scale_array, score_mod):
@@ -430,7 +451,7 @@ def flash_attention(
     query, key, value, *, bias=None, mask=None, causal: bool = False,
     window: tuple[int | None, int | None] | None = None, segment_ids=None,
     score_mod=None, scale: float | None = None, dropout_rate: float = 0.0,
-    dropout_rng=None, deterministic: bool = True, return_lse: bool = False,
+    dropout_rng=None, deterministic: bool | None = None, return_lse: bool = False,
     implementation: str | None = None, block_q: int | None = None,
     block_kv: int | None = None, interpret: bool | None = None,
     dropout_broadcast: tuple[bool, bool] = (False, False), mask_mod=None, block_mask=None,
@@ -488,7 +509,9 @@ def flash_attention(
     dropout_broadcast: (batch, heads): share the dropout keep-mask across the batch
       and/or the heads (Flax's ``broadcast_dropout=True`` is (True, True));
       `flashvjp.dropout_mask(..., broadcast=...)` returns that mask.
-    deterministic: True disables dropout.
+    deterministic: True disables dropout, False applies it. Left unset (None) it is True
+      (no dropout, the seed names' default), with a UserWarning when a dropout_rate > 0
+      and a dropout_rng are given: that pair asks for dropout, the default turns it off.
     return_lse: also return lse float32 [batch, num_heads, seq_q] (differentiable).
     implementation: None (choose), "pallas" (this platform's kernels), "pallas_triton",
       "pallas_tpu", "pallas_mosaic_gpu" (Hopper; named only), "blockwise" or "naive". The
@@ -556,7 +579,7 @@ def explain(query, key, value, **kwargs) -> _dispatch.Decision:
 
 
 def pallas_flash_attention(query, key, value, *, mask=None, score_mod=None, dropout_rng=None,
-                           dropout_rate=0.0, deterministic=True, block_q=128, block_kv=128,
+                           dropout_rate=0.0, deterministic=None, block_q=128, block_kv=128,
                            force_fallback=False):
   """Seed-compatible name: the Pallas kernels (blockwise with force_fallback=True).
 
@@ -569,7 +592,7 @@ def pallas_flash_attention(query, key, value, *, mask=None, score_mod=None, drop
 
 
 def memory_efficient_attention(query, key, value, *, mask=None, score_mod=None, dropout_rng=None,
-                               dropout_rate=0.0, deterministic=True, block_size=256):
+                               dropout_rate=0.0, deterministic=None, block_size=256):
   """Seed-compatible name: the blockwise pure-JAX path with square blocks of `block_size`."""
   return flash_attention(
       query, key, value, mask=mask, score_mod=score_mod, dropout_rng=dropout_rng,

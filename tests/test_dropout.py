@@ -54,6 +54,26 @@ def test_deterministic_true_disables_dropout():
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_rate_and_key_with_deterministic_left_at_its_default_warns():
+  """A rate and a key ask for dropout; the default (deterministic=True) turns it off: say so."""
+  import warnings
+  q, k, v = _util.random_qkv(0, 1, 2, 1, 10, 10, 4)
+  kw = dict(dropout_rate=0.5, dropout_rng=jax.random.key(1), implementation="blockwise")
+  with pytest.warns(UserWarning, match="deterministic was left at its default") as rec:
+    a = flashvjp.flash_attention(q, k, v, **kw)
+  assert rec[0].filename == __file__  # points at the caller's line
+  with pytest.warns(UserWarning, match="deterministic was left at its default"):
+    flashvjp.memory_efficient_attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(1))
+  b = flashvjp.flash_attention(q, k, v, implementation="blockwise")
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # still no dropout
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # said explicitly, or no key: no warning
+    flashvjp.flash_attention(q, k, v, deterministic=True, **kw)
+    flashvjp.flash_attention(q, k, v, deterministic=False, **kw)
+    flashvjp.flash_attention(q, k, v, dropout_rate=0.5, implementation="blockwise")
+    flashvjp.explain(q, k, v, **kw)
+
+
 def test_broadcast_mask_is_shared_over_batch_and_heads():
   key = jax.random.key(4)
   full = np.asarray(flashvjp.dropout_mask(key, (3, 4, 16, 20), 0.5))

@@ -221,6 +221,22 @@ def test_linen_module_dropout_determinism_and_grads():
   _assert_grads_close(g, g_ref, F64, "dropout grads")
 
 
+def test_dropout_follows_flax_deterministic_without_a_warning():
+  """Flax's convention (deterministic defaults to False): a rate and a key apply dropout;
+  deterministic=True, said explicitly, turns it off. Neither warns."""
+  import warnings
+  q = _x(0, (1, 6, 2, 4))
+  fn = flashvjp.flax.make_attention_fn(implementation="blockwise")
+  key = jax.random.key(1)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    plain = fn(q, q, q)
+    dropped = fn(q, q, q, dropout_rate=0.5, dropout_rng=key)
+    off = fn(q, q, q, dropout_rate=0.5, dropout_rng=key, deterministic=True)
+  assert not np.allclose(np.asarray(dropped), np.asarray(plain))
+  np.testing.assert_array_equal(np.asarray(off), np.asarray(plain))
+
+
 def test_attention_fn_signature_and_errors():
   import inspect
   params = inspect.signature(flashvjp.flax.attention_fn).parameters

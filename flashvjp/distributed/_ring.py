@@ -30,7 +30,7 @@ LAYOUTS = _ring_backend.LAYOUTS
 def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
                    bias=None, mask=None, causal: bool = False, window=None, segment_ids=None,
                    score_mod=None, scale=None, dropout_rate: float = 0.0, dropout_rng=None,
-                   deterministic: bool = True, return_lse: bool = False,
+                   deterministic: bool | None = None, return_lse: bool = False,
                    implementation: str | None = None, block_q: int | None = None,
                    block_kv: int | None = None, interpret: bool | None = None,
                    dropout_broadcast: tuple[bool, bool] = (False, False), mask_mod=None,
