@@ -82,8 +82,42 @@ def test_correct_implementations_pass(impl):
                          bias=0.1 * jnp.ones((1, H, 1, SKV)), return_lse=True)
   assert report.passed, str(report)
   assert report.names == ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks", "d score_mod[0]")
+  table = report["d score_mod[0]"]  # looked up by its short name; shown with name and shape
+  assert table.label == "table (2, 9)" and "d score_mod[0] (table (2, 9))" in str(report)
+  assert report.to_dict()["quantities"][-1]["label"] == "table (2, 9)"
   for q in report.quantities:
     assert q.error <= q.tolerance and np.isfinite(q.error)
+
+
+def test_closed_over_arrays_are_named_with_their_shapes():
+  """Rows of closed-over arrays say which array (its name where the closure has one) and its
+  shape; the full report is checked in test_correct_implementations_pass."""
+  import functools
+
+  from flashvjp.testing import _check
+
+  def my_mod(table, bias):  # a Python closure: its free variables
+    def mod(s, b, h, q_idx, kv_idx):
+      return s + table[h, jnp.clip(q_idx - kv_idx, 0, table.shape[1] - 1)] + bias[h]
+    return mod
+
+  class Scaled:  # a callable object: its attributes
+    def __init__(self):
+      self.gain = jnp.ones((H,))
+
+    def __call__(self, s, b, h, q_idx, kv_idx):
+      return s * self.gain[h]
+
+  plus = lambda s, b, h, q_idx, kv_idx, *, slope: s + slope[h]
+  params = {"w": jnp.zeros((H,))}  # inside a dict: no name of its own, its shape still shown
+  for mod, want in (
+      (my_mod(jnp.zeros((H, 5)), jnp.zeros((H,))), ["table (2, 5)", "bias (2,)"]),
+      (Scaled(), ["gain (2,)"]),
+      (functools.partial(plus, slope=jnp.zeros((H,))), ["slope (2,)"]),  # keywords
+      (lambda s, b, h, q_idx, kv_idx: s + params["w"][h], ["shape (2,)"])):
+    kw = dict(score_mod=mod)
+    labels = _check._labels(kw, _check._mod_arrays(kw))
+    assert labels == {f"d score_mod[{i}]": w for i, w in enumerate(want)}
 
 
 def test_jax_nn_xla_in_bshd_passes():

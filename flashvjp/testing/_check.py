@@ -9,6 +9,8 @@ the one table in `flashvjp._check`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import numbers
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -94,6 +96,76 @@ def _mod_arrays(kwargs) -> dict[str, tuple]:
     found["mask_mod"] = tuple(c for c in consts
                               if jnp.issubdtype(jnp.result_type(c), jnp.inexact))
   return {k: v for k, v in found.items() if v}
+
+
+def _closure_names(fn, depth: int = 3) -> dict:
+  """{id(array): (its name, the array)} for the arrays `fn` reaches by name: a Python closure's free
+  variables (`fn.__code__.co_freevars` / `fn.__closure__`), globals it reads, a
+  functools.partial's keywords, a callable object's attributes; nested closures (a
+  factory's inner function calling another) to `depth`. First name found wins."""
+  names: dict = {}
+  seen: set = set()
+
+  def visit(obj, prefix: str, d: int):
+    if d < 0 or id(obj) in seen:
+      return
+    seen.add(id(obj))
+    items: list = []
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+      cells = getattr(obj, "__closure__", None) or ()
+      for var, cell in zip(code.co_freevars, cells):
+        try:
+          items.append((var, cell.cell_contents))
+        except ValueError:  # an empty cell
+          pass
+      glob = getattr(obj, "__globals__", {})
+      items += [(n, glob[n]) for n in code.co_names if n in glob]
+    elif isinstance(obj, functools.partial):
+      items += list(obj.keywords.items()) + [(f"args[{i}]", a) for i, a in enumerate(obj.args)]
+      items.append(("", obj.func))
+    elif callable(obj) and hasattr(obj, "__dict__") and not isinstance(obj, type):
+      items += list(vars(obj).items())
+      items.append(("", type(obj).__call__))  # what it reads by name (globals)
+    for var, val in items:
+      name = f"{prefix}.{var}" if prefix and var else (var or prefix)
+      if isinstance(val, (jax.Array, np.ndarray)):
+        names.setdefault(id(val), (name, val))
+      elif isinstance(val, (list, tuple)) and len(val) <= 64:
+        for i, x in enumerate(val):
+          if isinstance(x, (jax.Array, np.ndarray)):
+            names.setdefault(id(x), (f"{name}[{i}]", x))
+      elif callable(val) and not isinstance(val, type) and not _is_library(val):
+        visit(val, "", d - 1)
+
+  visit(fn, "", depth)
+  return names
+
+
+def _is_library(fn) -> bool:
+  """jax / numpy / flashvjp-internal functions: not searched for the user's arrays."""
+  mod = getattr(fn, "__module__", None) or ""
+  return mod.split(".")[0] in ("jax", "jaxlib", "numpy", "builtins", "functools")
+
+
+def _same_values(x, a) -> bool:
+  if isinstance(x, jax.core.Tracer) or isinstance(a, jax.core.Tracer):
+    return False
+  return np.shape(x) == np.shape(a) and bool(np.array_equal(np.asarray(x), np.asarray(a)))
+
+
+def _labels(kwargs, found) -> dict:
+  """{"d score_mod[0]": "table (4, 16)", ...}: each closed-over array's name and shape."""
+  labels = {}
+  for kind, arrays in found.items():
+    names = _closure_names(kwargs[kind])
+    for i, a in enumerate(arrays):
+      name = names[id(a)][0] if id(a) in names else None
+      if name is None:  # converted on the way (a numpy array becomes a jax array): by value
+        name = next((n for n, x in names.values() if _same_values(x, a)), None)
+      shape = tuple(np.shape(a))
+      labels[f"d {kind}[{i}]"] = f"{name} {shape}" if name else f"shape {shape}"
+  return labels
 
 
 def _names(diff) -> list:
@@ -191,8 +263,10 @@ def check(fn: Callable | None = None, *, query, key, value, layout: str = "BHSD"
   for n in ("bias", "sinks", "scale"):
     if n in kwargs and _is_inexact_array(kwargs[n]):
       diff[n] = kwargs[n]
-  diff.update(_mod_arrays(kwargs))
+  found = _mod_arrays(kwargs)
+  diff.update(found)
   names = ["dq", "dk", "dv"] + _names(diff)  # the order of the vjp's leaves
+  labels = _labels(kwargs, found)
 
   def call(f, base, q, k, v, d):
     kw = dict(base)
@@ -267,7 +341,8 @@ def check(fn: Callable | None = None, *, query, key, value, layout: str = "BHSD"
   quantities = [compare("out", got_out, ref_out, tol("out"))]
   if with_lse:
     quantities.append(compare("lse", got_lse, ref_lse, tol("lse")))
-  grads = {n: compare(n, g, r, tol(n), floor) for n, g, r in zip(names, got_grads, ref_grads)}
+  grads = {n: dataclasses.replace(compare(n, g, r, tol(n), floor), label=labels.get(n, ""))
+           for n, g, r in zip(names, got_grads, ref_grads)}
   quantities += [grads[n] for n in _names_in_order(diff)]
   title = (f"flashvjp.testing.check of {getattr(fn, '__name__', type(fn).__name__)}"
            f" ({dtype.name}, {layout} {tuple(query.shape)}) vs float64 naive attention")

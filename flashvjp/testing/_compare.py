@@ -35,6 +35,9 @@ class Quantity:
   worst_index: the entry where that maximum is reached (() for a scalar).
   got, ref: the values there (float64).
   scale: max |ref| over the reference's finite entries (before any floor).
+  label: what the quantity is the gradient of, where its name does not say (an array a
+    score_mod / mask_mod closes over: its name in the closure, where it has one, and its
+    shape, e.g. ``"table (4, 16)"``); shown next to the name in the table.
   """
 
   name: str
@@ -46,6 +49,12 @@ class Quantity:
   scale: float
   shape: tuple[int, ...]
   note: str = ""
+  label: str = ""
+
+  @property
+  def title(self) -> str:
+    """The name, with the label when there is one: ``d score_mod[0] (table (4, 16))``."""
+    return f"{self.name} ({self.label})" if self.label else self.name
 
   @property
   def passed(self) -> bool:
@@ -132,10 +141,11 @@ class Report:
         "quantities": [dict(name=q.name, error=num(q.error), tolerance=q.tolerance,
                             passed=q.passed, worst_index=list(q.worst_index), got=num(q.got),
                             ref=num(q.ref), scale=num(q.scale), shape=list(q.shape),
-                            note=q.note) for q in self.quantities]}
+                            note=q.note, label=q.label) for q in self.quantities]}
 
   def __str__(self) -> str:
-    head = f"{'quantity':<18}{'error':>10}{'tolerance':>11}  {'result':<6}  worst at (got vs ref)"
+    w = max([18] + [len(q.title) + 2 for q in self.quantities])
+    head = f"{'quantity':<{w}}{'error':>10}{'tolerance':>11}  {'result':<6}  worst at (got vs ref)"
     lines = []
     if self.title:
       lines.append(f"{self.title}: {'PASSED' if self.passed else 'FAILED ' + ', '.join(self.failed)}")
@@ -144,7 +154,7 @@ class Report:
       where = f"{list(q.worst_index)} ({q.got:.6g} vs {q.ref:.6g})" if q.got == q.got else ""
       if q.note:
         where = f"{where} {q.note}".strip()
-      lines.append(f"{q.name:<18}{q.error:>10.2e}{q.tolerance:>11.1e}  "
+      lines.append(f"{q.title:<{w}}{q.error:>10.2e}{q.tolerance:>11.1e}  "
                    f"{'ok' if q.passed else 'FAIL':<6}  {where}")
     lines.append("error = max |got - ref| / (max |ref| + |ref|), against float64 naive attention;"
                  " a quantity passes when error <= tolerance")
