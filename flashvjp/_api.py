@@ -42,21 +42,30 @@ _FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 # callback as `JaxRuntimeError: INTERNAL: custom_partitioner: <traceback>`. The handler
 # below gives the user the ValueError / TypeError flashvjp raised, with its own message,
 # so that `except ValueError` catches a sequence that the shard count does not divide.
-_PARTITIONER_ERROR = re.compile(r"^(ValueError|TypeError): (flashvjp: .*)$", re.M)
+_PARTITIONER_ERROR = re.compile(
+    r'^  File "(?P<file>[^"]*)".*\n(?:(?!  File ).*\n)*?(?P<kind>ValueError|TypeError): (?P<msg>.*)$',
+    re.M)
 
 
 def _partitioner_error(err: Exception) -> Exception | None:
-  """flashvjp's own ValueError / TypeError inside an XLA custom_partitioner error, or None."""
+  """flashvjp's own ValueError / TypeError inside an XLA custom_partitioner error, or None.
+
+  The error text holds the Python traceback of the partitioning callback: the exception is
+  flashvjp's when the last frame before it is a file of this package.
+  """
   text = str(err)
-  if "custom_partitioner" not in text or "flashvjp" not in text:
+  if "custom_partitioner" not in text:
     return None
-  found = _PARTITIONER_ERROR.findall(text)
+  found = list(_PARTITIONER_ERROR.finditer(text))
   if not found:
     return None
-  kind, message = found[-1]
-  cls = ValueError if kind == "ValueError" else TypeError
-  return cls(f"{message.rstrip()} (found while XLA partitioned the program under jax.jit, where"
-             " the sharding was applied)")
+  last = found[-1]
+  pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
+  if not os.path.abspath(last["file"]).startswith(pkg):
+    return None
+  cls = ValueError if last["kind"] == "ValueError" else TypeError
+  return cls(f"{last['msg'].rstrip()} (found while XLA partitioned the program under jax.jit,"
+             " where the sharding was applied)")
 
 
 def _register_partitioner_errors() -> None:

@@ -328,6 +328,10 @@ def test_indivisible_sequence_inside_jit_is_a_value_error():
   with pytest.raises(ValueError, match=r"seq_q \(1022\).*divisible by 4 for context") as e:
     f(x)
   assert "custom_partitioner" not in str(e.value) and "Traceback" not in str(e.value)
+  g = jax.jit(lambda x: flashvjp.flash_attention(  # a strategy that cannot run: the same
+      *(jax.lax.with_sharding_constraint(x, sh),) * 3, context_parallel="ulysses"))
+  with pytest.raises(ValueError, match="context_parallel='ulysses' cannot run"):
+    g(jnp.ones((1, 2, 64, 8), jnp.float32))  # 2 heads on 4 sequence shards
 
 
 def test_explicit_mesh_axes_are_a_clear_error():
