@@ -17,6 +17,8 @@ from flashvjp._mask_mod import prefix_lm
 from flashvjp._mask_mod import sliding_window_with_global
 from flashvjp._plan import Plan
 from flashvjp._plan import plan
+from flashvjp._remat import RESIDUAL_NAMES
+from flashvjp._remat import checkpoint_policy
 from flashvjp._score_mod import ScoreMod
 from flashvjp._score_mod import alibi
 from flashvjp._score_mod import alibi_slopes
@@ -35,6 +37,6 @@ __all__ = [
     "chunked", "document_causal", "dot_product_attention", "dropout_mask", "explain",
     "make_block_mask", "Plan", "plan", "prefix_lm", "sliding_window_with_global",
     "flash_attention", "memory_efficient_attention", "pallas_flash_attention",
-    "relative_position_bias", "softcap",
+    "relative_position_bias", "softcap", "RESIDUAL_NAMES", "checkpoint_policy",
     "from_zigzag", "ring_attention", "ring_schedule", "sharded_attention", "to_zigzag", "testing",
 ]

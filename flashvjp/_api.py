@@ -18,12 +18,14 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from flashvjp import _config
 from flashvjp import _dispatch
 from flashvjp import _dropout
 from flashvjp import _mask_mod
 from flashvjp import _partition
+from flashvjp import _remat
 from flashvjp import _score_mod
 from flashvjp import _strategy
 from flashvjp import _target
@@ -179,6 +181,12 @@ def _check_block(name, b):
   return int(b)
 
 
+def _check_flag(name, x):
+  if not isinstance(x, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {x!r}")
+  return bool(x)
+
+
 def _check_sinks(sinks, H):
   if sinks is None:
     return None
@@ -217,7 +225,8 @@ def _check_explicit_axes(**arrays):
 def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, score_mod, scale,
              dropout_rate, dropout_rng, deterministic, implementation, block_q, block_kv,
              interpret, dropout_broadcast=(False, False), mask_mod=None, block_mask=None,
-             sinks=None, allow_shapes=False, fold_scale=False, context_parallel="auto"):
+             sinks=None, allow_shapes=False, fold_scale=False, context_parallel="auto",
+             max_logits=False):
   """Validate everything; return (decision, cfg, arrays) without tracing any kernel.
 
   fold_scale: an array (traced) scale with low-precision inputs and no bias becomes the
@@ -324,7 +333,7 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       # the hint only matters when a mesh can shard the sequence; on one device it would
       # only make the config (and the compile cache) depend on the mask_mod object
       mask_mod_hint=getattr(mask_mod, "kv_intervals", None) if program.partition else None,
-      partition=program.partition)
+      partition=program.partition, max_logits=bool(max_logits))
   seed = _dropout.seed_from_key(dropout_rng) if dropout_active else None
   if not allow_shapes:
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
@@ -397,14 +406,19 @@ def _run(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
   unless a BlockMask brought them; sinks are applied to (out, lse) after the op
   (`_apply_sinks`).
   """
-  out, lse = attend(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scale_array,
-                    mod_consts, mod_classes, sinks)
-  return (out, lse) if return_lse else (out, None)
+  out, lse, row_max = attend(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
+                             scale_array, mod_consts, mod_classes, sinks)
+  # cfg.max_logits: per (batch, head), the max over the rows (over the shards when the
+  # sequence is sharded: XLA's all-reduce of a max over a sharded axis)
+  max_logits = None if row_max is None else jnp.max(row_max, axis=-1)
+  return (out, lse if return_lse else None, max_logits)
 
 
 def attend(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scale_array,
            mod_consts=(), mod_classes=None, sinks=None):
-  """(out, lse): `_run`'s body, unjitted (the ring calls it inside shard_map).
+  """(out, lse, row_max): `_run`'s body, unjitted (the ring calls it inside shard_map).
+  row_max [B, H, Sq] (each row's max allowed logit, no gradient) with cfg.max_logits, else
+  None.
 
   A ring call (cfg.ring) gets no mask_mod classes: each chunk pair masks elementwise
   and its static hint (`flashvjp.ring._schedule`) skips whole pairs.
@@ -424,17 +438,21 @@ def attend(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, const
       assert cfg.mask_mod_blocks is not None  # set with mask_mod
       mod_classes = _mask_mod.classify(cfg.mask_mod, mod_consts, cfg.mask_mod_uses, B, H,
                                        cfg.seq_q, cfg.seq_kv, *cfg.mask_mod_blocks)
+      mod_classes = _remat.name_mask_mod_blocks(mod_classes)  # a checkpoint policy saves them
     mod = _mask_mod.ModInputs(mod_classes, tuple(mod_consts))
   if cfg.implementation == "naive":
-    out, lse = reference.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod)
+    res = reference.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod)
   else:
     n = cfg.num_diff_consts
-    out, lse = _vjp.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
-                              tuple(consts[:n]), tuple(consts[n:]), mod)
+    res = _vjp.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
+                         tuple(consts[:n]), tuple(consts[n:]), mod)
+  out, lse = res[:2]
+  # the row maxima: logits only (sinks are no position), no gradient (QK-clip reads them)
+  row_max = lax.stop_gradient(res[2]) if cfg.max_logits else None
   if sinks is not None:
     out, lse = _apply_sinks(out, lse, sinks)
   out = out.astype(q.dtype)  # cfg.out_f32: the op's float32 out, rounded once here
-  return out, lse
+  return out, lse, row_max
 
 
 def _apply_sinks(out, lse, sinks):
@@ -464,7 +482,7 @@ def flash_attention(
     implementation: str | None = None, block_q: int | None = None,
     block_kv: int | None = None, interpret: bool | None = None,
     dropout_broadcast: tuple[bool, bool] = (False, False), mask_mod=None, block_mask=None,
-    sinks=None, context_parallel: str = "auto"):
+    sinks=None, context_parallel: str = "auto", return_max_logits: bool = False):
   """Exact, memory-efficient, differentiable attention.
 
   Semantics, in order: ``s = scale * q @ k^T``; ``s += bias``;
@@ -522,6 +540,11 @@ def flash_attention(
       (no dropout, the seed names' default), with a UserWarning when a dropout_rate > 0
       and a dropout_rng are given: that pair asks for dropout, the default turns it off.
     return_lse: also return lse float32 [batch, num_heads, seq_q] (differentiable).
+    return_max_logits: also return max_logits float32 [batch, num_heads]: the maximum
+      of the logits over allowed positions (after scale, bias and score_mod, before the
+      softmax; sinks are no position), from the same forward pass, for QK-clip (MuonClip).
+      -inf for a (batch, head) with no allowed position; with the sequence sharded, the
+      max over the shards. No gradient flows through it (``stop_gradient``).
     implementation: None (choose), "pallas" (this platform's kernels), "pallas_triton",
       "pallas_tpu", "pallas_mosaic_gpu" (Hopper; named only), "blockwise" or "naive". The
       platform is the program's target (the inputs' shardings, else the abstract mesh in
@@ -538,7 +561,8 @@ def flash_attention(
       not sharded.
 
   Returns:
-    out [batch, num_heads, seq_q, head_dim_v] in query's dtype, or (out, lse).
+    out [batch, num_heads, seq_q, head_dim_v] in query's dtype; (out, lse) with return_lse;
+    (out, max_logits) with return_max_logits; (out, lse, max_logits) with both.
   """
   decision, cfg, arrays = _prepare(
       query, key, value, bias=bias, mask=mask, causal=causal, window=window,
@@ -546,10 +570,12 @@ def flash_attention(
       dropout_rng=dropout_rng, deterministic=deterministic, implementation=implementation,
       block_q=block_q, block_kv=block_kv, interpret=interpret,
       dropout_broadcast=dropout_broadcast, mask_mod=mask_mod, block_mask=block_mask,
-      sinks=sinks, fold_scale=True, context_parallel=context_parallel)
+      sinks=sinks, fold_scale=True, context_parallel=context_parallel,
+      max_logits=_check_flag("return_max_logits", return_max_logits))
   _dispatch.log(decision)
-  out, lse = _run(cfg, *arrays, return_lse=bool(return_lse))
-  return (out, lse) if return_lse else out
+  out, lse, max_logits = _run(cfg, *arrays, return_lse=bool(return_lse))
+  extra = ((lse,) if return_lse else ()) + ((max_logits,) if return_max_logits else ())
+  return (out, *extra) if extra else out
 
 
 def explain(query, key, value, **kwargs) -> _dispatch.Decision:

@@ -259,6 +259,10 @@ class AttentionConfig:
   # shardings, else the abstract mesh, else the host): the backends are then wrapped in
   # the partitioning rule under jit; with one device that rule is skipped.
   partition: bool = False
+  # Also return each row's maximum logit (after scale, bias and score_mod, over allowed
+  # positions; -inf for a row with none): every backend's forward then returns
+  # (out, lse, row_max [B, H, Sq] float32), from the same pass (QK-clip; no gradient).
+  max_logits: bool = False
 
   @property
   def dropout_active(self) -> bool:

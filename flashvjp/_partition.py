@@ -24,6 +24,7 @@ The choice is logged (absl, debug level) and
 `wrap(name, backend, tangent)` returns an object with the backend interface::
 
     forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod) -> (out, lse)
+      (+ row_max [B, H, Sq] when cfg.max_logits: laid out, and moved, like lse)
     backward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout, dlse, mod)
         -> (dq, dk, dv, dbias, dconsts)
     tangent(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, tq, tk, tv,
@@ -467,8 +468,8 @@ class _Wrapped:
 
   def forward(self, cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
     items = _operands(q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, ())
-    out, lse = self._go("forward", cfg, items, [("out", _O), ("lse", _L)], len(consts), mod)
-    return out, lse
+    results = [("out", _O), ("lse", _L)] + ([("row_max", _L)] if cfg.max_logits else [])
+    return tuple(self._go("forward", cfg, items, results, len(consts), mod))
 
   def backward(self, cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout,
                dlse, mod=None):

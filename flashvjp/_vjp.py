@@ -48,6 +48,7 @@ from jax.experimental.pallas import tpu as _pallas_tpu  # noqa: F401
 
 from flashvjp import _ad_compat as _ac
 from flashvjp._config import AttentionConfig
+from flashvjp._remat import name_residuals
 
 
 def _backend(name: str, partition: bool = False):
@@ -120,6 +121,7 @@ def forward_mode_paths(implementation: str) -> dict:
 
 # ---- the op ------------------------------------------------------------------------
 
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention_vjp(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed,
                    diff_consts, fixed_consts, mod=None):
@@ -129,15 +131,16 @@ def _attention_vjp(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, see
 
 
 def _fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod=None):
-  out, lse = _attention_vjp(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts,
-                            fixed_consts, mod)
+  outs = _attention_vjp(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts,
+                        fixed_consts, mod)
+  out, lse = name_residuals(*outs[:2])
   res = (q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod, out, lse)
-  return (out, lse), res
+  return (out, lse) + tuple(outs[2:]), res
 
 
 def _bwd(cfg, res, cts):
   q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod, out, lse = res
-  dout, dlse = cts
+  dout, dlse = cts[:2]  # cfg.max_logits: the row maxima carry no gradient
   dq, dk, dv, dbias, dconsts = _backward(
       cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
       tuple(diff_consts) + tuple(fixed_consts), out, lse, dout, dlse, mod)
@@ -155,7 +158,9 @@ def attention(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed,
   """(out [B, H, Sq, Dv], lse [B, H, Sq]), differentiable in forward and reverse mode.
 
   `mod`: None, or the mask_mod's inputs (`flashvjp._mask_mod.ModInputs`: its block
-  classes and the arrays it closes over); not differentiable.
+  classes and the arrays it closes over); not differentiable. With cfg.max_logits a third
+  output, each row's maximum allowed logit [B, H, Sq] float32, from the same forward pass;
+  no gradient flows through it (its tangent is zero, its cotangent ignored).
   """
   return _attention_vjp(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts,
                         fixed_consts, mod)
@@ -165,14 +170,19 @@ def _attention_jvp(cfg, primals, tangents):
   q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod = primals
   tq, tk, tv, tbias = tangents[:4]
   tdc = tangents[8]
-  out, lse = attention(cfg, *primals)
+  # out and lse are the backward's residuals: named where they are made, so a checkpoint
+  # policy can save them (flashvjp._remat) and the forward is not re-run in the backward
+  outs = attention(cfg, *primals)
+  out, lse = name_residuals(*outs[:2])
+  extra = tuple(outs[2:])  # cfg.max_logits: the row maxima, without gradient
+  t_extra = tuple(jnp.zeros_like(x) for x in extra)
   ts = [None if _ac.is_zero(t) else t for t in (tq, tk, tv, tbias, *tdc)]
   if all(t is None for t in ts):
-    return (out, lse), (jnp.zeros_like(out), jnp.zeros_like(lse))
+    return (out, lse) + extra, (jnp.zeros_like(out), jnp.zeros_like(lse)) + t_extra
   consts = tuple(diff_consts) + tuple(fixed_consts)
   t_out, t_lse = tangent(cfg, (q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, out, lse),
                          ts)
-  return (out, lse), (t_out, t_lse)
+  return (out, lse) + extra, (t_out, t_lse) + t_extra
 
 
 attention.defjvp(_attention_jvp, symbolic_zeros=True)

@@ -20,7 +20,8 @@ def mask_spec(cfg: AttentionConfig) -> MaskSpec:
 
 
 def attention(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
-  """Returns (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32-or-wider)."""
+  """Returns (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32-or-wider), and each row's
+  maximum allowed logit (-inf for none) as a third output when cfg.max_logits."""
   B, H, Sq, _ = q.shape
   Hkv, Skv = k.shape[1], k.shape[2]
   acc = jnp.promote_types(q.dtype, jnp.float32)
@@ -56,4 +57,6 @@ def attention(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, co
                          cfg.dropout_broadcast)
     e = jnp.where(keep, e / (1.0 - cfg.dropout_rate), 0.0)
   out = jnp.einsum("bhqk,bhkd->bhqd", e, v.astype(acc)) / jnp.where(empty, 1.0, l)
+  if cfg.max_logits:
+    return out.astype(q.dtype), lse, jax.lax.stop_gradient(jnp.max(s, axis=-1))
   return out.astype(q.dtype), lse

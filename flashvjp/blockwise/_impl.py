@@ -358,9 +358,24 @@ def _put_rows(x5, t, i, n, axis=3):
   return lax.dynamic_update_slice_in_dim(x5, t, i * n, axis, allow_negative_indices=False)
 
 
+def scoped(name: str):
+  """Run a pass under `jax.named_scope(name)`: its loops carry the name in the compiled
+  program's op_name metadata (profiles; the tests count passes by it, e.g. that a
+  checkpointed layer runs the forward once)."""
+  def wrap(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+      with jax.named_scope(name):
+        return fn(*args, **kwargs)
+    return run
+  return wrap
+
+
+@scoped("flashvjp_blockwise_fwd")
 def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None,
             offsets=None):
-  """Returns (out [B, H, Sq, Dv] q.dtype, lse [B, H, Sq] float32 (or wider)).
+  """Returns (out [B, H, Sq, Dv] q.dtype, lse [B, H, Sq] float32 (or wider)), and each row's
+  maximum allowed logit [B, H, Sq] (-inf: none) third when cfg.max_logits.
 
   offsets: None, or the global (b, h, q, kv) position of element 0 (see `_Layout`).
   """
@@ -414,9 +429,12 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
   out = out.reshape(L.B, L.H, L.Sqp, L.Dv)[:, :, : L.Sq]
   lse = lse.reshape(L.B, L.H, L.Sqp)[:, :, : L.Sq]
+  if cfg.max_logits:  # the running max is the row's max logit (-inf: nothing allowed)
+    return out, lse, lax.stop_gradient(m.reshape(L.B, L.H, L.Sqp)[:, :, : L.Sq])
   return out, lse
 
 
+@scoped("flashvjp_blockwise_bwd")
 def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
              out, lse, dout, dlse, mod=None, offsets=None):
   """Hand-written backward. Returns (dq, dk, dv, dbias or None, dconsts (differentiable ones)).

@@ -32,8 +32,10 @@ from flashvjp.blockwise._impl import _Layout
 from flashvjp.blockwise._impl import _pairs
 from flashvjp.blockwise._impl import _put_rows
 from flashvjp.blockwise._impl import _rows
+from flashvjp.blockwise._impl import scoped
 
 
+@scoped("flashvjp_blockwise_tangent")
 def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
             tq, tk, tv, tbias, tconsts, mod=None, offsets=None):
   """(t_out [B, H, Sq, Dv] in out's dtype, t_lse [B, H, Sq] in lse's dtype).

@@ -19,6 +19,7 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from flashvjp import _api
 from flashvjp import ring as _ring_backend
@@ -34,7 +35,8 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
                    implementation: str | None = None, block_q: int | None = None,
                    block_kv: int | None = None, interpret: bool | None = None,
                    dropout_broadcast: tuple[bool, bool] = (False, False), mask_mod=None,
-                   block_mask=None, sinks=None, batch_axis=None, head_axis=None):
+                   block_mask=None, sinks=None, batch_axis=None, head_axis=None,
+                   return_max_logits: bool = False):
   """Exact attention with the sequence sharded over a mesh axis; call inside shard_map.
 
   Same semantics and arguments as `flashvjp.flash_attention` on the global (unsharded)
@@ -75,8 +77,12 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
       so score_mod, mask_mod and dropout see global positions with the Pallas families
       too (a mask_mod is then evaluated elementwise on every block the pair visits).
 
+    return_max_logits: also return max_logits float32 [batch, num_heads], the max over
+      the whole (global) sequence, the same on every device (`flash_attention`'s).
+
   Returns:
-    local out [batch, num_heads, seq_local, head_dim_v] in query's dtype, or (out, lse).
+    local out [batch, num_heads, seq_local, head_dim_v] in query's dtype; (out, lse),
+    (out, max_logits) or (out, lse, max_logits) as `flash_attention`.
   """
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -100,7 +106,8 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
       dropout_rng=dropout_rng, deterministic=deterministic, implementation=implementation,
       block_q=block_q, block_kv=block_kv, interpret=interpret,
       dropout_broadcast=dropout_broadcast, mask_mod=mask_mod, sinks=sinks,
-      fold_scale=bias is None)
+      fold_scale=bias is None,
+      max_logits=_api._check_flag("return_max_logits", return_max_logits))
   q, k, v, _, _, q_seg, kv_seg, seed, consts, scale_array, mm_consts, _, sinks = arrays
   if cfg.causal and Sl != Skv:
     raise ValueError("causal ring_attention needs equal local seq lengths (the same global chunking"
@@ -114,9 +121,12 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
                                 batch_axis=batch_axis, head_axis=head_axis,
                                 mask_mod_hint=hint)
   ring_cfg = dataclasses.replace(cfg, implementation="ring", ring=spec)
-  out, lse = _api.attend(ring_cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
-                         scale_array, mm_consts, None, sinks)
-  return (out, lse) if return_lse else out
+  out, lse, row_max = _api.attend(ring_cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
+                                  scale_array, mm_consts, None, sinks)
+  extra = (lse,) if return_lse else ()
+  if return_max_logits:  # [batch, num_heads], the max over every shard's rows
+    extra += (lax.pmax(jnp.max(row_max, axis=-1), axis_name),)
+  return (out, *extra) if extra else out
 
 
 def ring_schedule(num_devices: int, seq_local: int, *, layout: str = "contiguous",

@@ -40,7 +40,8 @@ def _axis_size(mesh: Mesh, name, arg):
 
 def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Hashable | None = None,
                       head_axis: Hashable | None = None, seq_axis: Hashable | None = None,
-                      segment_ids=None, return_lse: bool = False, **kwargs):
+                      segment_ids=None, return_lse: bool = False,
+                      return_max_logits: bool = False, **kwargs):
   """Attention on global arrays, sharded over `mesh` by batch, heads and/or sequence.
 
   Without `seq_axis` every device computes `flash_attention` on its own batch/head
@@ -63,6 +64,8 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Hashable | N
     segment_ids: as in `flash_attention`; with `seq_axis` and layout="zigzag" it must be
       zigzag-permuted like the sequence.
     return_lse: also return lse [batch, num_heads, seq_q].
+    return_max_logits: also return max_logits [batch, num_heads] (`flash_attention`'s: the
+      max over the whole sequence), sharded as P(batch_axis, head_axis).
     **kwargs: without seq_axis: causal, window, scale, bias, mask, implementation, block_q,
       block_kv, interpret. With seq_axis: every argument of `flash_attention` (window,
       mask, score_mod, mask_mod, sinks, dropout, a traced scale: see `ring_attention`)
@@ -71,7 +74,8 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Hashable | N
       [batch, num_heads, seq_q, seq_kv] and sharded like the queries.
 
   Returns:
-    out [batch, num_heads, seq_q, head_dim_v] (global, sharded as above), or (out, lse).
+    out [batch, num_heads, seq_q, head_dim_v] (global, sharded as above); (out, lse),
+    (out, max_logits) or (out, lse, max_logits) as `flash_attention`.
   """
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -124,8 +128,10 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Hashable | N
       kwargs.pop(name, None)
   names = tuple(pairs)
 
+  want_max = _api._check_flag("return_max_logits", return_max_logits)
+
   def local(q, k, v, seg, *pair_arrays):
-    kw = dict(kwargs, **dict(zip(names, pair_arrays)))
+    kw = dict(kwargs, **dict(zip(names, pair_arrays)), return_max_logits=want_max)
     if seq_axis is None:
       return _api.flash_attention(q, k, v, segment_ids=seg, return_lse=True, **kw)
     return _ring.ring_attention(q, k, v, axis_name=seq_axis, segment_ids=seg, return_lse=True,
@@ -145,8 +151,11 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Hashable | N
   decision = _api.explain(local_shape(query, nh), local_shape(key, nh), local_shape(value, nh),
                           implementation=kwargs.get("implementation"),
                           interpret=kwargs.get("interpret"))
-  fn = _compat.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(qkv_spec, lse_spec),
+  out_specs = (qkv_spec, lse_spec) + ((PartitionSpec(batch_axis, head_axis),) if want_max
+                                      else ())
+  fn = _compat.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=not decision.is_pallas)
-  out, lse = fn(query, key, value, seg_in, *(pairs[n][0] for n in names))
-  return (out, lse) if return_lse else out
+  out, lse, *max_logits = fn(query, key, value, seg_in, *(pairs[n][0] for n in names))
+  extra = ((lse,) if return_lse else ()) + tuple(max_logits)
+  return (out, *extra) if extra else out
 

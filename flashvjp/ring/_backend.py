@@ -225,7 +225,8 @@ def _add_rows(x, piece, d, axis=2):
 # ---- forward ------------------------------------------------------------------------
 
 def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
-  """(out [B, H, Sl, Dv], lse [B, H, Sl]) of the local queries against the whole sequence."""
+  """(out [B, H, Sl, Dv], lse [B, H, Sl]) of the local queries against the whole sequence
+  (and their row maxima, the max over every pair, when cfg.max_logits)."""
   C = _Ctx(cfg, q, k)
   inner = _inner(C.R.inner)
   acc = C.acc
@@ -234,6 +235,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
           for p in C.qp]
   lses = [_compat.match_varying(jnp.full(q.shape[:2] + (p.length,), -jnp.inf, acc), q)
           for p in C.qp]
+  # cfg.max_logits: each row's max logit, the max over the pairs (a skipped pair: -inf)
+  maxes = [lse for lse in lses] if cfg.max_logits else None
   chunk = C.first_chunk((k, v, kv_seg))
   for t, st in enumerate(C.steps):
     nxt = C.next_chunk(chunk, t)  # issued before this step's compute: they overlap
@@ -242,21 +245,25 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     for a, b, branches, index in st.pairs:
       def fn(m, qa, kb, vb, bias_ab, mask_ab, qs, ks, a=a, b=b, j=j):
         if m == ("skip",):
-          return (jnp.zeros(qa.shape[:3] + (vb.shape[3],), acc),
-                  jnp.full(qa.shape[:3], -jnp.inf, acc))
+          none = jnp.full(qa.shape[:3], -jnp.inf, acc)
+          return (jnp.zeros(qa.shape[:3] + (vb.shape[3],), acc), none) + (
+              (none,) if cfg.max_logits else ())
         kw = {} if not C.offsets_needed else {"offsets": C.offsets(a, b, j)}
-        o, lse = inner.forward(C.pair_cfg(m, a, b), qa, kb, vb, bias_ab, mask_ab, qs, ks, seed,
-                               consts, mod, **kw)
-        return o.astype(acc), lse.astype(acc)
-      o_c, lse_c = C.switch(
+        res = inner.forward(C.pair_cfg(m, a, b), qa, kb, vb, bias_ab, mask_ab, qs, ks, seed,
+                            consts, mod, **kw)
+        return tuple(x.astype(acc) for x in res)
+      res = C.switch(
           index, branches, fn, q, C.q_piece(q, a), C.kv_piece(kc, b), C.kv_piece(vc, b),
           C.pair_block(bias, a, b, j), C.pair_block(mask, a, b, j), C.q_piece(q_seg, a, 1),
           C.kv_piece(ksc, b, 1))
-      outs[a], lses[a] = _merge(outs[a], lses[a], o_c, lse_c)
-    chunk, outs, lses = lax.optimization_barrier((nxt, outs, lses))
-  out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
-  lse = lses[0] if len(lses) == 1 else jnp.concatenate(lses, axis=2)
-  return out.astype(acc if cfg.out_f32 else q.dtype), lse
+      outs[a], lses[a] = _merge(outs[a], lses[a], res[0], res[1])
+      if maxes is not None:
+        maxes[a] = jnp.maximum(maxes[a], res[2])
+    chunk, outs, lses, maxes = lax.optimization_barrier((nxt, outs, lses, maxes))
+  cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=2)
+  out, lse = cat(outs), cat(lses)
+  out = out.astype(acc if cfg.out_f32 else q.dtype)
+  return (out, lse) if maxes is None else (out, lse, cat(maxes))
 
 
 # ---- backward -----------------------------------------------------------------------

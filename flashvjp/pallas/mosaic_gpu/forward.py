@@ -399,9 +399,13 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       o_smem[:, pl_ds(c * p.dv_chunk, p.dv_chunk)] = (
           part / _rows(l_safe, part.shape)).astype(dtype)
     lse_smem[...] = jnp.where(empty, neg, m * LN2 + jnp.log(l_safe))
+    if cfg.max_logits:  # the running max (log2 units) is the row's max logit
+      R["max_s"].at[w][...] = jnp.where(empty, neg, m * LN2)
     mg.commit_smem()
     mg.copy_smem_to_gmem(o_smem, R["out"].at[b, h, q_rows])
     mg.copy_smem_to_gmem(lse_smem, R["lse"].at[b, h, q_rows])
+    if cfg.max_logits:
+      mg.copy_smem_to_gmem(R["max_s"].at[w], R["row_max"].at[b, h, q_rows])
     mg.wait_smem_to_gmem(0)
 
   def producer(R, i, h, b):
@@ -445,6 +449,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
            "v_s": smem((slots, bk, p.Dvp)),
            "p_s": smem((nc, rows, bk)),
            "lse_s": mg.SMEM((nc, rows), f32)}
+  if cfg.max_logits:
+    tiles["max_s"] = mg.SMEM((nc, rows), f32)
   bars = {"q_bar": mg.Barrier(num_barriers=nc),
           "k_bar": mg.Barrier(num_barriers=slots),
           "v_bar": mg.Barrier(num_barriers=slots),
@@ -482,7 +488,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       producer(R, i, h, b)
 
   def entry(*refs):
-    R = dict(zip(in_names + ["out", "lse"], refs))
+    R = dict(zip(in_names + ["out", "lse"] + (["row_max"] if cfg.max_logits else []), refs))
     t_names, b_names = list(tiles), list(bars)
 
     def scoped(*allocs):
@@ -493,7 +499,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
                        collective_axes="wg")
 
   out_type = (jax.ShapeDtypeStruct((p.B, p.H, p.Sqp, p.Dvp), dtype),
-              jax.ShapeDtypeStruct((p.B, p.H, p.Sqp), f32))
+              *(jax.ShapeDtypeStruct((p.B, p.H, p.Sqp), f32),) * (2 if cfg.max_logits else 1))
   return mg.kernel(entry, out_type=out_type, grid=(p.nq, p.H, p.B), grid_names=("q", "h", "b"),
                    num_threads=nc + 1, thread_name="wg", interpret=interpret,
                    compiler_params=mg.CompilerParams(approx_math=True))
@@ -584,7 +590,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
 
   Returns:
     (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32, natural log, -inf for an empty
-    row).
+    row), and the row maxima [B, H, Sq] float32 (-inf: empty) when cfg.max_logits.
   """
   problem = _limits.forward_problem(cfg, q, k, v, bias=bias, mask=mask, q_seg=q_seg,
                                     kv_seg=kv_seg, seed=seed, consts=consts, mod=mod,
@@ -616,9 +622,9 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   for x, f in zip((bias, mask), forms):
     if f is not None:
       operands.append(f.operand(x, p))
-  out, lse = kernel(*operands)
-  lse = lse[:, :, : p.Sq]
+  out, *rows = kernel(*operands)
+  rows = [x[:, :, : p.Sq] for x in rows]  # lse (+ the row maxima with cfg.max_logits)
   # -inf at empty rows only, by log(0) there (as the Triton family: no -inf array built).
-  empty = lse == C.mask_value(jnp.float32)
-  lse = lse + jnp.log(jnp.where(empty, 0.0, 1.0).astype(jnp.float32))
-  return out[:, :, : p.Sq, : p.Dv], lse
+  empty = jnp.log(jnp.where(rows[0] == C.mask_value(jnp.float32), 0.0, 1.0).astype(
+      jnp.float32))
+  return (out[:, :, : p.Sq, : p.Dv],) + tuple(x + empty for x in rows)

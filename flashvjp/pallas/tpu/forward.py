@@ -149,7 +149,8 @@ def when_active(active, partial, may_mask: bool, compute):
 
 def _forward_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, names,
                     meta: Lo.ConstMeta, may_mask, mod_meta=None):
-  r = dict(zip(names + ["out", "lse", "m_s", "l_s", "o_s"], refs))
+  rows = ["lse", "row_max"] if cfg.max_logits else ["lse"]
+  r = dict(zip(names + ["out"] + rows + ["m_s", "l_s", "o_s"], refs))
   acc = r["o_s"].dtype
   b, h, i, s = (_compat.program_id(a) for a in range(4))
   active, j, partial = step_info(lists, cnt_ref, ent_ref, b, h, i, s)
@@ -196,10 +197,14 @@ def _forward_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
     r["out"][...] = (o_s[...] / jnp.where(empty, 1.0, l)).astype(r["out"].dtype)
     # Empty (and padded) rows: lse = mask_value here, -inf outside the kernel (`forward`).
     lse = jnp.where(empty, neg, m_s[:, 0:1] + jnp.log(jnp.where(empty, 1.0, l)))
-    lse = jnp.broadcast_to(lse, (g.bq, Lo.LANES))
-    if r["lse"].shape[0] == 1:  # lane-major (1, bq) block: a [bq, 128] -> [128, bq] transpose
-      lse = jnp.transpose(lse)[0:1, :]
-    r["lse"][...] = lse.astype(r["lse"].dtype)
+    # cfg.max_logits: the running max over allowed entries is the row's max logit
+    for name, x in (("lse", lse), ("row_max", jnp.where(empty, neg, m_s[:, 0:1]))):
+      if name not in r:
+        continue
+      x = jnp.broadcast_to(x, (g.bq, Lo.LANES))
+      if r[name].shape[0] == 1:  # lane-major (1, bq) block: a [bq, 128] -> [128, bq] transpose
+        x = jnp.transpose(x)[0:1, :]
+      r[name][...] = x.astype(r[name].dtype)
 
 
 def split_mod(cfg, mod, acc, B, H, offsets=None):
@@ -233,7 +238,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   the global (b0, h0, q0, kv0) of local element 0, read by the kernels from SMEM).
 
   Returns:
-    (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32 (float64 for float64 inputs)).
+    (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32 (float64 for float64 inputs)),
+    and the row maxima (the same dtype; -inf: an empty row) when cfg.max_logits.
   """
   g = Lo.geometry(q.shape, k.shape, v.shape, cfg.blocks.block_q, cfg.blocks.block_kv)
   acc = C.acc_dtype(q.dtype)
@@ -256,13 +262,14 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
                                                     lambda b, h, i, s, *_: (b, h, 0, i))
   else:
     lse_shape, lse_spec = (g.B, g.H, g.Sqp, Lo.LANES), _bs((None, None, g.bq, Lo.LANES), out_map)
-  out, lse = _compat.tpu_pallas_call(
+  n_rows = 2 if cfg.max_logits else 1  # lse (+ the row maxima, laid out alike)
+  out, *rows = _compat.tpu_pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dvp), acc if cfg.out_f32 else q.dtype),
-                 jax.ShapeDtypeStruct(lse_shape, acc)),
+                 *(jax.ShapeDtypeStruct(lse_shape, acc),) * n_rows),
       grid=(g.B, g.H, g.nq, lists.W),
       in_specs=ins.specs,
-      out_specs=(_bs((None, None, g.bq, g.Dvp), out_map), lse_spec),
+      out_specs=(_bs((None, None, g.bq, g.Dvp), out_map), *(lse_spec,) * n_rows),
       scratch_shapes=[_compat.tpu_vmem((g.bq, Lo.LANES), acc),
                       _compat.tpu_vmem((g.bq, Lo.LANES), acc),
                       _compat.tpu_vmem((g.bq, g.Dvp), acc)],
@@ -270,12 +277,11 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
       dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY),
       interpret=interpret_arg(cfg), name="flashvjp_tpu_fwd", cost=cost,
   )(counts, entries, *ins.arrays)
-  lse = lse[:, :, 0, : g.Sq] if lanes else lse[:, :, : g.Sq, 0]
-  # The API's -inf lse of an empty row, by log(0) at the empty rows only (no -inf array
-  # is built when no row is empty: jax.debug_infs stays quiet), as the Triton family.
-  empty = lse == C.mask_value(acc)
-  lse = lse + jnp.log(jnp.where(empty, 0.0, 1.0).astype(acc))
-  return out[:, :, : g.Sq, : g.Dv], lse
+  rows = [x[:, :, 0, : g.Sq] if lanes else x[:, :, : g.Sq, 0] for x in rows]
+  # The API's -inf lse (and row max) of an empty row, by log(0) at the empty rows only (no
+  # -inf array is built when no row is empty: jax.debug_infs stays quiet), as Triton's.
+  empty = jnp.log(jnp.where(rows[0] == C.mask_value(acc), 0.0, 1.0).astype(acc))
+  return (out[:, :, : g.Sq, : g.Dv],) + tuple(x + empty for x in rows)
 
 
 def forward_cost(cfg, g: C.Geometry, dtype, has_bias: bool):

@@ -142,7 +142,7 @@ def load_tile_inputs(r, g: C.Geometry, b, h, i, j, mod=(), off=None):
 
 def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts, scalar, masked,
                     mod_scalar=()):
-  r = dict(zip(names + ["out", "lse"], refs))
+  r = dict(zip(names + ["out", "lse"] + (["row_max"] if cfg.max_logits else []), refs))
   acc = C.acc_dtype(r["q"].dtype)
   b, h, i = _compat.program_id(0), _compat.program_id(1), _compat.program_id(2)
   q = r["q"][...]
@@ -192,6 +192,8 @@ def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
   r["out"][...] = o.astype(r["out"].dtype)
   # Empty (and padded) rows: lse = mask_value here, -inf outside the kernel (`forward`).
   r["lse"][...] = jnp.where(empty, neg, m + jnp.log(jnp.where(empty, 1.0, l)))
+  if cfg.max_logits:  # the running max over allowed entries: the row's max logit
+    r["row_max"][...] = jnp.where(empty, neg, m)
 
 
 def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None,
@@ -211,7 +213,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
       dropout see global positions, the static mask (causal, window) local ones.
 
   Returns:
-    (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32 (float64 for float64 inputs)).
+    (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32 (float64 for float64 inputs)),
+    and the row maxima [B, H, Sq] (the same dtype; -inf: an empty row) when cfg.max_logits.
   """
   g = C.geometry(cfg, q.shape, k.shape, v.shape, cfg.blocks.block_q, cfg.blocks.block_kv,
                  dtype=q.dtype)
@@ -226,21 +229,23 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   kernel = functools.partial(_forward_kernel, cfg=cfg, g=g, names=ins.names,
                              n_consts=len(split.arrays), scalar=split.scalar, masked=masked,
                              mod_scalar=msplit.scalar)
-  out, lse = _compat.pallas_call(
+  rows_shape = jax.ShapeDtypeStruct((g.B, g.H, g.Sqp), acc)
+  rows_spec = _compat.block_spec((None, None, g.bq), lambda b, h, i: (b, h, i))
+  n_rows = 2 if cfg.max_logits else 1  # lse (+ the row maxima)
+  out, *rows = _compat.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dvp), acc if cfg.out_f32 else q.dtype),
-                 jax.ShapeDtypeStruct((g.B, g.H, g.Sqp), acc)),
+                 *(rows_shape,) * n_rows),
       grid=(g.B, g.H, g.nq),
       in_specs=ins.specs,
       out_specs=(_compat.block_spec((None, None, g.bq, g.Dvp), lambda b, h, i: (b, h, i, 0)),
-                 _compat.block_spec((None, None, g.bq), lambda b, h, i: (b, h, i))),
+                 *(rows_spec,) * n_rows),
       interpret=cfg.interpret, name="flashvjp_fwd",
       num_warps=g.num_warps, num_stages=g.num_stages,
   )(*ins.arrays)
-  lse = lse[:, :, : g.Sq]
-  # The API's -inf lse of an empty row, made outside the kernel after slicing off the
-  # padded rows, and by log(0) at the empty rows only: no array of -inf is built (a
+  # The API's -inf lse (and row max) of an empty row, made outside the kernel after slicing
+  # off the padded rows, and by log(0) at the empty rows only: no array of -inf is built (a
   # broadcast -inf operand would trip jax.debug_infs op by op) when no row is empty.
-  empty = lse == C.mask_value(acc)
-  lse = lse + jnp.log(jnp.where(empty, 0.0, 1.0).astype(acc))
-  return out[:, :, : g.Sq, : g.Dv], lse
+  rows = [x[:, :, : g.Sq] for x in rows]
+  empty = jnp.log(jnp.where(rows[0] == C.mask_value(acc), 0.0, 1.0).astype(acc))
+  return (out[:, :, : g.Sq, : g.Dv],) + tuple(x + empty for x in rows)
