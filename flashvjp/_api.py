@@ -346,7 +346,7 @@ def _user_stacklevel() -> int:
   """warnings.warn's stacklevel, called from here, of the first frame outside flashvjp."""
   pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
   frame, level = sys._getframe(1), 1
-  while frame is not None and frame.f_code.co_filename.startswith(pkg):
+  while frame.f_code.co_filename.startswith(pkg) and frame.f_back is not None:
     frame, level = frame.f_back, level + 1
   return level
 
