@@ -86,7 +86,8 @@ def dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: str | None = None, return_residual: bool = False,
     mask_mod: Callable | None = None,
-    sinks: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    sinks: jax.Array | None = None,
+    return_max_logits: bool = False) -> jax.Array | tuple[jax.Array, ...]:
   """`jax.nn.dot_product_attention`'s signature and meaning, computed by flashvjp.
 
   Switch by changing one import: ``from flashvjp import dot_product_attention``.
@@ -117,9 +118,14 @@ def dot_product_attention(
     mask_mod: flashvjp extension (keyword only): ``(b, h, q_idx, kv_idx) -> bool`` with
       h the query head N (see `flashvjp.flash_attention`); ANDed with the other masks.
     sinks: flashvjp extension (keyword only): float [N], differentiable attention sinks.
+    return_max_logits: flashvjp extension (keyword only): also return the max logits,
+      float32 [B, N] (or [N]; `flash_attention`'s ``return_max_logits``: no gradient),
+      last in the returned tuple.
 
   Returns:
-    [B, T, N, H_v] (or [T, N, H_v]) in query's dtype; with return_residual, (out, lse).
+    [B, T, N, H_v] (or [T, N, H_v]) in query's dtype; with return_residual, (out, lse);
+    with return_max_logits, the max logits appended: (out, max_logits) or
+    (out, lse, max_logits).
 
   A row with no allowed key returns 0 (jax.nn's XLA path returns mean(V) there);
   this is the one intended difference from jax.nn.
@@ -166,12 +172,19 @@ def dot_product_attention(
   result = _api.flash_attention(
       to_bnth(query), to_bnth(key), to_bnth(value), bias=bias, mask=mask, causal=is_causal,
       window=window, segment_ids=segment_ids, scale=scale,  # type: ignore[arg-type]
-      return_lse=return_residual, implementation=implementation, mask_mod=mask_mod, sinks=sinks)
+      return_lse=return_residual, implementation=implementation, mask_mod=mask_mod, sinks=sinks,
+      return_max_logits=return_max_logits)
+  max_logits = ()
+  if return_max_logits:
+    *result, ml = result  # type: ignore[misc]
+    max_logits = (ml[0] if rank3 else ml,)
+    result = result[0] if len(result) == 1 else tuple(result)
   if not return_residual:
     out = to_bnth(result)  # [B, T, N, H_v]
-    return out[0] if rank3 else out
+    out = out[0] if rank3 else out
+    return (out, *max_logits) if max_logits else out
   out, lse = result
   out, lse = to_bnth(out), jnp.swapaxes(lse, 1, 2)  # [B, T, N, H_v], [B, T, N]
-  return (out[0], lse[0]) if rank3 else (out, lse)
+  return ((out[0], lse[0]) if rank3 else (out, lse)) + max_logits
 
 __all__ = ["dot_product_attention"]

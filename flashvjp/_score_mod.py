@@ -57,6 +57,8 @@ def alibi_slopes(num_heads: int) -> jax.Array:
 
 def alibi(slopes: jax.Array) -> ScoreMod:
   """ALiBi: ``scores + slopes[h] * (kv_idx - q_idx)``; `slopes` [num_heads] is differentiable."""
+  slopes = jnp.asarray(slopes)  # a numpy array cannot be indexed by a traced head index
+
   def mod(scores, b, h, q_idx, kv_idx):
     del b
     return scores + slopes[h].astype(scores.dtype) * (kv_idx - q_idx).astype(scores.dtype)
@@ -71,6 +73,7 @@ def relative_position_bias(table: jax.Array, max_distance: int) -> ScoreMod:
     table: [num_heads, 2 * max_distance + 1], differentiable.
     max_distance: distances beyond it share the edge bucket.
   """
+  table = jnp.asarray(table)  # a numpy array cannot be indexed by traced indices
   if table.ndim != 2 or table.shape[1] != 2 * max_distance + 1:
     raise ValueError(
         f"table must be [num_heads, 2 * max_distance + 1] = [H, {2 * max_distance + 1}],"

@@ -42,7 +42,11 @@ Mapping from Flax's arguments:
     ``force_fp32_for_softmax`` is always satisfied and ``precision`` is not used;
   * ``module`` (set by ``sow_weights=True``) and custom einsums
     (``qk_attn_weights_einsum``, ``attn_weights_value_einsum``, ``einsum_dot_general``)
-    raise ValueError: flashvjp never materialises the attention weights.
+    raise ValueError: flashvjp never materialises the attention weights; with
+    ``make_attention_fn(max_logits=True)`` the module gets the max logits sown instead
+    (QK-clip);
+  * remat: ``nn.remat`` / ``nnx.remat`` with ``policy=flashvjp.flax.checkpoint_policy(base)``
+    saves attention's output and logsumexp, so the backward never re-runs its forward.
 
 The one intended difference from Flax's default: a query row whose mask is all
 False outputs 0 (Flax averages the values over all keys there).
@@ -58,6 +62,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashvjp import _api
+from flashvjp._remat import RESIDUAL_NAMES
+from flashvjp._remat import checkpoint_policy  # for nn.remat / nnx.remat(policy=...)
 
 
 def _broadcast_pair(name, x, batch_dims, target_tail):
@@ -87,12 +93,21 @@ def _broadcast_pair(name, x, batch_dims, target_tail):
   return jnp.reshape(x, (math.prod(batch_dims),) + tuple(x.shape[nb:]))
 
 
+def _sow(module, max_logits):
+  """Sow into a linen or an nnx module (told apart without importing Flax)."""
+  if hasattr(module, "scope"):  # linen
+    module.sow("intermediates", "max_logits", max_logits)
+  else:  # nnx
+    from flax import nnx
+    module.sow(nnx.Intermediate, "max_logits", max_logits)
+
+
 def make_attention_fn(*, causal: bool = False,
                       window: tuple[int | None, int | None] | None = None,
                       score_mod: Callable | None = None, scale: float | None = None,
                       implementation: str | None = None, block_q: int | None = None,
                       block_kv: int | None = None, mask_mod: Callable | None = None,
-                      sinks: jax.Array | None = None) -> Callable:
+                      sinks: jax.Array | None = None, max_logits: bool = False) -> Callable:
   """An ``attention_fn`` for Flax with flashvjp options baked in.
 
   Args:
@@ -110,10 +125,18 @@ def make_attention_fn(*, causal: bool = False,
     sinks: float [num_heads] attention sinks. As for score_mod's arrays, a learned sink
       receives its gradient when the attention_fn is built inside the traced function
       (e.g. in the module's ``__call__`` from a ``self.param``).
+    max_logits: sow the max logits (`flash_attention`'s ``return_max_logits``: float32
+      ``[batch..., num_heads]``, no gradient) into the calling module as ``"max_logits"``,
+      for QK-clip. Flax hands the module to the attention_fn only with
+      ``sow_weights=True``; flashvjp sows the max logits there instead of the weights
+      (it never builds them). nnx: ``mha(x, sow_weights=True)``, then
+      ``nnx.pop(mha, nnx.Intermediate)``; linen: ``MultiHeadDotProductAttention(...,
+      attention_fn=...)``, ``apply(..., sow_weights=True, mutable=["intermediates"])``.
 
   Returns:
     A function with Flax's attention_fn signature (see `attention_fn`).
   """
+  max_logits = _api._check_flag("max_logits", max_logits)
 
   def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
                    bias: jax.Array | None = None, mask: jax.Array | None = None,
@@ -152,9 +175,15 @@ def make_attention_fn(*, causal: bool = False,
     del precision, force_fp32_for_softmax  # documented above
     if not isinstance(broadcast_dropout, (bool, np.bool_)):
       raise TypeError(f"broadcast_dropout must be a bool, got {broadcast_dropout!r}")
-    if module is not None:
+    if module is not None and not max_logits:
       raise ValueError("module is set (sow_weights=True?): flashvjp's attention_fn never"
-                       " materialises the attention weights, so it cannot sow them")
+                       " materialises the attention weights, so it cannot sow them (with"
+                       " make_attention_fn(max_logits=True) it sows the max logits instead)")
+    if max_logits and module is None:
+      raise ValueError("make_attention_fn(max_logits=True) sows the max logits into the calling"
+                       " module, which Flax passes only with sow_weights=True (nnx: mha(x,"
+                       " sow_weights=True); linen: apply(..., sow_weights=True,"
+                       " mutable=['intermediates']))")
     for name, f in (("qk_attn_weights_einsum", qk_attn_weights_einsum),
                     ("attn_weights_value_einsum", attn_weights_value_einsum),
                     ("einsum_dot_general", einsum_dot_general)):
@@ -194,7 +223,10 @@ def make_attention_fn(*, causal: bool = False,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, deterministic=bool(deterministic),
         implementation=implementation, block_q=block_q, block_kv=block_kv,
         dropout_broadcast=(bool(broadcast_dropout), bool(broadcast_dropout)),
-        mask_mod=mask_mod, sinks=sinks)
+        mask_mod=mask_mod, sinks=sinks, return_max_logits=max_logits)
+    if max_logits:
+      out, ml = out
+      _sow(module, jnp.reshape(ml, batch_dims + (H,)))
     out = jnp.swapaxes(out, 1, 2)  # [B, Lq, H, Dv]
     return jnp.reshape(out, batch_dims + tuple(out.shape[1:]))
 
@@ -204,4 +236,4 @@ def make_attention_fn(*, causal: bool = False,
 attention_fn = make_attention_fn()
 attention_fn.__name__ = attention_fn.__qualname__ = "attention_fn"
 
-__all__ = ["attention_fn", "make_attention_fn"]
+__all__ = ["attention_fn", "make_attention_fn", "checkpoint_policy", "RESIDUAL_NAMES"]

@@ -121,6 +121,9 @@ def test_elementwise_score_mods_are_accepted():
   table = jnp.linspace(-1.0, 1.0, 4 * 7, dtype=jnp.float32).reshape(4, 7)
   for sm in (flashvjp.softcap(5.0), flashvjp.alibi(flashvjp.alibi_slopes(4)),
              flashvjp.relative_position_bias(table, 3),
+             # numpy arrays, indexed by traced head / distance indices
+             flashvjp.alibi(np.asarray(flashvjp.alibi_slopes(4))),
+             flashvjp.relative_position_bias(np.asarray(table), 3),
              lambda s, b, h, qi, ki: jnp.where(ki > qi, s * 0.5, s) + b.astype(s.dtype),
              lambda s, b, h, qi, ki: jnp.maximum(s, 0.0) + jnp.sum(table)):
     out = flashvjp.flash_attention(q, k, v, score_mod=sm, implementation="blockwise")

@@ -301,3 +301,27 @@ def test_make_attention_fn_mask_mod_and_sinks_match_explicit_forms():
   s = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, None, None], s.shape[:3] + (1,))], -1)
   p = jax.nn.softmax(s, axis=-1)[..., :-1]
   assert_close(got, jnp.einsum("bhqk,bkhd->bqhd", p, v), F64, "sinks")
+
+
+def test_max_logits_are_sown_for_qk_clip_in_nnx_and_linen():
+  fn = flashvjp.flax.make_attention_fn(causal=True, max_logits=True)
+  x = jax.random.normal(jax.random.key(0), (2, 24, 16), jnp.float32)
+  mha = nnx.MultiHeadAttention(num_heads=2, in_features=16, decode=False, rngs=nnx.Rngs(0),
+                               attention_fn=fn)
+  mha(x, sow_weights=True)
+  sown = nnx.pop(mha, nnx.Intermediate)
+  (got,) = jax.tree_util.tree_leaves(sown)
+  # the reference: the module's own projections, float64 causal logits, max per (b, h)
+  q = np.asarray(mha.query(x), np.float64)
+  k = np.asarray(mha.key(x), np.float64)
+  s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+  s = np.where(np.tril(np.ones((24, 24), bool)), s, -np.inf)
+  np.testing.assert_allclose(np.asarray(got), s.max(axis=(2, 3)), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="sow_weights=True"):
+    mha(x)  # no module handed over: nowhere to sow
+  lin = nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=fn)
+  params = {"params": lin.init(jax.random.key(1), x, sow_weights=True)["params"]}
+  _, state = lin.apply(params, x, sow_weights=True, mutable=["intermediates"])
+  (got,) = jax.tree_util.tree_leaves(state["intermediates"])
+  assert got.shape == (2, 2) and np.isfinite(np.asarray(got)).all()
+  assert flashvjp.flax.checkpoint_policy is flashvjp.checkpoint_policy

@@ -327,3 +327,18 @@ def test_mask_mod_and_sinks_extensions_match_dense_forms():
   logits = jnp.concatenate([logits, jnp.broadcast_to(sinks[None, :, None, None], logits.shape[:3] + (1,))], -1)
   p = jax.nn.softmax(logits, axis=-1)[..., :-1]
   assert_close(got, jnp.einsum("bnts,bsnh->btnh", p, vv), F32, "sinks")
+
+
+def test_return_max_logits_extension():
+  rng = np.random.default_rng(4)
+  q, k, v = (jnp.asarray(rng.standard_normal((2, 20, 4, 8)), jnp.float32) for _ in range(3))
+  out, ml = flashvjp.dot_product_attention(q, k, v, is_causal=True, return_max_logits=True)
+  s = np.einsum("btnh,bsnh->bnts", np.asarray(q, np.float64), np.asarray(k, np.float64))
+  s = np.where(np.tril(np.ones((20, 20), bool)), s / np.sqrt(8), -np.inf)
+  np.testing.assert_allclose(np.asarray(ml), s.max(axis=(2, 3)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(
+      flashvjp.dot_product_attention(q, k, v, is_causal=True)), rtol=1e-6, atol=1e-6)
+  out3, lse3, ml3 = flashvjp.dot_product_attention(q[0], k[0], v[0], is_causal=True,
+                                                   return_residual=True, return_max_logits=True)
+  assert out3.shape == (20, 4, 8) and lse3.shape == (20, 4) and ml3.shape == (4,)
+  np.testing.assert_allclose(np.asarray(ml3), np.asarray(ml[0]), rtol=1e-6)
