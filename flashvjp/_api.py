@@ -171,6 +171,27 @@ def _check_window(window, name="window"):
   return tuple(out)
 
 
+CAUSAL = (False, True, "top_left", "bottom_right")
+
+
+def _align_causal(causal, window, seq_q: int, seq_kv: int):
+  """(causal bool, window) of the mask model for `causal` = False / True / "top_left" /
+  "bottom_right" (kv_pos <= q_pos + seq_kv - seq_q: the last query sees the last key, as
+  FlashAttention's causal and PyTorch's causal_lower_right; chunked prefill, decoding
+  against a KV cache). Bottom-right with seq_q != seq_kv is the window's right bound
+  min(right, seq_kv - seq_q) (negative when seq_q > seq_kv: the first seq_q - seq_kv rows
+  attend nothing); the window itself stays top-left (it is ANDed, as every mask)."""
+  if isinstance(causal, (bool, np.bool_)):
+    return bool(causal), window
+  if not isinstance(causal, str) or causal not in CAUSAL:
+    raise TypeError(f"causal must be a bool, 'top_left' or 'bottom_right', got {causal!r}")
+  if causal == "top_left" or seq_q == seq_kv:
+    return True, window
+  d = int(seq_kv) - int(seq_q)
+  left, right = (None, None) if window is None else window
+  return False, (left, d if right is None else min(right, d))
+
+
 def _check_block(name, b):
   if b is None:
     return None
@@ -226,7 +247,7 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
              dropout_rate, dropout_rng, deterministic, implementation, block_q, block_kv,
              interpret, dropout_broadcast=(False, False), mask_mod=None, block_mask=None,
              sinks=None, allow_shapes=False, fold_scale=False, context_parallel="auto",
-             max_logits=False):
+             max_logits=False, causal_lengths=None):
   """Validate everything; return (decision, cfg, arrays) without tracing any kernel.
 
   fold_scale: an array (traced) scale with low-precision inputs and no bias becomes the
@@ -239,9 +260,8 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
   target = (B, H, Sq, Skv)
   if implementation is not None and implementation not in _dispatch.IMPLEMENTATIONS:
     raise ValueError(f"implementation must be None or one of {_dispatch.IMPLEMENTATIONS}, got {implementation!r}")
-  if not isinstance(causal, (bool, np.bool_)):
-    raise TypeError(f"causal must be a bool, got {causal!r}")
   window = _check_window(window)
+  causal, window = _align_causal(causal, window, *(causal_lengths or (Sq, Skv)))
   block_q = _check_block("block_q", block_q)
   block_kv = _check_block("block_kv", block_kv)
   if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, numbers.Real):
@@ -475,7 +495,7 @@ def _apply_sinks(out, lse, sinks):
 
 
 def flash_attention(
-    query, key, value, *, bias=None, mask=None, causal: bool = False,
+    query, key, value, *, bias=None, mask=None, causal: bool | str = False,
     window: tuple[int | None, int | None] | None = None, segment_ids=None,
     score_mod=None, scale: float | None = None, dropout_rate: float = 0.0,
     dropout_rng=None, deterministic: bool | None = None, return_lse: bool = False,
@@ -506,7 +526,11 @@ def flash_attention(
     value: [batch, num_kv_heads, seq_kv, head_dim_v].
     bias: float, broadcastable to [batch, num_heads, seq_q, seq_kv]; differentiable.
     mask: bool, broadcastable to [batch, num_heads, seq_q, seq_kv]; True = may attend.
-    causal: kv_pos <= q_pos (top-left aligned).
+    causal: False, True / "top_left" (kv_pos <= q_pos, as jax.nn), or "bottom_right"
+      (kv_pos <= q_pos + seq_kv - seq_q: the last query sees the last key, as
+      FlashAttention and PyTorch's causal_lower_right; for chunked prefill and decoding
+      against a KV cache). The same when seq_q == seq_kv. With seq_q > seq_kv, bottom-right
+      leaves the first seq_q - seq_kv rows nothing (out 0, lse -inf).
     window: (left, right): q_pos - left <= kv_pos <= q_pos + right; None side = unbounded.
     segment_ids: int [batch, seq] (seq_q == seq_kv) or (q_ids [batch, seq_q], kv_ids [batch, seq_kv]).
     score_mod: (scores, b, h, q_idx, kv_idx) -> scores, elementwise; arrays it closes over

@@ -81,7 +81,7 @@ def _segment_ids(q_lengths, kv_lengths, batch, seq_q, seq_kv):
 def dot_product_attention(
     query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
     mask: jax.Array | None = None, *, scale: float | jax.Array | None = None,
-    is_causal: bool = False, query_seq_lengths: jax.Array | None = None,
+    is_causal: bool | str = False, query_seq_lengths: jax.Array | None = None,
     key_value_seq_lengths: jax.Array | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     implementation: str | None = None, return_residual: bool = False,
@@ -103,7 +103,9 @@ def dot_product_attention(
     mask: bool, broadcastable like bias; True = may attend.
     scale: logit scale (default 1 / sqrt(H)): a Python float, or a scalar array such as
       a traced, learned temperature (differentiable, as in jax.nn; see flash_attention).
-    is_causal: key position <= query position (top-left aligned when T != S).
+    is_causal: key position <= query position (top-left aligned when T != S, as
+      jax.nn). flashvjp extension: ``"bottom_right"`` aligns the ends (key position <=
+      query position + S - T), as FlashAttention and PyTorch's causal_lower_right.
     query_seq_lengths: int [B]; query rows at positions >= length output 0.
     key_value_seq_lengths: int [B]; keys at positions >= length are ignored.
     local_window_size: int w (= (w, w)) or (left, right): query t attends keys in
@@ -152,8 +154,9 @@ def dot_product_attention(
       raise ValueError(f"{name} dtype should be {key.dtype} (key's dtype: query, key and value"
                        f" must have one dtype, as in jax.nn.dot_product_attention), but got"
                        f" {x.dtype}")
-  if not isinstance(is_causal, bool):
-    raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+  if not isinstance(is_causal, bool) and is_causal not in ("top_left", "bottom_right"):
+    raise TypeError(f"is_causal must be a bool (or flashvjp's 'bottom_right' / 'top_left'),"
+                    f" got {is_causal!r}")
   if not isinstance(return_residual, bool):
     raise TypeError(f"return_residual must be a bool, got {return_residual!r}")
   window = _window_pair(local_window_size)

@@ -93,6 +93,15 @@ def _broadcast_pair(name, x, batch_dims, target_tail):
   return jnp.reshape(x, (math.prod(batch_dims),) + tuple(x.shape[nb:]))
 
 
+def _and_causal(causal, is_causal: bool, Lq: int, Lkv: int):
+  """The factory's `causal` AND nnx's top-left ``is_causal``: the stricter of the two."""
+  if not is_causal or causal is False:
+    return causal or is_causal
+  if causal == "bottom_right" and Lkv < Lq:  # kv <= q + (Lkv - Lq) is inside kv <= q
+    return causal
+  return True
+
+
 def _sow(module, max_logits):
   """Sow into a linen or an nnx module (told apart without importing Flax)."""
   if hasattr(module, "scope"):  # linen
@@ -102,7 +111,7 @@ def _sow(module, max_logits):
     module.sow(nnx.Intermediate, "max_logits", max_logits)
 
 
-def make_attention_fn(*, causal: bool = False,
+def make_attention_fn(*, causal: bool | str = False,
                       window: tuple[int | None, int | None] | None = None,
                       score_mod: Callable | None = None, scale: float | None = None,
                       implementation: str | None = None, block_q: int | None = None,
@@ -111,8 +120,9 @@ def make_attention_fn(*, causal: bool = False,
   """An ``attention_fn`` for Flax with flashvjp options baked in.
 
   Args:
-    causal: causal attention (top-left aligned) without a dense mask; combined
-      (AND) with any ``mask`` Flax passes and with nnx's ``is_causal``.
+    causal: causal attention (True: top-left aligned; "bottom_right": the ends
+      aligned, `flashvjp.flash_attention`'s) without a dense mask; combined (AND) with
+      any ``mask`` Flax passes and with nnx's ``is_causal`` (top-left).
     window: (left, right) local window, as in `flashvjp.flash_attention`.
     score_mod: a flashvjp score_mod, e.g. `flashvjp.softcap(50.0)`. Arrays it closes
       over receive gradients only where the closure is built inside the traced
@@ -219,7 +229,7 @@ def make_attention_fn(*, causal: bool = False,
         to_bhld(query), to_bhld(key), to_bhld(value),
         bias=_broadcast_pair("bias", bias, batch_dims, tail),
         mask=_broadcast_pair("mask", mask, batch_dims, tail),
-        causal=bool(causal or is_causal), window=window, score_mod=score_mod, scale=scale,
+        causal=_and_causal(causal, is_causal, Lq, Lkv), window=window, score_mod=score_mod, scale=scale,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, deterministic=bool(deterministic),
         implementation=implementation, block_q=block_q, block_kv=block_kv,
         dropout_broadcast=(bool(broadcast_dropout), bool(broadcast_dropout)),

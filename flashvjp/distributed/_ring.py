@@ -29,7 +29,8 @@ LAYOUTS = _ring_backend.LAYOUTS
 
 
 def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
-                   bias=None, mask=None, causal: bool = False, window=None, segment_ids=None,
+                   bias=None, mask=None, causal: bool | str = False, window=None,
+                   segment_ids=None,
                    score_mod=None, scale=None, dropout_rate: float = 0.0, dropout_rng=None,
                    deterministic: bool | None = None, return_lse: bool = False,
                    implementation: str | None = None, block_q: int | None = None,
@@ -52,8 +53,9 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
   (q, kv) positions of the unsharded sequence (dropout draws the one-device keep-mask).
   The arguments not listed below (causal, window, score_mod, scale, dropout_rate,
   dropout_rng, deterministic, return_lse, block_q, block_kv, interpret, dropout_broadcast,
-  mask_mod, sinks) are `flash_attention`'s, on the global sequence: causal is top-left
-  and needs equal local q / kv lengths, window is in global positions, sinks are added
+  mask_mod, sinks) are `flash_attention`'s, on the global sequence: causal=True is
+  top-left and needs equal local q / kv lengths, causal="bottom_right" aligns the global
+  sequences' ends (any local lengths), window is in global positions, sinks are added
   once, after the merge.
 
   Args:
@@ -106,7 +108,7 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
       dropout_rng=dropout_rng, deterministic=deterministic, implementation=implementation,
       block_q=block_q, block_kv=block_kv, interpret=interpret,
       dropout_broadcast=dropout_broadcast, mask_mod=mask_mod, sinks=sinks,
-      fold_scale=bias is None,
+      fold_scale=bias is None, causal_lengths=(n * Sl, n * Skv),
       max_logits=_api._check_flag("return_max_logits", return_max_logits))
   q, k, v, _, _, q_seg, kv_seg, seed, consts, scale_array, mm_consts, _, sinks = arrays
   if cfg.causal and Sl != Skv:
