@@ -17,6 +17,7 @@ from flashvjp._mask_mod import prefix_lm
 from flashvjp._mask_mod import sliding_window_with_global
 from flashvjp._plan import Plan
 from flashvjp._plan import plan
+from flashvjp._record import record_decisions
 from flashvjp._remat import RESIDUAL_NAMES
 from flashvjp._remat import checkpoint_policy
 from flashvjp._score_mod import ScoreMod
@@ -38,5 +39,6 @@ __all__ = [
     "make_block_mask", "Plan", "plan", "prefix_lm", "sliding_window_with_global",
     "flash_attention", "memory_efficient_attention", "pallas_flash_attention",
     "relative_position_bias", "softcap", "RESIDUAL_NAMES", "checkpoint_policy",
+    "record_decisions",
     "from_zigzag", "ring_attention", "ring_schedule", "sharded_attention", "to_zigzag", "testing",
 ]

@@ -247,7 +247,7 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
              dropout_rate, dropout_rng, deterministic, implementation, block_q, block_kv,
              interpret, dropout_broadcast=(False, False), mask_mod=None, block_mask=None,
              sinks=None, allow_shapes=False, fold_scale=False, context_parallel="auto",
-             max_logits=False, causal_lengths=None):
+             max_logits=False, causal_lengths=None, program_target=None):
   """Validate everything; return (decision, cfg, arrays) without tracing any kernel.
 
   fold_scale: an array (traced) scale with low-precision inputs and no bias becomes the
@@ -314,7 +314,8 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
     raise ValueError(f"context_parallel must be one of {_strategy.REQUESTS}, got"
                      f" {context_parallel!r}")
 
-  program = _target.of(query, key, value)  # the program's target (platform, devices)
+  # the program's target (platform, devices); explain(target=...) names one instead
+  program = _target.of(query, key, value) if program_target is None else program_target
   problem = None if allow_shapes else _target.deviceless_partition_problem(program)
   if problem is not None and implementation != "naive":
     raise NotImplementedError(problem)
@@ -602,7 +603,27 @@ def flash_attention(
   return (out, *extra) if extra else out
 
 
-def explain(query, key, value, **kwargs) -> _dispatch.Decision:
+_DROP_IN_KEYWORDS = ("is_causal", "local_window_size", "query_seq_lengths",
+                     "key_value_seq_lengths", "return_residual")
+
+
+def _as_bhsd(x):
+  """A ShapeDtypeStruct of a [B, S, H, D] input read as [B, H, S, D] (its NamedSharding's
+  spec permuted alike): static, no array op."""
+  shape = tuple(x.shape)
+  shape = (shape[0], shape[2], shape[1]) + shape[3:]
+  sharding = getattr(x, "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if isinstance(sharding, jax.sharding.NamedSharding) and spec is not None:
+    sp = tuple(spec) + (None,) * (4 - len(spec))
+    sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+        sp[0], sp[2], sp[1], *sp[3:]))
+    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+  return jax.ShapeDtypeStruct(shape, x.dtype)
+
+
+def explain(query, key, value, *, layout: str | None = None, target=None,
+            **kwargs) -> _dispatch.Decision:
   """Which implementation `flash_attention(query, key, value, **kwargs)` would run, and why.
 
   Takes the same arguments (arrays or jax.ShapeDtypeStruct for query/key/value are
@@ -611,9 +632,46 @@ def explain(query, key, value, **kwargs) -> _dispatch.Decision:
   ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``), the decision's
   `context_parallel` is the strategy `jax.jit` runs for it (`flashvjp._strategy`:
   which, why, the bytes each device moves, what it holds), as the partitioning rule
-  computes it; otherwise None.
+  computes it; otherwise None. Shardings applied inside `jax.jit` are decided when XLA
+  partitions the program: `flashvjp.record_decisions()` records those decisions.
+
+  Args:
+    layout: "BHSD" (flash_attention's [batch, heads, seq, head_dim]) or "BSHD" (the jax.nn
+      drop-in's [batch, seq, heads, head_dim]). None: "BSHD" when a drop-in keyword is
+      given (is_causal, local_window_size, query_seq_lengths, key_value_seq_lengths,
+      return_residual), else "BHSD". The decision says how the query was read.
+    target: what to decide for instead of the program's own target: a name ("cpu",
+      "h100", "h100x8", "h200", "b200", "v5e", "v6e", ... `flashvjp._target.NAMED`), for
+      "what would run on an H100 / a TPU v5e" from a laptop (no compiler needed;
+      `flashvjp.plan` compiles for the same names).
   """
-  kwargs.pop("return_lse", None)
+  for k in ("return_lse", "return_max_logits"):
+    kwargs.pop(k, None)
+  drop_in = sorted(set(kwargs) & set(_DROP_IN_KEYWORDS))
+  if layout is None:
+    layout = "BSHD" if drop_in else "BHSD"
+  if layout not in ("BHSD", "BSHD"):
+    raise ValueError(f"layout must be 'BHSD' or 'BSHD', got {layout!r}")
+  if drop_in and layout != "BSHD":
+    raise TypeError(f"{drop_in} are dot_product_attention's keywords (layout 'BSHD'); with"
+                    " layout='BHSD' use flash_attention's (causal, window, segment_ids)")
+  if target is not None:
+    target = _target.named(target)
+  if layout == "BSHD":
+    _check_qkv(query, key, value, allow_shapes=True)
+    if target is None:  # the inputs' target, read before they become shapes
+      target = _target.of(query, key, value)
+    query, key, value = (_as_bhsd(x) for x in (query, key, value))
+    kwargs.pop("return_residual", None)
+    if "is_causal" in kwargs:
+      kwargs["causal"] = kwargs.pop("is_causal")
+    lws = kwargs.pop("local_window_size", None)
+    if lws is not None:
+      kwargs["window"] = (lws, lws) if isinstance(lws, numbers.Integral) else lws
+    ql, kvl = kwargs.pop("query_seq_lengths", None), kwargs.pop("key_value_seq_lengths", None)
+    if ql is not None or kvl is not None:  # the drop-in's lengths become segment ids
+      B, Sq, Skv = query.shape[0], query.shape[2], key.shape[2]
+      kwargs["segment_ids"] = (np.zeros((B, Sq), np.int32), np.zeros((B, Skv), np.int32))
   params = dict(bias=None, mask=None, causal=False, window=None, segment_ids=None,
                 score_mod=None, scale=None, dropout_rate=0.0, dropout_rng=None,
                 deterministic=True, implementation=None, block_q=None, block_kv=None,
@@ -623,7 +681,11 @@ def explain(query, key, value, **kwargs) -> _dispatch.Decision:
   if unknown:
     raise TypeError(f"explain() got unexpected arguments {sorted(unknown)}")
   params.update(kwargs)
-  decision, cfg, arrays = _prepare(query, key, value, **params, allow_shapes=True)
+  decision, cfg, arrays = _prepare(query, key, value, **params, allow_shapes=True,
+                                   program_target=target)
+  B, H, Sq, D = query.shape
+  decision = dataclasses.replace(
+      decision, reading=f"query read as {layout}: batch {B}, heads {H}, seq {Sq}, head_dim {D}")
   sharding = getattr(query, "sharding", None)
   spec = getattr(sharding, "spec", None)
   if sharding is not None and spec is not None and cfg.implementation != "naive":

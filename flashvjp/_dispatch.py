@@ -19,6 +19,7 @@ from typing import Any
 import jax
 from absl import logging
 
+from flashvjp import _record
 from flashvjp import _target
 
 REQUESTABLE = ("pallas", "pallas_triton", "pallas_tpu", "pallas_mosaic_gpu", "blockwise", "naive")
@@ -40,6 +41,8 @@ class Decision:
   # The program's target (flashvjp._target.Target): the platform and device count the
   # decision was made for (the inputs' shardings, else the abstract mesh, else the host).
   target: Any = None
+  # explain(): how the query was read (layout and dims), so a misread layout shows
+  reading: str | None = None
 
   @property
   def is_pallas(self) -> bool:
@@ -60,7 +63,8 @@ class Decision:
     mode = " (interpret mode)" if self.is_pallas and self.interpret else ""
     cp = "" if self.context_parallel is None else f"; sequence sharded: {self.context_parallel}"
     tgt = "" if self.target is None else f"; target: {self.target}"
-    return f"{self.implementation}{mode}: {self.reason}{tgt}{cp}"
+    rd = "" if self.reading is None else f"; {self.reading}"
+    return f"{self.implementation}{mode}: {self.reason}{tgt}{cp}{rd}"
 
 
 def platform() -> str:
@@ -157,4 +161,7 @@ def _decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype,
 
 
 def log(decision: Decision) -> None:
+  """The traced call's decision: a debug log line, and an event for open recorders
+  (`flashvjp.record_decisions`)."""
   logging.debug("flashvjp attention path: %s", decision)
+  _record.add(_record.Event("dispatch", "call", decision))

@@ -177,11 +177,11 @@ def dot_product_attention(
       window=window, segment_ids=segment_ids, scale=scale,  # type: ignore[arg-type]
       return_lse=return_residual, implementation=implementation, mask_mod=mask_mod, sinks=sinks,
       return_max_logits=return_max_logits)
-  max_logits = ()
-  if return_max_logits:
-    *result, ml = result  # type: ignore[misc]
-    max_logits = (ml[0] if rank3 else ml,)
-    result = result[0] if len(result) == 1 else tuple(result)
+  max_logits: tuple = ()
+  if return_max_logits:  # last in flash_attention's tuple
+    parts = tuple(result)
+    max_logits = (parts[-1][0] if rank3 else parts[-1],)
+    result = parts[0] if len(parts) == 2 else parts[:-1]
   if not return_residual:
     out = to_bnth(result)  # [B, T, N, H_v]
     out = out[0] if rank3 else out

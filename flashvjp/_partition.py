@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec
 
 from flashvjp import _delta
 from flashvjp import _mask_mod
+from flashvjp import _record
 from flashvjp import _strategy
 from flashvjp import ring
 from flashvjp._config import AttentionConfig
@@ -425,6 +426,7 @@ def _make_op(kind: str):
     plan = _plan_from_shapes(cfg, sig, mesh, arg_shapes)
     if plan.strategy is not None:
       logging.debug("flashvjp %s: sequence sharded, %s", kind, plan.strategy)
+    _record.add(_record.Event("partition", kind, plan.strategy, (plan.bax, plan.hax, plan.sax)))
     named = lambda tags: NamedSharding(mesh, PartitionSpec(*[plan.axis(t) for t in tags]))
     results = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(result_shape),
                                            [named(t) for t in sig.result_tags])

@@ -27,7 +27,30 @@ import jax
 
 _GPU = ("gpu", "cuda", "rocm")
 
-SOURCES = ("the inputs' shardings", "the abstract mesh in context", "the default backend")
+SOURCES = ("the inputs' shardings", "the abstract mesh in context", "the default backend",
+           "a named target")
+
+# Targets by name (`flashvjp.explain(..., target=...)`; `flashvjp.plan` compiles for the same
+# names): platform, devices, device kind as XLA's deviceless topologies report it.
+NAMED: dict[str, tuple[str, int, str | None]] = {
+    "cpu": ("cpu", 1, None),
+    "h100": ("gpu", 1, "NVIDIA H100 80GB HBM3"), "h100x8": ("gpu", 8, "NVIDIA H100 80GB HBM3"),
+    "h200": ("gpu", 1, "NVIDIA H200"), "h200x8": ("gpu", 8, "NVIDIA H200"),
+    "b200": ("gpu", 1, "NVIDIA B200"), "b200x8": ("gpu", 8, "NVIDIA B200"),
+    "v5e": ("tpu", 1, "TPU v5 lite"), "v5ex4": ("tpu", 4, "TPU v5 lite"),
+    "v6e": ("tpu", 1, "TPU v6 lite"), "v6ex4": ("tpu", 4, "TPU v6 lite"),
+}
+
+
+def named(target) -> Target:
+  """A Target from a name in NAMED (or a Target, returned as is); no compiler needed."""
+  if isinstance(target, Target):
+    return target
+  if not isinstance(target, str) or target.lower() not in NAMED:
+    raise ValueError(f"target must be one of {', '.join(NAMED)} (or a flashvjp Target), got"
+                     f" {target!r}")
+  platform, n, kind = NAMED[target.lower()]
+  return Target(platform, n, kind, SOURCES[3])
 
 
 def home(platform: str) -> str:

@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 
 from flashvjp import _api
+from flashvjp import _dispatch
 from flashvjp import ring as _ring_backend
 from flashvjp.distributed import _compat
 
@@ -110,6 +111,7 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
       dropout_broadcast=dropout_broadcast, mask_mod=mask_mod, sinks=sinks,
       fold_scale=bias is None, causal_lengths=(n * Sl, n * Skv),
       max_logits=_api._check_flag("return_max_logits", return_max_logits))
+  _dispatch.log(decision)  # the per-pair backend (flashvjp.record_decisions sees it)
   q, k, v, _, _, q_seg, kv_seg, seed, consts, scale_array, mm_consts, _, sinks = arrays
   if cfg.causal and Sl != Skv:
     raise ValueError("causal ring_attention needs equal local seq lengths (the same global chunking"
