@@ -243,7 +243,16 @@ def make_attention_fn(*, causal: bool | str = False,
   return attention_fn
 
 
+def __getattr__(name: str):
+  """Flax modules owning flashvjp's learned parameters (they import flax: loaded on use)."""
+  if name in ("MultiHeadAttention", "MultiHeadDotProductAttention"):
+    from flashvjp import _flax_modules
+    return getattr(_flax_modules, name)
+  raise AttributeError(f"module 'flashvjp.flax' has no attribute {name!r}")
+
+
 attention_fn = make_attention_fn()
 attention_fn.__name__ = attention_fn.__qualname__ = "attention_fn"
 
+# (MultiHeadAttention / MultiHeadDotProductAttention import Flax: by name only, not `*`)
 __all__ = ["attention_fn", "make_attention_fn", "checkpoint_policy", "RESIDUAL_NAMES"]

@@ -325,3 +325,63 @@ def test_max_logits_are_sown_for_qk_clip_in_nnx_and_linen():
   (got,) = jax.tree_util.tree_leaves(state["intermediates"])
   assert got.shape == (2, 2) and np.isfinite(np.asarray(got)).all()
   assert flashvjp.flax.checkpoint_policy is flashvjp.checkpoint_policy
+
+
+def _reference_attention_fn(table, sinks, d, causal=True):
+  """Plain JAX attention with a relative-position table and sinks, autodiff'd (the oracle)."""
+  def fn(query, key, value, mask=None, **_):
+    D = query.shape[-1]
+    s = jnp.einsum("bqhd,bkhd->bhqk", query, key) / np.sqrt(D)
+    L = query.shape[-3]
+    rel = jnp.clip(jnp.arange(L)[None, :] - jnp.arange(L)[:, None], -d, d) + d
+    s = s + table[:, rel][None]
+    if causal:
+      s = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -jnp.inf)
+    m = jnp.maximum(s.max(-1, keepdims=True), sinks[None, :, None, None])
+    e = jnp.exp(s - m)
+    den = e.sum(-1, keepdims=True) + jnp.exp(sinks[None, :, None, None] - m)
+    return jnp.einsum("bhqk,bkhd->bqhd", e / den, value)
+  return fn
+
+
+def test_modules_own_learned_sinks_and_relative_position_tables():
+  x = jax.random.normal(jax.random.key(0), (2, 12, 16), jnp.float32)
+  d = 4
+  mod = flashvjp.flax.MultiHeadAttention(2, 16, causal=True, max_distance=d, learned_sinks=True,
+                                         decode=False, rngs=nnx.Rngs(0))
+  mod.sinks[...] = jnp.asarray([0.5, -1.0])
+  mod.relative_position_bias[...] = jax.random.normal(jax.random.key(1), (2, 2 * d + 1))
+  def ref_loss(table, sinks):  # the module's own projections around the plain-JAX oracle
+    o = _reference_attention_fn(table, sinks, d)(mod.query(x), mod.key(x), mod.value(x))
+    return mod.out(o).sum()
+
+  val, g = nnx.value_and_grad(lambda m: m(x).sum())(mod)
+  got = (val, (g.relative_position_bias[...], g.sinks[...]))
+  want = jax.value_and_grad(ref_loss, argnums=(0, 1))(mod.relative_position_bias[...],
+                                                      mod.sinks[...])
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
+  assert np.abs(np.asarray(got[1][0])).sum() > 0 and np.abs(np.asarray(got[1][1])).sum() > 0
+
+  # linen: the parameters live in the module's params, gradients included
+  lin = flashvjp.flax.MultiHeadDotProductAttention(num_heads=2, causal=True, max_distance=d,
+                                                   learned_sinks=True)
+  params = lin.init(jax.random.key(2), x)["params"]
+  assert params["sinks"].shape == (2,) and params["relative_position_bias"].shape == (2, 9)
+  params = dict(params, sinks=jnp.asarray([0.3, 1.0]),
+                relative_position_bias=jax.random.normal(jax.random.key(3), (2, 9)))
+  proj = {k: v for k, v in params.items() if k not in ("sinks", "relative_position_bias")}
+
+  def lin_loss(p, which):
+    if which == "ours":
+      return lin.apply({"params": p}, x).sum()
+    fn = _reference_attention_fn(p["relative_position_bias"], p["sinks"], d)
+    return nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=fn).apply(
+        {"params": proj}, x).sum()
+
+  got = jax.value_and_grad(lin_loss)(params, "ours")
+  want = jax.value_and_grad(lin_loss)(params, "ref")
+  np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=2e-5)
+  for name in ("sinks", "relative_position_bias"):
+    np.testing.assert_allclose(np.asarray(got[1][name]), np.asarray(want[1][name]),
+                               rtol=2e-4, atol=2e-5)
