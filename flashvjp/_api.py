@@ -23,6 +23,7 @@ from jax import lax
 from flashvjp import _config
 from flashvjp import _dispatch
 from flashvjp import _dropout
+from flashvjp import _indexing
 from flashvjp import _mask_mod
 from flashvjp import _partition
 from flashvjp import _remat
@@ -684,8 +685,12 @@ def explain(query, key, value, *, layout: str | None = None, target=None,
   decision, cfg, arrays = _prepare(query, key, value, **params, allow_shapes=True,
                                    program_target=target)
   B, H, Sq, D = query.shape
+  operands = sum((_indexing.of_mod(fn, name) for fn, name in
+                  ((cfg.score_mod, "score_mod"), (cfg.mask_mod, "mask_mod")) if fn is not None),
+                 ())
   decision = dataclasses.replace(
-      decision, reading=f"query read as {layout}: batch {B}, heads {H}, seq {Sq}, head_dim {D}")
+      decision, reading=f"query read as {layout}: batch {B}, heads {H}, seq {Sq}, head_dim {D}",
+      operands=operands)
   sharding = getattr(query, "sharding", None)
   spec = getattr(sharding, "spec", None)
   if sharding is not None and spec is not None and cfg.implementation != "naive":

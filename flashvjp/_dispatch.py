@@ -43,6 +43,9 @@ class Decision:
   target: Any = None
   # explain(): how the query was read (layout and dims), so a misread layout shows
   reading: str | None = None
+  # explain(): how the score_mod / mask_mod reads each array it closes over
+  # (`flashvjp._indexing.Operand`: per (b, h), by q / kv position, by kv_idx - q_idx, ...)
+  operands: tuple = ()
 
   @property
   def is_pallas(self) -> bool:
@@ -64,7 +67,8 @@ class Decision:
     cp = "" if self.context_parallel is None else f"; sequence sharded: {self.context_parallel}"
     tgt = "" if self.target is None else f"; target: {self.target}"
     rd = "" if self.reading is None else f"; {self.reading}"
-    return f"{self.implementation}{mode}: {self.reason}{tgt}{cp}{rd}"
+    ops = "".join(f"; {o}" for o in self.operands)
+    return f"{self.implementation}{mode}: {self.reason}{tgt}{cp}{rd}{ops}"
 
 
 def platform() -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from flashvjp import _indexing
 from flashvjp.pallas import _common
 from flashvjp.pallas._common import MAX_HEAD_DIM
 
@@ -36,6 +37,15 @@ def all_eqns(jaxpr):
       yield e
 
 
+def _operands_note(fn, mod: str) -> str:
+  """The position-indexed operands, named with how they are read (`flashvjp._indexing`)."""
+  try:
+    ops = [o for o in _indexing.of_mod(fn, mod) if o.how not in ("per (b, h)", "whole")]
+  except Exception:
+    return ""
+  return "".join(f"; {_indexing.compile_hint(o)}" for o in ops)
+
+
 def score_mod_problem(score_mod, consts, acc_dtype, *, lowering, residual_problem):
   """Why a (closure-converted, scalar) score_mod's per-tile part cannot lower, or None.
 
@@ -49,7 +59,7 @@ def score_mod_problem(score_mod, consts, acc_dtype, *, lowering, residual_proble
   if bad:
     return (f"score_mod uses {', '.join(bad)} on per-position values, which the {lowering}"
             " lowering cannot apply to a tile (e.g. indexing a table by the relative position"
-            " kv_idx - q_idx is a gather)")
+            " kv_idx - q_idx is a gather)" + _operands_note(score_mod, "score_mod"))
   for a in res_avals:
     problem = residual_problem(a)
     if problem is not None:
@@ -70,7 +80,7 @@ def mask_mod_problem(mask_mod, consts, *, lowering, residual_problem):
     return (f"mask_mod uses {', '.join(bad)} on per-position values, which the {lowering}"
             " lowering cannot apply to a tile (e.g. reading an array at q_idx / kv_idx, as"
             " document_causal's doc_ids[b, q_idx], is a gather); the blockwise path or"
-            " interpret mode run it")
+            " interpret mode run it" + _operands_note(mask_mod, "mask_mod"))
   for a in res_avals:
     problem = residual_problem(a, "mask_mod")
     if problem is not None:
