@@ -4,6 +4,10 @@ Room: foundations (floor 0). Each backend's backward computes it in its preproce
 that has the rows of O and dO where they are cheaper to read may fold rowsum(dO * O) into the
 lse cotangent and pass `out=None` (Ulysses does: the rows are local before its all-to-all, so
 the backward need not move O to the heads layout; `flashvjp._partition._ulysses`).
+
+The tangent pass has the same per-row term the other way round: t_out = a - t_lse * O, with
+a = sum_j p_ij (t_s_ij v_j + t_v_j). Given `out=None` a tangent pass returns (a, t_lse) and
+the caller applies `tangent_out` where O's rows are local (Ulysses again: O stays put).
 """
 from __future__ import annotations
 
@@ -24,3 +28,9 @@ def delta(out, dout, dlse, acc):
 def fold(out, dout, dlse, acc):
   """The lse cotangent that carries rowsum(dout * out): pass it with out=None (same result)."""
   return -delta(out, dout, dlse, acc)
+
+
+def tangent_out(a, t_lse, out):
+  """t_out = a - t_lse * out, in out's dtype (a: a tangent pass's result with out=None)."""
+  acc = jnp.promote_types(out.dtype, jnp.float32)
+  return (a.astype(acc) - t_lse.astype(acc)[..., None] * out.astype(acc)).astype(out.dtype)

@@ -375,8 +375,11 @@ def _ulysses(cfg, sig, plan: _Plan, base, extra, mod):
     acc = jnp.promote_types(q.dtype, jnp.float32)
     extra = (None, to_heads(lse), to_heads(dout), to_heads(_delta.fold(out, dout, dlse, acc)))
   elif sig.kind == "tangent":
+    # t_out = a - t_lse * O: the pass returns a (out=None) and the O term is applied back
+    # in the sequence layout, where O's rows are local (`_delta.tangent_out`): O never
+    # moves to the heads layout (one [B, H, S, Dv] all-to-all fewer)
     out, lse, tq, tk, tv, tbias, tconsts = extra
-    extra = (to_heads(out), to_heads(lse), to_heads(tq), to_heads(tk), to_heads(tv),
+    extra = (None, to_heads(lse), to_heads(tq), to_heads(tk), to_heads(tv),
              heads(tbias), tconsts)
   if mod is not None:
     classes = mod.classes
@@ -386,6 +389,9 @@ def _ulysses(cfg, sig, plan: _Plan, base, extra, mod):
     mod = _with_classes(cfg, mod._replace(classes=classes), B_l, H_l // n, Sq, Skv, offsets)
   kw = {"offsets": offsets} if uses_offsets(cfg) else {}
   res = _flat(sig, _call_backend(sig.backend, sig.kind, cfg, base, extra, mod, kw))
+  if sig.kind == "tangent":
+    a, t_lse = (to_seq(x) for x in res)
+    return [_delta.tangent_out(a, t_lse, out), t_lse]
   if sig.kind != "backward":
     return [to_seq(x) for x in res]
   out = [to_seq(x) for x in res[:3]]

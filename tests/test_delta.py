@@ -66,3 +66,30 @@ def test_backward_with_delta_folded_into_dlse_equals_backward_with_out(name, wit
     assert np.all(np.isfinite(np.asarray(g, np.float32)))
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["blockwise", "pallas_triton", "pallas_tpu"])
+def test_tangent_without_out_then_tangent_out_equals_tangent_with_out(name):
+  """The tangent pass given out=None returns a = t_out + t_lse * O; `_delta.tangent_out`
+  applies the O term where O is (what Ulysses does in the sequence layout)."""
+  from flashvjp import _vjp
+  rng = np.random.default_rng(2)
+  B, H, Hkv, S, D = 1, 4, 2, 96, 32
+  q, tq = (jnp.asarray(rng.standard_normal((B, H, S, D)), jnp.float32) for _ in range(2))
+  k, v, tk, tv = (jnp.asarray(rng.standard_normal((B, Hkv, S, D)), jnp.float32)
+                  for _ in range(4))
+  _, cfg, arrays = _api._prepare(
+      q, k, v, bias=None, mask=None, causal=True, window=None, segment_ids=None,
+      score_mod=None, scale=None, dropout_rate=0.0, dropout_rng=None, deterministic=True,
+      implementation=name, block_q=32, block_kv=32, interpret=True)
+  common = (cfg, *arrays[:3], None, None, None, None, None, ())
+  out, lse = _family(name).forward(*common)
+  tangent = _vjp._tangent_kernel(name)[0]
+  want = tangent(*common, out, lse, tq, tk, tv, None, ())
+  a, t_lse = tangent(*common, None, lse, tq, tk, tv, None, ())
+  np.testing.assert_array_equal(np.asarray(t_lse), np.asarray(want[1]))
+  got = _delta.tangent_out(a, t_lse, out)
+  assert got.dtype == want[0].dtype
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+  # and the O term is really left out
+  assert np.abs(np.asarray(a) - np.asarray(want[0])).max() > 1e-3

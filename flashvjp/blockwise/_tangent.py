@@ -122,6 +122,8 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   mu, a, _ = lax.fori_loop(0, count, body, init)
   mu = mu.reshape(L.B, L.H, L.Sqp)[:, :, : L.Sq]
   a = a.reshape(L.B, L.H, L.Sqp, L.Dv)[:, :, : L.Sq]
+  if out is None:  # the caller subtracts mu * out where out's rows are (`_delta.tangent_out`)
+    return a.astype(acc if cfg.out_f32 else q.dtype), mu.astype(lse.dtype)
   t_out = a - mu[..., None] * out.astype(acc)
   return t_out.astype(out.dtype), mu.astype(lse.dtype)
 

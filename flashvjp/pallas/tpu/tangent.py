@@ -104,8 +104,10 @@ def _tangent_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
   @pl.when(s == lists.W - 1)
   def _finish():
     mu = mu_s[:, 0:1]
-    out = r["out"][...].astype(acc)
-    r["t_out"][...] = (a_s[...] - mu * out).astype(r["t_out"].dtype)
+    a = a_s[...]
+    if "out" in r:  # without out: a (the caller subtracts mu * out, `_delta.tangent_out`)
+      a = a - mu * r["out"][...].astype(acc)
+    r["t_out"][...] = a.astype(r["t_out"].dtype)
     t_lse = mu_s[...]
     if r["t_lse"].shape[0] == 1:  # lane-major (1, bq) block: a [bq, 128] -> [128, bq] transpose
       t_lse = jnp.transpose(t_lse)[0:1, :]
@@ -164,7 +166,9 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   if tbias is not None:
     tb = C.pad_pair(tbias, g)
     ins.add("tbias", tb, F.pair_spec(tb, g, index))
-  ins.add("out", C.pad_seq_head(out, g.Sqp, g.Dvp), F._bs((None, None, g.bq, g.Dvp), row))
+  if out is not None:
+    ins.add("out", C.pad_seq_head(out, g.Sqp, g.Dvp), F._bs((None, None, g.bq, g.Dvp), row))
+  out_dtype = out.dtype if out is not None else (acc if cfg.out_f32 else q.dtype)
   big = C.lse_pad_value(acc)
   lse_b = jnp.where(jnp.isfinite(lse), lse.astype(acc), big)
   lse_b = jnp.pad(lse_b, ((0, 0), (0, 0), (0, g.Sqp - g.Sq)), constant_values=big)
@@ -185,7 +189,7 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     t_lse_shape, t_lse_spec = (g.B, g.H, g.Sqp, Lo.LANES), F._bs((None, None, g.bq, Lo.LANES), row)
   t_out, t_lse = _compat.tpu_pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dvp), out.dtype),
+      out_shape=(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dvp), out_dtype),
                  jax.ShapeDtypeStruct(t_lse_shape, acc)),
       grid=(g.B, g.H, g.nq, lists.W),
       in_specs=ins.specs,

@@ -116,8 +116,9 @@ def _tangent_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
     mu, a = run(lo, hi, False, init)
   else:
     mu, a = C.split_loop(run, lo, hi, C.full_kv_blocks(cfg, g, i), init)
-  out = r["out"][...].astype(acc)
-  r["t_out"][...] = (a - mu[:, None] * out).astype(r["t_out"].dtype)
+  if "out" in r:
+    a = a - mu[:, None] * r["out"][...].astype(acc)
+  r["t_out"][...] = a.astype(r["t_out"].dtype)  # without out: a (`_delta.tangent_out`)
   r["t_lse"][...] = mu
 
 
@@ -157,7 +158,8 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   """The fused tangent pass (`flashvjp.blockwise._tangent.tangent`'s interface; `offsets`
   as `forward.forward`).
 
-  Returns (t_out [B, H, Sq, Dv] in out's dtype, t_lse [B, H, Sq] in lse's dtype).
+  Returns (t_out [B, H, Sq, Dv] in out's dtype, t_lse [B, H, Sq] in lse's dtype); with
+  out=None, (a, t_lse): t_out before its `- t_lse * out` term (`flashvjp._delta`).
   """
   g = _geometry(cfg, q, k, v, n_kv=2 + (tk is not None) + (tv is not None),
                 n_q=1 + (tq is not None))
@@ -196,8 +198,10 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   if tbias is not None:
     tb = C.pad_pair(tbias, g)
     ins.add("tbias", tb, F.pair_spec_q(tb, g))
-  ins.add("out", C.pad_seq_head(out, g.Sqp, g.Dvp),
-          _compat.block_spec((None, None, g.bq, g.Dvp), lambda b, h, i: (b, h, i, 0)))
+  if out is not None:
+    ins.add("out", C.pad_seq_head(out, g.Sqp, g.Dvp),
+            _compat.block_spec((None, None, g.bq, g.Dvp), lambda b, h, i: (b, h, i, 0)))
+  out_dtype = out.dtype if out is not None else (acc if cfg.out_f32 else q.dtype)
   pad = C.lse_pad_value(acc)
   lse_k = jnp.where(lse == -jnp.inf, pad, lse.astype(acc))
   lse_k = jnp.pad(lse_k, ((0, 0), (0, 0), (0, g.Sqp - g.Sq)), constant_values=pad)
@@ -209,7 +213,7 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
       mod_scalar=msplit.scalar)
   t_out, t_lse = _compat.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dvp), out.dtype),
+      out_shape=(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dvp), out_dtype),
                  jax.ShapeDtypeStruct((g.B, g.H, g.Sqp), acc)),
       grid=(g.B, g.H, g.nq),
       in_specs=ins.specs,
