@@ -80,6 +80,8 @@ def collective_results(hlo: str, op: str) -> list[str]:
 def interpret_loops(hlo: str) -> list[str]:
   """While loops traced from one of our kernels (op_name '.../flashvjp_fwd/while'): what a
   Pallas kernel in interpret mode (or run as a loop) leaves; a compiled one is a custom call.
-  XLA's own loops (a scatter-add, a mask_mod's classification) are not counted."""
+  The blockwise passes' loops count too (named scopes '.../flashvjp_blockwise_fwd/...'): a
+  program meant to run compiled kernels has none. XLA's own loops (a scatter-add, a
+  mask_mod's classification) are not counted."""
   ops = re.findall(r"\swhile\([^\n]*?op_name=\"([^\"]*)\"", hlo)
   return [o for o in ops if re.search(r"/flashvjp_\w+/", o)]
