@@ -63,7 +63,7 @@ def record_decisions() -> Iterator[list[Event]]:
       for e in events:
         print(e)   # dispatch: ...; partition (forward; ...): ulysses ...
 
-  Yields a list of `Event`s, filled as the program is traced (stage "dispatch", one per
+  Yields a list of `Event` records, filled as the program is traced (stage "dispatch", one per
   flash_attention call) and partitioned (stage "partition", one per sharded pass).
   """
   rec: list[Event] = []
