@@ -45,6 +45,7 @@ _FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 # callback as `JaxRuntimeError: INTERNAL: custom_partitioner: <traceback>`. The handler
 # below gives the user the ValueError / TypeError flashvjp raised, with its own message,
 # so that `except ValueError` catches a sequence that the shard count does not divide.
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # flashvjp's own frames
 _PARTITIONER_ERROR = re.compile(
     r'^  File "(?P<file>[^"]*)".*\n(?:(?!  File ).*\n)*?(?P<kind>ValueError|TypeError): (?P<msg>.*)$',
     re.M)
@@ -63,8 +64,7 @@ def _partitioner_error(err: Exception) -> Exception | None:
   if not found:
     return None
   last = found[-1]
-  pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
-  if not os.path.abspath(last["file"]).startswith(pkg):
+  if not os.path.abspath(last["file"]).startswith(_PKG_DIR):
     return None
   cls = ValueError if last["kind"] == "ValueError" else TypeError
   return cls(f"{last['msg'].rstrip()} (found while XLA partitioned the program under jax.jit,"
@@ -170,6 +170,19 @@ def _check_window(window, name="window"):
       raise ValueError(f"{name} {side} must be >= 0, got {w}")
     out.append(int(w))
   return tuple(out)
+
+
+def _local_window(local_window_size):
+  """jax.nn's local_window_size (int w = (w, w), or (left, right)) -> flashvjp's window
+  (the drop-in's and explain's)."""
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, numbers.Integral) and not isinstance(local_window_size, bool):
+    local_window_size = (local_window_size, local_window_size)
+  if not isinstance(local_window_size, (tuple, list)) or len(local_window_size) != 2:
+    raise ValueError("local_window_size must be an int or a pair (left, right) of ints,"
+                     f" got {local_window_size!r}")
+  return _check_window(local_window_size, name="local_window_size")
 
 
 CAUSAL = (False, True, "top_left", "bottom_right")
@@ -366,9 +379,8 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
 
 def _user_stacklevel() -> int:
   """warnings.warn's stacklevel, called from here, of the first frame outside flashvjp."""
-  pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
   frame, level = sys._getframe(1), 1
-  while frame.f_code.co_filename.startswith(pkg) and frame.f_back is not None:
+  while frame.f_code.co_filename.startswith(_PKG_DIR) and frame.f_back is not None:
     frame, level = frame.f_back, level + 1
   return level
 
@@ -666,9 +678,9 @@ def explain(query, key, value, *, layout: str | None = None, target=None,
     kwargs.pop("return_residual", None)
     if "is_causal" in kwargs:
       kwargs["causal"] = kwargs.pop("is_causal")
-    lws = kwargs.pop("local_window_size", None)
+    lws = _local_window(kwargs.pop("local_window_size", None))
     if lws is not None:
-      kwargs["window"] = (lws, lws) if isinstance(lws, numbers.Integral) else lws
+      kwargs["window"] = lws
     ql, kvl = kwargs.pop("query_seq_lengths", None), kwargs.pop("key_value_seq_lengths", None)
     if ql is not None or kvl is not None:  # the drop-in's lengths become segment ids
       B, Sq, Skv = query.shape[0], query.shape[2], key.shape[2]

@@ -78,9 +78,8 @@ class _Walk:
   (`deps`: s, b, h, q, kv, rel) and, for values that are (slices of) an operand array, which
   operand (`owner`) and the index symbols used to reach it so far (`reach`)."""
 
-  def __init__(self, n_ops: int):
+  def __init__(self):
     self.found: dict[int, set] = {}  # operand -> the classes of its reads
-    self.n_ops = n_ops
 
   def note(self, op: int, how: str):
     self.found.setdefault(op, set()).add(how)
@@ -172,7 +171,7 @@ def classify(jaxpr, positions: tuple[str, ...], shapes, dtypes, mod: str,
     entry i is the constvar index of operand i); None: the constvars' order.
   """
   n = len(jaxpr.constvars)
-  walk = _Walk(n)
+  walk = _Walk()
   in_info: list[tuple] = [(frozenset({p}), None, frozenset()) for p in positions]
   # the constvars are the operands: each owns itself, reached by no index yet
   walk.run(_View(list(jaxpr.constvars) + list(jaxpr.invars), jaxpr.eqns, jaxpr.outvars),

@@ -24,7 +24,6 @@ returns the average of V over all keys for such a row.
 """
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 
 import jax
@@ -35,18 +34,6 @@ from flashvjp import _dispatch
 
 # jax.nn's backend names; flashvjp runs its own implementations instead.
 _JAX_NN_IMPLEMENTATIONS = ("xla", "cudnn")
-
-
-def _window_pair(local_window_size):
-  """jax.nn's local_window_size (int or (left, right)) -> flashvjp's window."""
-  if local_window_size is None:
-    return None
-  if isinstance(local_window_size, numbers.Integral) and not isinstance(local_window_size, bool):
-    local_window_size = (local_window_size, local_window_size)
-  if not isinstance(local_window_size, (tuple, list)) or len(local_window_size) != 2:
-    raise ValueError("local_window_size must be an int or a pair (left, right) of ints,"
-                     f" got {local_window_size!r}")
-  return _api._check_window(local_window_size, name="local_window_size")
 
 
 def _lengths(name, lengths, batch):
@@ -159,7 +146,7 @@ def dot_product_attention(
                     f" got {is_causal!r}")
   if not isinstance(return_residual, bool):
     raise TypeError(f"return_residual must be a bool, got {return_residual!r}")
-  window = _window_pair(local_window_size)
+  window = _api._local_window(local_window_size)
   rank3 = query.ndim == 3
   if rank3:
     query, key, value = query[None], key[None], value[None]

@@ -43,23 +43,24 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flashvjp import _api
+from flashvjp import _target
 
 _TARGET_DIR = pathlib.Path(__file__).parent / "targets"
 
-# name -> (platform, GPU target config file or TPU topology, devices, HBM bytes per device)
+# name -> (GPU target config file or TPU topology, HBM bytes per device); the platform and
+# the device count are the named target's (`flashvjp._target.NAMED`, which explain reads).
 # HBM: the GPU configs' device_memory_size; TPU v5e 16 GiB, v6e 32 GiB per chip.
-TARGETS: dict[str, tuple[str, str, int, int | None]] = {
-    "h100": ("gpu", "h100_sxm.txtpb", 1, None),
-    "h100x8": ("gpu", "h100_sxm.txtpb", 8, None),
-    "h200": ("gpu", "h200.txtpb", 1, None),
-    "h200x8": ("gpu", "h200.txtpb", 8, None),
-    "b200": ("gpu", "b200.txtpb", 1, None),
-    "b200x8": ("gpu", "b200.txtpb", 8, None),
-    "v5e": ("tpu", "v5e:1x1", 1, 16 * 2**30),
-    "v5ex4": ("tpu", "v5e:2x2", 4, 16 * 2**30),
-    "v6e": ("tpu", "v6e:1x1", 1, 32 * 2**30),
-    "v6ex4": ("tpu", "v6e:2x2", 4, 32 * 2**30),
+_COMPILE: dict[str, tuple[str, int | None]] = {
+    "h100": ("h100_sxm.txtpb", None), "h100x8": ("h100_sxm.txtpb", None),
+    "h200": ("h200.txtpb", None), "h200x8": ("h200.txtpb", None),
+    "b200": ("b200.txtpb", None), "b200x8": ("b200.txtpb", None),
+    "v5e": ("v5e:1x1", 16 * 2**30), "v5ex4": ("v5e:2x2", 16 * 2**30),
+    "v6e": ("v6e:1x1", 32 * 2**30), "v6ex4": ("v6e:2x2", 32 * 2**30),
 }
+# name -> (platform, GPU target config file or TPU topology, devices, HBM bytes per device)
+TARGETS: dict[str, tuple[str, str, int, int | None]] = {
+    name: (_target.NAMED[name][0], what, _target.NAMED[name][1], hbm)
+    for name, (what, hbm) in _COMPILE.items()}
 MODES = ("value_and_grad", "jvp")
 _COLLECTIVES = ("all-gather", "collective-permute", "all-to-all", "reduce-scatter",
                 "all-reduce", "ragged-all-to-all", "collective-broadcast")

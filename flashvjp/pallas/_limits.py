@@ -39,10 +39,7 @@ def all_eqns(jaxpr):
 
 def _operands_note(fn, mod: str) -> str:
   """The position-indexed operands, named with how they are read (`flashvjp._indexing`)."""
-  try:
-    ops = [o for o in _indexing.of_mod(fn, mod) if o.how not in ("per (b, h)", "whole")]
-  except Exception:
-    return ""
+  ops = [o for o in _indexing.of_mod(fn, mod) if o.how not in ("per (b, h)", "whole")]
   return "".join(f"; {_indexing.compile_hint(o)}" for o in ops)
 
 
