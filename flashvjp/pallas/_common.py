@@ -755,6 +755,15 @@ def mask_value(acc):
   return jnp.asarray(jnp.finfo(acc).min, acc)
 
 
+def neg_inf_at_empty(rows, acc) -> tuple:
+  """The forward's per-row outputs (lse first, then e.g. the row maxima), written by a kernel
+  with `mask_value` at empty rows, with the API's -inf there: by adding log(0) at the empty
+  rows only, so no array of -inf is built (a broadcast -inf operand would trip
+  jax.debug_infs op by op) when no row is empty. Every family's forward ends with it."""
+  empty = jnp.log(jnp.where(rows[0] == mask_value(acc), 0.0, 1.0).astype(acc))
+  return tuple(x + empty for x in rows)
+
+
 def select_masked(ok, x):
   """x where the mask model allows the entry, exactly 0 elsewhere (a select, never a product
   with p = 0: a masked position may hold any finite K / V, and 0 * inf is NaN)."""

@@ -236,7 +236,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   lses = [_compat.match_varying(jnp.full(q.shape[:2] + (p.length,), -jnp.inf, acc), q)
           for p in C.qp]
   # cfg.max_logits: each row's max logit, the max over the pairs (a skipped pair: -inf)
-  maxes = [lse for lse in lses] if cfg.max_logits else None
+  maxes = list(lses) if cfg.max_logits else None
   chunk = C.first_chunk((k, v, kv_seg))
   for t, st in enumerate(C.steps):
     nxt = C.next_chunk(chunk, t)  # issued before this step's compute: they overlap

@@ -623,8 +623,6 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     if f is not None:
       operands.append(f.operand(x, p))
   out, *rows = kernel(*operands)
-  rows = [x[:, :, : p.Sq] for x in rows]  # lse (+ the row maxima with cfg.max_logits)
-  # -inf at empty rows only, by log(0) there (as the Triton family: no -inf array built).
-  empty = jnp.log(jnp.where(rows[0] == C.mask_value(jnp.float32), 0.0, 1.0).astype(
-      jnp.float32))
-  return (out[:, :, : p.Sq, : p.Dv],) + tuple(x + empty for x in rows)
+  # lse (+ the row maxima with cfg.max_logits), -inf at empty rows
+  rows = C.neg_inf_at_empty([x[:, :, : p.Sq] for x in rows], jnp.float32)
+  return (out[:, :, : p.Sq, : p.Dv],) + rows

@@ -278,10 +278,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
       interpret=interpret_arg(cfg), name="flashvjp_tpu_fwd", cost=cost,
   )(counts, entries, *ins.arrays)
   rows = [x[:, :, 0, : g.Sq] if lanes else x[:, :, : g.Sq, 0] for x in rows]
-  # The API's -inf lse (and row max) of an empty row, by log(0) at the empty rows only (no
-  # -inf array is built when no row is empty: jax.debug_infs stays quiet), as Triton's.
-  empty = jnp.log(jnp.where(rows[0] == C.mask_value(acc), 0.0, 1.0).astype(acc))
-  return (out[:, :, : g.Sq, : g.Dv],) + tuple(x + empty for x in rows)
+  rows = C.neg_inf_at_empty(rows, acc)  # the API's -inf lse (and row max) of an empty row
+  return (out[:, :, : g.Sq, : g.Dv],) + rows
 
 
 def forward_cost(cfg, g: C.Geometry, dtype, has_bias: bool):

@@ -243,9 +243,6 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
       interpret=cfg.interpret, name="flashvjp_fwd",
       num_warps=g.num_warps, num_stages=g.num_stages,
   )(*ins.arrays)
-  # The API's -inf lse (and row max) of an empty row, made outside the kernel after slicing
-  # off the padded rows, and by log(0) at the empty rows only: no array of -inf is built (a
-  # broadcast -inf operand would trip jax.debug_infs op by op) when no row is empty.
-  rows = [x[:, :, : g.Sq] for x in rows]
-  empty = jnp.log(jnp.where(rows[0] == C.mask_value(acc), 0.0, 1.0).astype(acc))
-  return (out[:, :, : g.Sq, : g.Dv],) + tuple(x + empty for x in rows)
+  # the API's -inf lse (and row max) of an empty row, after slicing off the padded rows
+  rows = C.neg_inf_at_empty([x[:, :, : g.Sq] for x in rows], acc)
+  return (out[:, :, : g.Sq, : g.Dv],) + rows
