@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import numpy as np
+
 CLASSES = ("per (b, h)", "by q position", "by kv position", "by kv_idx - q_idx", "whole",
            "otherwise")
 _RANK = {c: i for i, c in enumerate(CLASSES)}  # a later class is "worse" (harder to compile)
@@ -170,22 +173,42 @@ def classify(jaxpr, positions: tuple[str, ...], shapes, dtypes, mod: str,
   order: the operands' order as the caller numbers them (a permutation of the constvars:
     entry i is the constvar index of operand i); None: the constvars' order.
   """
-  n = len(jaxpr.constvars)
+  return _classify_vars(list(jaxpr.constvars), list(jaxpr.invars), jaxpr.eqns, jaxpr.outvars,
+                        positions, shapes, dtypes, mod, order)
+
+
+def _classify_vars(operand_vars, position_vars, eqns, outvars, positions, shapes, dtypes,
+                   mod, order) -> tuple[Operand, ...]:
+  n = len(operand_vars)
   walk = _Walk()
   in_info: list[tuple] = [(frozenset({p}), None, frozenset()) for p in positions]
-  # the constvars are the operands: each owns itself, reached by no index yet
-  walk.run(_View(list(jaxpr.constvars) + list(jaxpr.invars), jaxpr.eqns, jaxpr.outvars),
+  # the operands own themselves, reached by no index yet
+  walk.run(_View(list(operand_vars) + list(position_vars), eqns, outvars),
            [(frozenset(), i, frozenset()) for i in range(n)] + in_info)
   order = list(range(n)) if order is None else list(order)
   return tuple(Operand(mod, k, tuple(shapes[c]), str(dtypes[c]), walk.how(c))
                for k, c in enumerate(order))
 
 
-def of_mod(fn, mod: str) -> tuple[Operand, ...]:
+def of_mod(fn, mod: str, consts=None) -> tuple[Operand, ...]:
   """The operands of a scalar score_mod (`_score_mod.ScalarScoreMod`, mod="score_mod") or
-  mask_mod (`_mask_mod.ScalarMaskMod`, mod="mask_mod"), numbered as the call's consts."""
-  jaxpr = fn._jaxpr  # pylint: disable=protected-access
+  mask_mod (`_mask_mod.ScalarMaskMod`, mod="mask_mod"), numbered as the call's consts.
+
+  A plain function taking its arrays as trailing arguments (``fn(s, b, h, q, kv, *consts)``,
+  the kernels' internal form) is traced here on scalars and `consts`' shapes.
+  """
   positions = ("s", "b", "h", "q", "kv") if mod == "score_mod" else ("b", "h", "q", "kv")
+  if not hasattr(fn, "_jaxpr"):
+    consts = tuple(consts or ())
+    scalars = [jax.ShapeDtypeStruct((), np.float32 if p == "s" else np.int32)
+               for p in positions]
+    avals = [jax.ShapeDtypeStruct(np.shape(c), c.dtype) for c in consts]
+    closed = jax.make_jaxpr(fn)(*scalars, *avals)
+    jaxpr, k = closed.jaxpr, len(positions)
+    return _classify_vars(list(jaxpr.invars[k:]), list(jaxpr.invars[:k]), jaxpr.eqns,
+                          jaxpr.outvars, positions, [a.shape for a in avals],
+                          [a.dtype for a in avals], mod, None)
+  jaxpr = fn._jaxpr  # pylint: disable=protected-access
   shapes = [v.aval.shape for v in jaxpr.constvars]
   dtypes = [v.aval.dtype for v in jaxpr.constvars]
   return classify(jaxpr, positions, shapes, dtypes, mod, order=getattr(fn, "_perm", None))

@@ -255,7 +255,8 @@ def test_limits():
   # A table lookup by relative position is a gather: refused when compiled, with the reason.
   table = jnp.zeros((4, 13), jnp.float32)
   sm = lambda s, b, h, q, kv, t: s + t[h, jnp.clip(kv - q, -6, 6) + 6]
-  assert "gather" in _limits.score_mod_lowering_problem(sm, (table,))
+  why = _limits.score_mod_lowering_problem(sm, (table,))
+  assert "gather" in why and "score_mod[0] float32[4,13]: by kv_idx - q_idx" in why
   assert _limits.score_mod_lowering_problem(
       lambda s, b, h, q, kv, sl: s + sl[h] * (kv - q), (jnp.ones(4),)) is None
 

@@ -37,9 +37,9 @@ def all_eqns(jaxpr):
       yield e
 
 
-def _operands_note(fn, mod: str) -> str:
+def _operands_note(fn, mod: str, consts) -> str:
   """The position-indexed operands, named with how they are read (`flashvjp._indexing`)."""
-  ops = [o for o in _indexing.of_mod(fn, mod) if o.how not in ("per (b, h)", "whole")]
+  ops = [o for o in _indexing.of_mod(fn, mod, consts) if o.how not in ("per (b, h)", "whole")]
   return "".join(f"; {_indexing.compile_hint(o)}" for o in ops)
 
 
@@ -56,7 +56,7 @@ def score_mod_problem(score_mod, consts, acc_dtype, *, lowering, residual_proble
   if bad:
     return (f"score_mod uses {', '.join(bad)} on per-position values, which the {lowering}"
             " lowering cannot apply to a tile (e.g. indexing a table by the relative position"
-            " kv_idx - q_idx is a gather)" + _operands_note(score_mod, "score_mod"))
+            " kv_idx - q_idx is a gather)" + _operands_note(score_mod, "score_mod", consts))
   for a in res_avals:
     problem = residual_problem(a)
     if problem is not None:
@@ -77,7 +77,7 @@ def mask_mod_problem(mask_mod, consts, *, lowering, residual_problem):
     return (f"mask_mod uses {', '.join(bad)} on per-position values, which the {lowering}"
             " lowering cannot apply to a tile (e.g. reading an array at q_idx / kv_idx, as"
             " document_causal's doc_ids[b, q_idx], is a gather); the blockwise path or"
-            " interpret mode run it" + _operands_note(mask_mod, "mask_mod"))
+            " interpret mode run it" + _operands_note(mask_mod, "mask_mod", consts))
   for a in res_avals:
     problem = residual_problem(a, "mask_mod")
     if problem is not None:
