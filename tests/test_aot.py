@@ -133,6 +133,12 @@ def _features(mesh, dtype, B, H, S):
       "sinks": (lambda sk: dict(causal=True, sinks=sk), (_aot.sds(mesh, (H,), jnp.float32),)),
       "dropout": (lambda: dict(causal=True, dropout_rate=0.1, deterministic=False,
                                dropout_rng=jax.random.key(0)), ()),
+      # mods reading arrays by one position (issue 32: per-position residuals)
+      "kv_bias": (lambda bv: dict(causal=True, score_mod=lambda s, b, h, i, j: s + bv[b, j]),
+                  (_aot.sds(mesh, (B, S), jnp.float32),)),
+      "q_temperature": (lambda t: dict(causal=True, score_mod=lambda s, b, h, i, j: s * t[i]),
+                        (_aot.sds(mesh, (S,), jnp.float32),)),
+      "document_causal": (lambda d: dict(mask_mod=flashvjp.document_causal(d)), (seg,)),
   }
 
 
@@ -182,6 +188,21 @@ def _assert_compiled_kernels(decision, compiled, family, call, mode):
 def test_gpu_compile_matrix(gpu, feature, mode, dtype):
   decision, compiled = _compile(_aot.gpu_mesh(gpu), feature, mode, dtype)
   _assert_compiled_kernels(decision, compiled, "pallas_triton", _aot.TRITON_CALL, mode)
+
+
+POSITION_FEATURES = ["kv_bias", "q_temperature", "document_causal"]
+
+
+@_aot.needs_cuda
+@pytest.mark.parametrize("mode", ["grad", "jvp"])
+@pytest.mark.parametrize("feature", POSITION_FEATURES)
+def test_gpu_compiles_mods_indexing_arrays_by_position(feature, mode):
+  """Issue 32: what a mod reads by q or kv position travels as per-position residuals, so
+  the Triton kernels compile it (before: refused, a gather on the tile)."""
+  decision, compiled = _compile(_aot.gpu_mesh("h100"), feature, mode, jnp.bfloat16)
+  _assert_compiled_kernels(decision, compiled, "pallas_triton", _aot.TRITON_CALL, mode)
+  hows = {o.how for o in decision.operands}
+  assert hows & {"by q position", "by kv position", "by q position and by kv position"}, hows
 
 
 @_aot.needs_tpu

@@ -22,10 +22,9 @@ from jax import lax
 from flashvjp import _config
 from flashvjp import _dropout
 from flashvjp import _mask
-from flashvjp import _mask_mod
-from flashvjp import _score_mod
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _compat
+from flashvjp.pallas import _positions
 
 # Triton's dot needs every tile dimension >= 16 and every tensor a power of 2.
 MIN_TRITON_DIM = 16
@@ -208,18 +207,74 @@ class HeadSplit:
   scalar: tuple = ()
   n_diff: int = 0
   to_consts: Callable | None = None
+  pos: PosResiduals | None = None
 
 
-def split_score_mod_jaxprs(fn, consts, acc):
-  """(known(b, h, *consts) -> residuals, tile(s, b, h, q, kv, *residuals) -> s, residual avals).
+@dataclasses.dataclass
+class PosResiduals:
+  """Per-position residuals of a mod (`_positions`): [B, H, Sqp] arrays read per q position,
+  [B, H, Skvp] per kv position (padding reads the last real position). The tile part takes
+  them after the per-(b, h) residuals, q ones first. Floats first within each; the first
+  n_q_diff / n_kv_diff carry gradients (`HeadSplit.to_consts` then takes
+  (d per-head residuals, d q residuals [B, H, Sqp], d kv residuals [B, H, Skvp]))."""
 
-  Residuals are ordered float first.
+  q: tuple = ()
+  kv: tuple = ()
+  n_q_diff: int = 0
+  n_kv_diff: int = 0
+
+  @property
+  def n(self) -> int:
+    return len(self.q) + len(self.kv)
+
+
+def _hoisted(fn, consts, acc, positions):
+  """`_positions.hoist` of fn when the family reads per-position residuals (`positions`:
+  (seq_q, seq_kv, Sqp, Skvp)), else None. Non-float residuals travel as int32: the tile
+  function casts them back."""
+  if positions is None:
+    return None
+  h = _positions.hoist(fn, consts, acc)
+  if h is None or h.problem is not None:
+    return None
+  avals = h.q_avals + h.kv_avals
+  tile = h.tile
+
+  def cast_tile(s_, b, hh, q, kv, *args):
+    n = len(args) - len(avals)
+    pos = tuple(jnp.asarray(p).astype(a.dtype) for p, a in zip(args[n:], avals))
+    return tile(s_, b, hh, q, kv, *args[:n], *pos)
+
+  travel = tuple(a if jnp.issubdtype(a.dtype, jnp.inexact)
+                 else jax.ShapeDtypeStruct((), jnp.int32) for a in avals)
+  return h, cast_tile, travel
+
+
+def _position_arrays(h, consts, bs, hs, positions, offsets):
+  """The q and kv residual arrays of `_positions.Hoist` h at the padded positions, clamped
+  into the real sequences, made global with `offsets`."""
+  seq_q, seq_kv, Sqp, Skvp = positions
+  q0, kv0 = (0, 0) if offsets is None else tuple(offsets)[2:]
+  qp = jnp.minimum(jnp.arange(Sqp, dtype=jnp.int32), seq_q - 1) + jnp.asarray(q0, jnp.int32)
+  kp = jnp.minimum(jnp.arange(Skvp, dtype=jnp.int32), seq_kv - 1) + jnp.asarray(kv0, jnp.int32)
+  q_res, kv_res = _positions.arrays(h, consts, bs, hs, qp, kp)
+  to32 = lambda xs: tuple(x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.int32)
+                          for x in xs)
+  return to32(q_res), to32(kv_res)
+
+
+def split_score_mod_jaxprs(fn, consts, acc, pos_avals=()):
+  """(known(b, h, *consts) -> residuals, tile(s, b, h, q, kv, *residuals, *pos) -> s,
+  residual avals, tile jaxpr).
+
+  Residuals are ordered float first. `pos_avals`: `fn` takes that many trailing
+  per-position residuals (`_positions.Hoist`), which vary over the tile like s, q and kv.
   """
   s = jax.ShapeDtypeStruct((), acc)
   i = jax.ShapeDtypeStruct((), jnp.int32)
   cs = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in consts]
-  closed = jax.make_jaxpr(fn)(s, i, i, i, i, *cs)
-  unknowns = [True, False, False, True, True] + [False] * len(cs)
+  closed = jax.make_jaxpr(fn)(s, i, i, i, i, *cs, *pos_avals)
+  unknowns = [True, False, False, True, True] + [False] * len(cs) + [True] * len(pos_avals)
   known, unknown, res_avals = _compat.partial_eval(closed, unknowns)
   perm = ([n for n, a in enumerate(res_avals) if jnp.issubdtype(a.dtype, jnp.inexact)]
           + [n for n, a in enumerate(res_avals) if not jnp.issubdtype(a.dtype, jnp.inexact)])
@@ -231,26 +286,32 @@ def split_score_mod_jaxprs(fn, consts, acc):
 
   def tile_fn(s_, b, h, q, kv, *res):
     del b, h  # folded into the residuals
+    res, pos = res[:len(perm)], res[len(perm):]
     orig = [None] * len(perm)
     for new, old in enumerate(perm):
       orig[old] = res[new]
-    (out,) = unknown_f(*orig, s_, q, kv)
+    (out,) = unknown_f(*orig, s_, q, kv, *pos)
     return out
 
   return known_fn, tile_fn, tuple(res_avals[k] for k in perm), unknown
 
 
 def split_per_head(cfg: AttentionConfig, consts, acc, B: int, H: int, grads: bool,
-                   offsets=None) -> HeadSplit:
+                   offsets=None, positions=None) -> HeadSplit:
   """Split cfg.score_mod (after `hoist_score_mod`) into residual arrays and a tile function.
 
   `offsets`: None or the global (b0, h0, q0, kv0) of element 0 (`offset_operand`): the
   residuals of local (b, h) are those of the global (b0 + b, h0 + h).
+  `positions`: None, or (seq_q, seq_kv, Sqp, Skvp) for a family whose kernels read
+  per-position residuals (`PosResiduals`): values the score_mod reads from its arrays by
+  one position are then hoisted (`_positions`) instead of refused.
   """
   if cfg.score_mod is None:
     return HeadSplit(cfg)
   consts = tuple(consts)
-  known_fn, tile_fn, res_avals, _ = split_score_mod_jaxprs(cfg.score_mod, consts, acc)
+  hoisted = _hoisted(cfg.score_mod, consts, acc, positions)
+  fn, pos_avals = (cfg.score_mod, ()) if hoisted is None else (hoisted[1], hoisted[2])
+  known_fn, tile_fn, res_avals, _ = split_score_mod_jaxprs(fn, consts, acc, pos_avals)
   n_user = cfg.num_diff_consts
   diff, fixed = consts[:n_user], consts[n_user:]
   bs, hs = global_batch_heads(B, H, offsets)
@@ -259,17 +320,31 @@ def split_per_head(cfg: AttentionConfig, consts, acc, B: int, H: int, grads: boo
     f = lambda b, h: known_fn(b, h, *diff_, *fixed)
     return jax.vmap(jax.vmap(f, (None, 0)), (0, None))(bs, hs)
 
+  def per_position(diff_):
+    if hoisted is None:
+      return (), ()
+    return _position_arrays(hoisted[0], tuple(diff_) + fixed, bs, hs, positions, offsets)
+
   n_float = sum(1 for a in res_avals if jnp.issubdtype(a.dtype, jnp.inexact))
   n_diff = n_float if (n_user and grads) else 0
   res = tuple(per_head(diff))
+  q_res, kv_res = per_position(diff)
+  floats = lambda xs: sum(1 for x in xs if jnp.issubdtype(x.dtype, jnp.inexact))
+  n_qd, n_kvd = (floats(q_res), floats(kv_res)) if (n_user and grads) else (0, 0)
   to_consts = None
-  if n_diff:
-    _, vjp = jax.vjp(lambda d: tuple(per_head(d)[:n_diff]), tuple(diff))
-    to_consts = lambda dres: vjp(tuple(x.astype(r.dtype) for x, r in zip(dres, res)))[0]
+  if n_diff or n_qd or n_kvd:
+    def grads_of(d):
+      qr, kr = per_position(d)
+      return tuple(per_head(d)[:n_diff]), qr[:n_qd], kr[:n_kvd]
+    _, vjp = jax.vjp(grads_of, tuple(diff))
+    like = lambda ds, xs: tuple(x.astype(r.dtype) for x, r in zip(ds, xs))
+    to_consts = lambda dres, dq=(), dkv=(): vjp(
+        (like(dres, res), like(dq, q_res), like(dkv, kv_res)))[0]
   scalar = tuple(r.ndim == 2 for r in res)
   arrays = tuple(r[..., None] if sc else r for r, sc in zip(res, scalar))
   new_cfg = dataclasses.replace(cfg, score_mod=tile_fn, num_diff_consts=n_diff)
-  return HeadSplit(new_cfg, arrays, scalar, n_diff, to_consts)
+  pos = None if hoisted is None else PosResiduals(q_res, kv_res, n_qd, n_kvd)
+  return HeadSplit(new_cfg, arrays, scalar, n_diff, to_consts, pos)
 
 
 @dataclasses.dataclass
@@ -289,6 +364,7 @@ class ModSplit:
   arrays: tuple = ()
   scalar: tuple = ()
   avals: tuple = ()
+  pos: PosResiduals | None = None
 
 
 def _mask_mod_as_score_mod(mask_mod):
@@ -324,15 +400,23 @@ def _portable_eval(jaxpr, consts, *args):
   return [read(v) for v in jaxpr.outvars]
 
 
-def split_mask_mod_jaxprs(mask_mod, consts):
-  """(known(b, h, *consts) -> residuals, tile(b, h, q, kv, *residuals) -> bool, residual
-  avals, tile jaxpr, consts) of a scalar mask_mod (`_mask_mod.ScalarMaskMod`).
+def split_mask_mod_jaxprs(mask_mod, consts, positions=None):
+  """(known(b, h, *consts) -> residuals, tile(b, h, q, kv, *residuals, *pos) -> bool,
+  residual avals, tile jaxpr, consts, hoisted) of a scalar mask_mod
+  (`_mask_mod.ScalarMaskMod`).
 
   The split of `split_score_mod_jaxprs`: what depends on (b, h) and the closed-over
-  arrays only (``prefix_lengths[b]``) is a residual, computed outside the kernels.
+  arrays only (``prefix_lengths[b]``) is a residual, computed outside the kernels;
+  with `positions` (as `split_per_head`) what is read by one position (``doc[b, q_idx]``)
+  is a per-position residual (`hoisted`: the `_positions.Hoist`, or None).
   """
   fn, consts = hoist_constants(_mask_mod_as_score_mod(mask_mod), consts, jnp.float32)
-  known_fn, _, res_avals, tile_jaxpr = split_score_mod_jaxprs(fn, consts, jnp.float32)
+  hoisted = _hoisted(fn, consts, jnp.float32, positions)
+  pos_avals = ()
+  if hoisted is not None:
+    fn, pos_avals = hoisted[1], hoisted[2]
+  known_fn, _, res_avals, tile_jaxpr = split_score_mod_jaxprs(fn, consts, jnp.float32,
+                                                              pos_avals)
   dtypes = tuple(a.dtype for a in res_avals)
   # split_score_mod_jaxprs orders residuals float first; the tile jaxpr takes them in its
   # own order, then (s, q, kv).
@@ -342,35 +426,42 @@ def split_mask_mod_jaxprs(mask_mod, consts):
 
   def tile_fn(b, h, q, kv, *res):
     del b, h  # folded into the residuals
+    res, pos = res[:len(dtypes)], res[len(dtypes):]
     res = tuple(jnp.asarray(x).astype(dt) for x, dt in zip(res, dtypes))
     orig = [None] * len(perm)
     for new_pos, old_pos in enumerate(perm):
       orig[old_pos] = res[new_pos]
     (out,) = _portable_eval(tile_jaxpr.jaxpr, tile_jaxpr.consts, *orig,
-                            jnp.zeros((), jnp.float32), q, kv)
+                            jnp.zeros((), jnp.float32), q, kv, *pos)
     return out
 
-  return known_fn, tile_fn, res_avals, tile_jaxpr, consts
+  return known_fn, tile_fn, res_avals, tile_jaxpr, consts, hoisted
 
 
-def split_mask_mod(cfg: AttentionConfig, mod, B: int, H: int, offsets=None) -> ModSplit:
+def split_mask_mod(cfg: AttentionConfig, mod, B: int, H: int, offsets=None,
+                   positions=None) -> ModSplit:
   """Split cfg.mask_mod into residual arrays [B, H, ...] and a tile function.
 
   `mod`: the `_mask_mod.ModInputs` (None without a mask_mod); its consts are the arrays
-  the mask_mod closes over. Not differentiable (a mask has no gradient). `offsets`: as
-  `split_per_head` (the residuals of the global (b, h)).
+  the mask_mod closes over. Not differentiable (a mask has no gradient). `offsets`,
+  `positions`: as `split_per_head` (the residuals of the global (b, h); per-position ones).
   """
   if cfg.mask_mod is None:
     return ModSplit(cfg)
   consts = tuple(jnp.asarray(c) for c in (() if mod is None else mod.consts))
-  known_fn, tile_fn, res_avals, _, consts = split_mask_mod_jaxprs(cfg.mask_mod, consts)
+  known_fn, tile_fn, res_avals, _, consts, hoisted = split_mask_mod_jaxprs(
+      cfg.mask_mod, consts, positions)
   bs, hs = global_batch_heads(B, H, offsets)
   f = lambda b, h: tuple(known_fn(b, h, *consts))
   res = tuple(jax.vmap(jax.vmap(f, (None, 0)), (0, None))(bs, hs)) if res_avals else ()
   res = tuple(r if jnp.issubdtype(r.dtype, jnp.inexact) else r.astype(jnp.int32) for r in res)
   scalar = tuple(r.ndim == 2 for r in res)
   arrays = tuple(r[..., None] if sc else r for r, sc in zip(res, scalar))
-  return ModSplit(dataclasses.replace(cfg, mask_mod=tile_fn), arrays, scalar, tuple(res_avals))
+  pos = None
+  if hoisted is not None:
+    pos = PosResiduals(*_position_arrays(hoisted[0], consts, bs, hs, positions, offsets))
+  return ModSplit(dataclasses.replace(cfg, mask_mod=tile_fn), arrays, scalar, tuple(res_avals),
+                  pos)
 
 
 def mod_classes(cfg: AttentionConfig, g: Geometry, mod):
@@ -659,6 +750,8 @@ class TileInputs:
   kv_seg: jax.Array | None = None  # int32 [bk]
   mod: tuple = ()  # the mask_mod's residuals of (b, h), loaded (`ModSplit`)
   off: tuple | None = None  # (b0, h0, q0, kv0) int32 scalars (`load_offsets`), or None
+  pos: tuple = ()  # the score_mod's per-position residuals of the tile (`PosResiduals`),
+  mpos: tuple = ()  # the mask_mod's: [bq, 1] / [1, bk] ([1, bq] / [bk, 1] transposed)
 
 
 def mask_mod_allowed(cfg: AttentionConfig, t, qi, ki):
@@ -668,15 +761,18 @@ def mask_mod_allowed(cfg: AttentionConfig, t, qi, ki):
   (the loaded residuals)."""
   qi, ki = jnp.minimum(qi, cfg.seq_q - 1), jnp.minimum(ki, cfg.seq_kv - 1)
   assert cfg.mask_mod is not None  # called for a mask_mod only
-  return _mask_mod.apply(cfg.mask_mod, tuple(t.mod), *global_indices(t, qi, ki))
+  return _positions.apply_mask(cfg.mask_mod, tuple(t.mod), tuple(getattr(t, "mpos", ())),
+                              *global_indices(t, qi, ki))
 
 
-def biased_modded(cfg: AttentionConfig, qk, t, qi, ki, consts, acc, diff_consts=None):
+def biased_modded(cfg: AttentionConfig, qk, t, qi, ki, consts, acc, diff_consts=None,
+                  diff_pos=()):
   """scale * qk + bias, then score_mod at the global positions of local (qi, ki):
   (s, score_mod vjp or None).
 
   Shared by both kernel families' `scores` (each computes its own qk dot). With
-  `diff_consts` the score_mod is differentiated (see `scores`).
+  `diff_consts` the score_mod is differentiated (see `scores`); `diff_pos` (indices into
+  t.pos) adds those per-position residuals: their cotangents follow the consts'.
   """
   s = qk * jnp.asarray(cfg.scale, acc)
   if t.bias is not None:
@@ -686,16 +782,32 @@ def biased_modded(cfg: AttentionConfig, qk, t, qi, ki, consts, acc, diff_consts=
   score_mod = cfg.score_mod
   assert score_mod is not None
   b, h, qi, ki = global_indices(t, qi, ki)
+  pos = tuple(getattr(t, "pos", ()))
   if diff_consts is None:
-    return _score_mod.apply(score_mod, tuple(consts), s, b, h, qi, ki), None
+    return _positions.apply(score_mod, tuple(consts), pos, s, b, h, qi, ki), None
   fixed = tuple(consts)
-  return jax.vjp(
-      lambda s_, c_: _score_mod.apply(score_mod, tuple(c_) + fixed, s_, b, h, qi, ki),
-      s, tuple(diff_consts))
+  if not diff_pos:
+    return jax.vjp(
+        lambda s_, c_: _positions.apply(score_mod, tuple(c_) + fixed, pos, s_, b, h, qi, ki),
+        s, tuple(diff_consts))
+
+  def f(s_, c_, p_):
+    pos_ = list(pos)
+    for k, x in zip(diff_pos, p_):
+      pos_[k] = x
+    return _positions.apply(score_mod, tuple(c_) + fixed, tuple(pos_), s_, b, h, qi, ki)
+
+  out, vjp = jax.vjp(f, s, tuple(diff_consts), tuple(pos[k] for k in diff_pos))
+
+  def vjp_flat(d):  # (d pre-mod score, (*d per-head consts, *d the diff_pos residuals))
+    ds, dc, dp = vjp(d)
+    return ds, tuple(dc) + tuple(dp)
+
+  return out, vjp_flat
 
 
 def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, masked,
-           diff_consts=None, transposed: bool = False):
+           diff_consts=None, transposed: bool = False, diff_pos=()):
   """Scores of one tile: scale * q k^T + bias, score_mod -> (s [bq, bk], ok, vjp or None).
 
   `transposed`: the tile in [bk, bq] layout, s^T = scale * k q^T + bias^T (the dK/dV
@@ -726,7 +838,7 @@ def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, 
     if cfg.mask_mod is not None:  # PARTIAL blocks only: FULL ones come with masked=False
       ok = ok & mask_mod_allowed(cfg, t, qi, ki)
   s, sm_vjp = biased_modded(cfg, masked_scores_for_mod(cfg, qk, ok), t, qi, ki, consts, acc,
-                            diff_consts)
+                            diff_consts, diff_pos)
   return s, ok, sm_vjp
 
 

@@ -43,15 +43,29 @@ def _operands_note(fn, mod: str, consts) -> str:
   return "".join(f"; {_indexing.compile_hint(o)}" for o in ops)
 
 
-def score_mod_problem(score_mod, consts, acc_dtype, *, lowering, residual_problem):
+def _position_split(fn, consts, acc, positions: bool):
+  """(fn, per-position residual avals) as the kernels split it: with `positions` (a family
+  whose kernels read per-position residuals) what fn reads by one position is hoisted
+  (`flashvjp.pallas._positions`)."""
+  if not positions:
+    return fn, ()
+  hoisted = _common._hoisted(fn, consts, acc, (1, 1, 1, 1))  # pylint: disable=protected-access
+  return (fn, ()) if hoisted is None else (hoisted[1], hoisted[2])
+
+
+def score_mod_problem(score_mod, consts, acc_dtype, *, lowering, residual_problem,
+                      positions: bool = False):
   """Why a (closure-converted, scalar) score_mod's per-tile part cannot lower, or None.
 
-  The per-(b, h) part is precomputed by XLA (`_common.split_per_head`); the tile part
-  must use `ELEMENTWISE_PRIMITIVES`, and `residual_problem(aval)` (a message or None)
-  says whether the family can read each per-head residual inside its kernels.
+  The per-(b, h) part is precomputed by XLA (`_common.split_per_head`), and with
+  `positions` (the family's kernels read per-position residuals) so is what the score_mod
+  reads by one position; the tile part must use `ELEMENTWISE_PRIMITIVES`, and
+  `residual_problem(aval)` (a message or None) says whether the family can read each
+  per-head residual inside its kernels.
   """
   fn, consts = _common.hoist_constants(score_mod, consts, acc_dtype)
-  _, _, res_avals, tile = _common.split_score_mod_jaxprs(fn, consts, acc_dtype)
+  fn, pos_avals = _position_split(fn, consts, acc_dtype, positions)
+  _, _, res_avals, tile = _common.split_score_mod_jaxprs(fn, consts, acc_dtype, pos_avals)
   bad = sorted({e.primitive.name for e in all_eqns(tile.jaxpr)} - ELEMENTWISE_PRIMITIVES)
   if bad:
     return (f"score_mod uses {', '.join(bad)} on per-position values, which the {lowering}"
@@ -64,14 +78,15 @@ def score_mod_problem(score_mod, consts, acc_dtype, *, lowering, residual_proble
   return None
 
 
-def mask_mod_problem(mask_mod, consts, *, lowering, residual_problem):
+def mask_mod_problem(mask_mod, consts, *, lowering, residual_problem, positions: bool = False):
   """Why a (scalar, `_mask_mod.ScalarMaskMod`) mask_mod's per-tile part cannot lower, or None.
 
   As `score_mod_problem`: the per-(b, h) part (``prefix_lengths[b]``) is precomputed by
   XLA (`_common.split_mask_mod`); the tile part must use `ELEMENTWISE_PRIMITIVES`, and
   `residual_problem(aval, "mask_mod")` must accept each per-head residual.
   """
-  _, _, res_avals, tile, _ = _common.split_mask_mod_jaxprs(mask_mod, tuple(consts))
+  _, _, res_avals, tile, _, _ = _common.split_mask_mod_jaxprs(
+      mask_mod, tuple(consts), (1, 1, 1, 1) if positions else None)
   bad = sorted({e.primitive.name for e in all_eqns(tile.jaxpr)} - ELEMENTWISE_PRIMITIVES)
   if bad:
     return (f"mask_mod uses {', '.join(bad)} on per-position values, which the {lowering}"

@@ -35,7 +35,9 @@ def score_mod_lowering_problem(score_mod, consts, acc_dtype=np.float32):
 
   The kernels run only the score_mod's per-tile part: what depends on (b, h) and
   the closed-over arrays alone (ALiBi's ``slopes[h]``) is precomputed per head by
-  XLA (`flashvjp.pallas._common.split_per_head`). So only the per-tile part must
+  XLA (`flashvjp.pallas._common.split_per_head`), and so is what it reads from an array by
+  one position (``bias_vec[kv_idx]``: per-position residuals, `flashvjp.pallas._positions`,
+  sliced per tile like segment ids). So only the per-tile part must
   use primitives the Triton lowering can apply to a tile, and the per-head values it
   reads must have power-of-2 sizes.
 
@@ -44,7 +46,7 @@ def score_mod_lowering_problem(score_mod, consts, acc_dtype=np.float32):
     consts: the arrays it takes after the indices.
   """
   return shared.score_mod_problem(score_mod, consts, acc_dtype, lowering="Pallas Triton",
-                                  residual_problem=_residual_problem)
+                                  residual_problem=_residual_problem, positions=True)
 
 
 def mask_mod_lowering_problem(mask_mod, consts):
@@ -52,11 +54,11 @@ def mask_mod_lowering_problem(mask_mod, consts):
 
   As for a score_mod: what depends on (b, h) and the closed-over arrays alone (prefix_lm's
   ``prefix_lengths[b]``) is precomputed per head by XLA (`_common.split_mask_mod`); the
-  per-tile part must be elementwise (document_causal's ``doc_ids[b, q_idx]`` is a gather:
-  it runs in interpret mode and on the blockwise path only).
+  per-tile part must be elementwise. document_causal's ``doc_ids[b, q_idx]`` and
+  ``doc_ids[b, kv_idx]`` are per-position residuals (`flashvjp.pallas._positions`).
   """
   return shared.mask_mod_problem(mask_mod, consts, lowering="Pallas Triton",
-                                 residual_problem=_residual_problem)
+                                 residual_problem=_residual_problem, positions=True)
 
 
 def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,

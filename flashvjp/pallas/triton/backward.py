@@ -51,12 +51,13 @@ def _i32(x):
 
 
 def _tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, masked, n_diff,
-                transposed=False):
+                transposed=False, diff_pos=()):
   """Backward math of one [bq, bk] tile.
 
   Returns (pd, ds, dconsts): pd = dropped-out probabilities (for dV), ds = dL/d(pre-mod
   score incl. bias) (not yet multiplied by scale), dconsts = grads of the first
-  `n_diff` consts from this tile (empty tuple when n_diff == 0).
+  `n_diff` consts from this tile (empty tuple when n_diff == 0), then of the per-position
+  residual tiles t.pos[k] for k in `diff_pos` (each in its tile's shape).
   `transposed` (the dK/dV kernel): pd, ds are [bk, bq] (pT, dsT; t.bias / t.mask given
   transposed), so that every dot has M = block_kv rows (wgmma on sm_90 for block_kv >= 64,
   whatever block_q): sT = k q^T, dpT = v do^T.
@@ -66,7 +67,7 @@ def _tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, maske
     diff = tuple(consts[:n_diff])
     consts = tuple(consts[n_diff:])
   s, ok, sm_vjp = C.scores(cfg, g, q, k, t, consts, acc, masked, diff_consts=diff,
-                           transposed=transposed)
+                           transposed=transposed, diff_pos=diff_pos)
   row = (None, slice(None)) if transposed else (slice(None), None)  # lse / delta per q
   d = s - lse[row]
   if ok is not None:  # p = exp(mask_value) = 0 on masked entries, whatever the row's lse
@@ -109,9 +110,22 @@ def _group5(x, g: C.Geometry):
   return x.reshape((x.shape[0], g.Hkv, g.G) + x.shape[2:])
 
 
-def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, mod_scalar=()):
+def _positions_gi(r, prefix, gi, rows, cols, transposed):
+  """The per-position residual tiles of head gi for the dK/dV kernel: q ones [bq] (rows of
+  the whole [G, Sqp]), kv ones [bk] (this program's block), as [bq, 1] / [1, bk] tiles
+  ([1, bq] / [bk, 1] transposed)."""
+  q_ax, kv_ax = ((None, slice(None)), (slice(None), None)) if transposed else (
+      (slice(None), None), (None, slice(None)))
+  qs = [r[f"{prefix}q{n}"][gi, rows][q_ax] for n in range(F._count(r, f"{prefix}q"))]
+  kvs = [r[f"{prefix}kv{n}"][gi, cols][kv_ax] for n in range(F._count(r, f"{prefix}kv"))]
+  return tuple(qs + kvs)
+
+
+def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, mod_scalar=(),
+                 n_q_pos=0, n_kv_diff=0):
   masked_any = masked
-  r = dict(zip(names + ["dk", "dv"], refs))
+  r = dict(zip(names + ["dk", "dv"] + [f"dposkv{n}" for n in range(n_kv_diff)], refs))
+  diff_pos = tuple(range(n_q_pos, n_q_pos + n_kv_diff))  # the float kv residuals in t.pos
   acc = C.acc_dtype(r["q"].dtype)
   b, hk, j = _compat.program_id(0), _compat.program_id(1), _compat.program_id(2)
   k, v = r["k"][...], r["v"][...]
@@ -129,18 +143,22 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, mod
     mconsts = F.load_mod_consts(r, mod_scalar, (gi,))
 
     def q_body(i, masked, carry):
-      dk, dv = carry
+      dk, dv, dpk = carry
       rows = _compat.ds(i * g.bq, g.bq)
       q, do = r["q"][gi, rows, :], r["do"][gi, rows, :]
       t = C.TileInputs(b=b, h=h, i=i, j=j, kv_seg=kv_seg, mod=mconsts, off=off)
+      t.pos = _positions_gi(r, "pos", gi, rows, slice(None), g.transposed)
+      t.mpos = _positions_gi(r, "mpos", gi, rows, slice(None), g.transposed)
       for name in ("bias", "mask"):  # [bq|1, bk|1] tiles (used transposed when g.transposed)
         if name in r:
           x = C.pair_tile(r[name], lead(name, gi), i, j, g, full_q=True, full_kv=False)
           setattr(t, name, x.T if g.transposed else x)
       if kv_seg is not None:
         t.q_seg = r["q_seg"][rows]
-      pd, ds, _ = _tile_grads(cfg, g, q, k, v, do, r["lse"][gi, rows], r["delta"][gi, rows],
-                              t, consts, r.get("seed"), acc, masked, 0, transposed=g.transposed)
+      pd, ds, dc = _tile_grads(cfg, g, q, k, v, do, r["lse"][gi, rows], r["delta"][gi, rows],
+                               t, consts, r.get("seed"), acc, masked, 0,
+                               transposed=g.transposed, diff_pos=diff_pos)
+      dpk = tuple(a + jnp.reshape(c, (g.bk,)).astype(a.dtype) for a, c in zip(dpk, dc))
       ds = ds * jnp.asarray(cfg.scale, acc)
       if g.transposed:  # pd, ds are [bk, bq]: all four dots have M = bk (wgmma with bk >= 64)
         dv = dv + C.dot_nn(pd.astype(do.dtype), do, acc, cfg)
@@ -148,18 +166,24 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, mod
       else:  # [bq, bk] (the launch table's choice where transposed tiles spill)
         dv = dv + C.dot_tn(pd.astype(do.dtype), do, acc, cfg)
         dk = dk + C.dot_tn(ds.astype(q.dtype), q, acc, cfg)
-      return dk, dv
+      return dk, dv, dpk
 
     def run(start, stop, masked, carry):
       return lax.fori_loop(start, stop, lambda i, c: q_body(i, masked, c), carry)
 
+    carry = carry + (tuple(jnp.zeros((g.bk,), acc) for _ in range(n_kv_diff)),)
     if "lists" in r:  # segment ids / dense mask / mask_mod: this kv block's q block lists
       gl = lead("lists", gi)
       counts = (r["counts"][gl + (0, j)], r["counts"][gl + (1, j)])
-      return C.list_loops(counts, lambda kind, t: r["lists"][gl + (kind, t)], q_body, carry)
-    if not masked_any:
-      return run(lo, hi, False, carry)
-    return C.split_loop(run, lo, hi, C.full_q_blocks(cfg, g, j), carry)
+      dk, dv, dpk = C.list_loops(counts, lambda kind, t: r["lists"][gl + (kind, t)], q_body,
+                                 carry)
+    elif not masked_any:
+      dk, dv, dpk = run(lo, hi, False, carry)
+    else:
+      dk, dv, dpk = C.split_loop(run, lo, hi, C.full_q_blocks(cfg, g, j), carry)
+    for n, d in enumerate(dpk):  # d(kv residual) of head gi: this kv block's columns
+      r[f"dposkv{n}"][gi, :] = d.astype(r[f"dposkv{n}"].dtype)
+    return dk, dv
 
   init = (jnp.zeros((g.bk, g.Dp), acc), jnp.zeros((g.bk, g.Dvp), acc))
   dk, dv = lax.fori_loop(_i32(0), _i32(g.G), group_body, init)
@@ -167,8 +191,21 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, mod
   r["dv"][...] = dv.astype(r["dv"].dtype)
 
 
+def _add_positions_grouped(ins, g: C.Geometry, pos, prefix):
+  """Per-position residuals for the dK/dV kernel's (batch, kv head, kv block) grid: q ones
+  [B, Hkv, G, Sqp] whole, kv ones [B, Hkv, G, bk] this program's block."""
+  if pos is None:
+    return
+  for n, x in enumerate(pos.q):
+    ins.add(f"{prefix}q{n}", x[..., : g.Sqp].reshape(g.B, g.Hkv, g.G, g.Sqp), _compat.block_spec(
+        (None, None, g.G, g.Sqp), lambda b, h, j: (b, h, 0, 0)))
+  for n, x in enumerate(pos.kv):
+    ins.add(f"{prefix}kv{n}", x[..., : g.Skvp].reshape(g.B, g.Hkv, g.G, g.Skvp),
+            _compat.block_spec((None, None, g.G, g.bk), lambda b, h, j: (b, h, 0, j)))
+
+
 def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, lists_kv,
-          seed, consts, scalar, masked, acc, msplit=None, offsets=None):
+          seed, consts, scalar, masked, acc, msplit=None, offsets=None, pos=None):
   G = g.G
   ins = C.KernelInputs()
   ins.add("q", qp.reshape(g.B, g.Hkv, G, g.Sqp, g.Dp),
@@ -211,27 +248,39 @@ def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_s
       ins.add(f"{prefix}{n}", c5, _compat.block_spec(
           (None, None, G) + c.shape[2:],
           functools.partial(lambda nd, b, h, j: (b, h, 0) + (0,) * nd, nd)))
+  _add_positions_grouped(ins, g, pos, "pos")
+  _add_positions_grouped(ins, g, None if msplit is None else msplit.pos, "mpos")
+  n_kv_diff = 0 if pos is None else pos.n_kv_diff
   kernel = functools.partial(_dkdv_kernel, cfg=cfg, g=g, names=ins.names,
                              n_consts=len(consts), scalar=scalar, masked=masked,
-                             mod_scalar=() if msplit is None else msplit.scalar)
-  return _compat.pallas_call(
+                             mod_scalar=() if msplit is None else msplit.scalar,
+                             n_q_pos=0 if pos is None else len(pos.q), n_kv_diff=n_kv_diff)
+  dpos_shape = jax.ShapeDtypeStruct((g.B, g.Hkv, G, g.Skvp), acc)
+  dpos_spec = _compat.block_spec((None, None, G, g.bk), lambda b, h, j: (b, h, 0, j))
+  dk, dv, *dposkv = _compat.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), acc),
-                 jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), acc)),
+                 jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), acc),
+                 *(dpos_shape,) * n_kv_diff),
       grid=(g.B, g.Hkv, g.nk),
       in_specs=ins.specs,
       out_specs=(_compat.block_spec((None, None, g.bk, g.Dp), lambda b, h, j: (b, h, j, 0)),
-                 _compat.block_spec((None, None, g.bk, g.Dvp), lambda b, h, j: (b, h, j, 0))),
+                 _compat.block_spec((None, None, g.bk, g.Dvp), lambda b, h, j: (b, h, j, 0)),
+                 *(dpos_spec,) * n_kv_diff),
       interpret=cfg.interpret, name="flashvjp_bwd_dkdv",
       num_warps=g.num_warps, num_stages=g.num_stages,
   )(*ins.arrays)
+  return dk, dv, tuple(d.reshape(g.B, g.H, g.Skvp) for d in dposkv)
 
 
 # ---- dQ (+ score_mod dconsts partials) ----------------------------------------
 
-def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, n_diff, masked, mod_scalar=()):
+def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, n_diff, masked, mod_scalar=(),
+               n_q_diff=0):
   masked_any = masked
-  r = dict(zip(names + ["dq"] + [f"dconst{n}" for n in range(n_diff)], refs))
+  r = dict(zip(names + ["dq"] + [f"dconst{n}" for n in range(n_diff)]
+               + [f"dposq{n}" for n in range(n_q_diff)], refs))
+  diff_pos = tuple(range(n_q_diff))  # the float q residuals lead t.pos
   acc = C.acc_dtype(r["q"].dtype)
   b, h, i = _compat.program_id(0), _compat.program_id(1), _compat.program_id(2)
   q, do = r["q"][...], r["do"][...]
@@ -247,9 +296,10 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, n_diff, maske
     cols = _compat.ds(j * g.bk, g.bk)
     k = r["k"][cols, :]
     _, ds, dc = _tile_grads(cfg, g, q, k, r["v"][cols, :], do, lse, delta, t, consts,
-                            r.get("seed"), acc, masked, n_diff)
+                            r.get("seed"), acc, masked, n_diff, diff_pos=diff_pos)
     ds = ds * jnp.asarray(cfg.scale, acc)
     dq = dq + C.dot_nn(ds.astype(k.dtype), k, acc, cfg)
+    dc = tuple(dc[:n_diff]) + tuple(jnp.reshape(c, (g.bq,)) for c in dc[n_diff:])
     dcs = tuple(a + c.astype(a.dtype) for a, c in zip(dcs, dc))
     return dq, dcs
 
@@ -257,6 +307,7 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, n_diff, maske
     return lax.fori_loop(start, stop, lambda j, c: body(j, masked, c), carry)
 
   dc0 = tuple(jnp.zeros(jnp.shape(consts[n]), r[f"dconst{n}"].dtype) for n in range(n_diff))
+  dc0 += tuple(jnp.zeros((g.bq,), acc) for _ in range(n_q_diff))
   init = (jnp.zeros((g.bq, g.Dp), acc), dc0)
   if "lists" in r:  # segment ids / dense mask / mask_mod: the kv block lists of q block i
     dq, dcs = F.list_loops(r, i, body, init)
@@ -265,14 +316,16 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, n_diff, maske
   else:
     dq, dcs = C.split_loop(run, lo, hi, C.full_kv_blocks(cfg, g, i), init)
   r["dq"][...] = dq.astype(r["dq"].dtype)
-  for n, d in enumerate(dcs):
+  for n, d in enumerate(dcs[:n_diff]):
     r[f"dconst{n}"][...] = jnp.reshape(d, r[f"dconst{n}"].shape)
+  for n, d in enumerate(dcs[n_diff:]):  # d(q residual): this q block's rows
+    r[f"dposq{n}"][...] = d.astype(r[f"dposq{n}"].dtype)
 
 
 def _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop, lse_p, delta_p,
-        masked, acc, n_diff, mod=None, msplit=None, offsets=None):
+        masked, acc, n_diff, mod=None, msplit=None, offsets=None, pos=None):
   ins = F.kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, msplit,
-                        offsets)
+                        offsets, pos)
   ins.add("do", dop, _compat.block_spec((None, None, g.bq, g.Dvp), lambda b, h, i: (b, h, i, 0)))
   for name, x in (("lse", lse_p), ("delta", delta_p)):
     ins.add(name, x, _compat.block_spec((None, None, g.bq), lambda b, h, i: (b, h, i)))
@@ -284,17 +337,22 @@ def _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop, l
     out_shape.append(jax.ShapeDtypeStruct((g.B, g.H, g.nq) + rest, jnp.promote_types(c.dtype, acc)))
     out_specs.append(_compat.block_spec(
         (None, None, None) + rest, functools.partial(lambda nd, b, h, i: (b, h, i) + (0,) * nd, nd)))
+  n_q_diff = 0 if pos is None else pos.n_q_diff
+  for _ in range(n_q_diff):
+    out_shape.append(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp), acc))
+    out_specs.append(_compat.block_spec((None, None, g.bq), lambda b, h, i: (b, h, i)))
   kernel = functools.partial(_dq_kernel, cfg=cfg, g=g, names=ins.names, n_consts=len(consts),
                              scalar=scalar, n_diff=n_diff, masked=masked,
-                             mod_scalar=() if msplit is None else msplit.scalar)
+                             mod_scalar=() if msplit is None else msplit.scalar,
+                             n_q_diff=n_q_diff)
   outs = _compat.pallas_call(
       kernel, out_shape=tuple(out_shape), grid=(g.B, g.H, g.nq), in_specs=ins.specs,
       out_specs=tuple(out_specs), interpret=cfg.interpret, name="flashvjp_bwd_dq",
       num_warps=g.num_warps, num_stages=g.num_stages,
   )(*ins.arrays)
-  dq, partials = outs[0], outs[1:]
+  dq, partials, dposq = outs[0], outs[1:1 + n_diff], outs[1 + n_diff:]
   dres = tuple(p.sum(axis=2) for p in partials)  # [B, H, ...]
-  return dq, dres
+  return dq, dres, tuple(dposq)
 
 
 # ---- dbias ----------------------------------------------------------------------
@@ -331,6 +389,11 @@ def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, bi
                              i, j, g, full_q=True, full_kv=True)
       if "q_seg" in r:
         t.q_seg, t.kv_seg = r["q_seg"][b, rows], r["kv_seg"][b, cols]
+      for prefix in ("pos", "mpos"):  # per-position residuals: [bq, 1], then [1, bk]
+        setattr(t, prefix, tuple(
+            [r[f"{prefix}q{n}"][b, h, rows][:, None] for n in range(F._count(r, f"{prefix}q"))]
+            + [r[f"{prefix}kv{n}"][b, h, cols][None, :]
+               for n in range(F._count(r, f"{prefix}kv"))]))
       _, ds, _ = _tile_grads(cfg, g, q, k, v, do, r["lse"][b, h, rows],
                              r["delta"][b, h, rows], t, consts, r.get("seed"), acc, masked, 0)
       if Sqb == 1:
@@ -370,7 +433,7 @@ def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, bi
 
 
 def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, mask_b,
-           seed, consts, scalar, masked, acc, mod_cls=None, msplit=None, offsets=None):
+           seed, consts, scalar, masked, acc, mod_cls=None, msplit=None, offsets=None, pos=None):
   ins = C.KernelInputs()
   Bb, Hb, Sqb, Skb = bias_p.shape
   bq, bk = (g.bq if Sqb != 1 else 1), (g.bk if Skb != 1 else 1)
@@ -395,6 +458,12 @@ def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_
     ins.add(f"const{n}", c, F._full_spec(c))
   for n, c in enumerate(() if msplit is None else msplit.arrays):
     ins.add(f"mconst{n}", c, F._full_spec(c))
+  for prefix, p in (("pos", pos), ("mpos", None if msplit is None else msplit.pos)):
+    for kind, xs, n_pad in (("q", () if p is None else p.q, g.Sqp),
+                            ("kv", () if p is None else p.kv, g.Skvp)):
+      for n, x in enumerate(xs):
+        x = x[..., :n_pad]
+        ins.add(f"{prefix}{kind}{n}", x, F._full_spec(x))
   kernel = functools.partial(_dbias_kernel, cfg=cfg, g=g, names=ins.names, n_consts=len(consts),
                              scalar=scalar, masked=masked, bias_shape=bias_p.shape,
                              mod_scalar=() if msplit is None else msplit.scalar)
@@ -432,16 +501,18 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   n_user_diff = cfg.num_diff_consts
   user_consts = tuple(consts)
   cfg, consts = C.hoist_score_mod(cfg, consts, acc)
+  g = C.geometry(cfg, q.shape, k.shape, v.shape, bq_dkv, bk_dkv, role="dkdv", dtype=q.dtype)
+  g_dq = C.geometry(cfg, q.shape, k.shape, v.shape, bq_dq, bk_dq, role="dq", dtype=q.dtype)
+  # per-position residuals cover both kernels' padded lengths (each slices its own)
+  positions = (cfg.seq_q, cfg.seq_kv, max(g.Sqp, g_dq.Sqp), max(g.Skvp, g_dq.Skvp))
   split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), acc, q.shape[0],
-                           q.shape[1], grads=True, offsets=offsets)
-  consts, scalar, n_diff = split.arrays, split.scalar, split.n_diff
-  msplit = C.split_mask_mod(split.cfg, mod, q.shape[0], q.shape[1], offsets)
+                           q.shape[1], grads=True, offsets=offsets, positions=positions)
+  consts, scalar, n_diff, pos = split.arrays, split.scalar, split.n_diff, split.pos
+  msplit = C.split_mask_mod(split.cfg, mod, q.shape[0], q.shape[1], offsets, positions)
   cfg = msplit.cfg
   has_seg, has_mask = q_seg is not None, mask is not None
 
-  # dK / dV (and dbias, which shares its blocks).
-  g = C.geometry(cfg, q.shape, k.shape, v.shape, bq_dkv, bk_dkv, role="dkdv",
-                 dtype=q.dtype)
+  # dK / dV (and dbias, which shares its blocks)
   masked = C.needs_mask(cfg, g, has_seg, has_mask)
   delta_p, lse_p = _preprocess(out, lse, dout, dlse, g, acc)
   qp, dop = C.pad_operand(cfg, q, g.Sqp, g.Dp), C.pad_operand(cfg, dout, g.Sqp, g.Dvp)
@@ -451,29 +522,31 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   q_seg_p, kv_seg_p = C.pad_segments(q_seg, kv_seg, g)
   mod_cls = C.mod_classes(cfg, g, mod)
   lists_kv = C.block_lists(cfg, g, q_seg_p, kv_seg_p, mask_b, by="kv", mod_cls=mod_cls)
-  dk, dv = _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p,
-                 lists_kv, seed, consts, scalar, masked, acc, msplit, offsets)
+  dk, dv, dposkv = _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p,
+                         kv_seg_p, lists_kv, seed, consts, scalar, masked, acc, msplit, offsets,
+                         pos)
   dk = dk[:, :, : g.Skv, : g.D].astype(k.dtype)
   dv = dv[:, :, : g.Skv, : g.Dv].astype(v.dtype)
   dbias = None
   if bias is not None:
     dbias = _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p,
-                   mask_b, seed, consts, scalar, masked, acc, mod_cls, msplit, offsets)
+                   mask_b, seed, consts, scalar, masked, acc, mod_cls, msplit, offsets, pos)
     dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
 
   # dQ (and the score_mod consts' grads).
-  g = C.geometry(cfg, q.shape, k.shape, v.shape, bq_dq, bk_dq, role="dq",
-                 dtype=q.dtype)
+  g = g_dq
   masked = C.needs_mask(cfg, g, has_seg, has_mask)
   delta_p, lse_p = _preprocess(out, lse, dout, dlse, g, acc)
   dop = C.pad_operand(cfg, dout, g.Sqp, g.Dvp)
-  dq, dres = _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop, lse_p,
-                 delta_p, masked, acc, n_diff, mod, msplit, offsets)
+  dq, dres, dposq = _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop,
+                        lse_p, delta_p, masked, acc, n_diff, mod, msplit, offsets, pos)
   dq = dq[:, :, : g.Sq, : g.D].astype(q.dtype)
-  if n_diff:
+  if split.to_consts is not None:  # grads to the arrays, through per-head / -position residuals
     dres = tuple(d[..., 0] if sc else d for d, sc in zip(dres, scalar))
-    assert split.to_consts is not None  # set whenever n_diff > 0
-    dconsts = tuple(split.to_consts(dres))
+    fit = lambda ds, xs: tuple(C.pad_to(d, 2, x.shape[2]) for d, x in zip(ds, xs))
+    assert pos is not None or not (dposq or dposkv)
+    dconsts = tuple(split.to_consts(dres, *(() if pos is None else (
+        fit(dposq, pos.q), fit(dposkv, pos.kv)))))
   else:  # differentiable consts that the scores do not depend on
     dconsts = tuple(jnp.zeros(jnp.shape(c), jnp.result_type(c)) for c in user_consts[:n_user_diff])
   dconsts = tuple(d.astype(jnp.result_type(c)) for d, c in zip(dconsts, user_consts[:n_user_diff]))

@@ -38,13 +38,14 @@ def _full_spec(x):
 
 
 def kernel_inputs(cfg: AttentionConfig, g: C.Geometry, q, k, v, bias, mask, q_seg, kv_seg, seed,
-                  consts, mod=None, msplit=None, offsets=None):
+                  consts, mod=None, msplit=None, offsets=None, pos=None):
   """Padded inputs and specs for a kernel with grid (batch, head, q block).
 
   Shared by the forward and the dQ kernel. `consts` are the per-(b, h) score_mod
   residuals of `_common.split_per_head`; `mod` the mask_mod's `ModInputs` (its block
   classes join the lists) and `msplit` its `_common.ModSplit` (residuals "mconst{n}");
-  `offsets` the global offsets (`_common.offset_operand`: an int32 [4] input "offsets").
+  `offsets` the global offsets (`_common.offset_operand`: an int32 [4] input "offsets");
+  `pos` the score_mod's per-position residuals (`_common.PosResiduals`, `add_positions`).
   """
   G = g.G
   ins = C.KernelInputs()
@@ -78,7 +79,38 @@ def kernel_inputs(cfg: AttentionConfig, g: C.Geometry, q, k, v, bias, mask, q_se
       ins.add(f"{prefix}{n}", c, _compat.block_spec(
           (None, None) + c.shape[2:],
           functools.partial(lambda nd, b, h, i: (b, h) + (0,) * nd, nd)))
+  add_positions(ins, g, pos, "pos")
+  add_positions(ins, g, None if msplit is None else msplit.pos, "mpos")
   return ins
+
+
+def add_positions(ins, g: C.Geometry, pos, prefix):
+  """Per-position residuals (`_common.PosResiduals`) for a (batch, head, q block) grid:
+  "{prefix}q{n}" this program's [bq] rows, "{prefix}kv{n}" the whole [Skvp] row."""
+  if pos is None:
+    return
+  for n, x in enumerate(pos.q):
+    ins.add(f"{prefix}q{n}", x[..., : g.Sqp],
+            _compat.block_spec((None, None, g.bq), lambda b, h, i: (b, h, i)))
+  for n, x in enumerate(pos.kv):
+    ins.add(f"{prefix}kv{n}", x[..., : g.Skvp],
+            _compat.block_spec((None, None, g.Skvp), lambda b, h, i: (b, h, 0)))
+
+
+def load_positions(r, g: C.Geometry, j, prefix):
+  """The per-position residual tiles of tile (i, j) for a (batch, head, q block) program:
+  q ones [bq, 1], then kv ones [1, bk] (`add_positions`)."""
+  qs = [r[f"{prefix}q{n}"][...][:, None] for n in range(_count(r, f"{prefix}q"))]
+  kvs = [r[f"{prefix}kv{n}"][_compat.ds(j * g.bk, g.bk)][None, :]
+         for n in range(_count(r, f"{prefix}kv"))]
+  return tuple(qs + kvs)
+
+
+def _count(r, stem):
+  n = 0
+  while f"{stem}{n}" in r:
+    n += 1
+  return n
 
 
 def add_offsets(ins, offsets):
@@ -137,7 +169,13 @@ def load_tile_inputs(r, g: C.Geometry, b, h, i, j, mod=(), off=None):
   if "q_seg" in r:
     t.q_seg = r["q_seg"][...]
     t.kv_seg = r["kv_seg"][_compat.ds(j * g.bk, g.bk)]
+  t.pos, t.mpos = load_positions(r, g, j, "pos"), load_positions(r, g, j, "mpos")
   return t
+
+
+def positions(cfg: AttentionConfig, g: C.Geometry):
+  """What `_common.split_per_head` needs to hoist per-position residuals for geometry g."""
+  return (cfg.seq_q, cfg.seq_kv, g.Sqp, g.Skvp)
 
 
 def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts, scalar, masked,
@@ -220,11 +258,12 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
                  dtype=q.dtype)
   acc = C.acc_dtype(q.dtype)
   cfg, consts = C.hoist_score_mod(cfg, consts, acc)
-  split = C.split_per_head(cfg, consts, acc, g.B, g.H, grads=False, offsets=offsets)
-  msplit = C.split_mask_mod(split.cfg, mod, g.B, g.H, offsets)
+  split = C.split_per_head(cfg, consts, acc, g.B, g.H, grads=False, offsets=offsets,
+                           positions=positions(cfg, g))
+  msplit = C.split_mask_mod(split.cfg, mod, g.B, g.H, offsets, positions(cfg, g))
   cfg = msplit.cfg
   ins = kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, split.arrays, mod, msplit,
-                      offsets)
+                      offsets, split.pos)
   masked = C.needs_mask(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_forward_kernel, cfg=cfg, g=g, names=ins.names,
                              n_consts=len(split.arrays), scalar=split.scalar, masked=masked,

@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flashvjp import _score_mod
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas import _compat
+from flashvjp.pallas import _positions
 
 # The module (the package's `forward` attribute is the forward function).
 F = importlib.import_module("flashvjp.pallas.triton.forward")
@@ -75,10 +75,21 @@ def _tangent_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
     if cfg.score_mod is not None:
       fl, rest = tuple(consts[:n_float]), tuple(consts[n_float:])
       gb, gh, gq, gk = C.global_indices(t, qi, ki)
-      fn = lambda s_, c_: _score_mod.apply(cfg.score_mod, tuple(c_) + rest, s_, gb, gh, gq, gk)
-      if n_tconsts:
+      pos = list(t.pos)
+      tpos = F.load_positions(r, g, j, "tpos")  # tangents of the float ones, in t.pos order
+      idx = [k_ for k_ in range(len(pos)) if jnp.issubdtype(pos[k_].dtype, jnp.inexact)]
+
+      def fn(s_, c_, p_=()):
+        pos_ = list(pos)
+        for k_, x in zip(idx, p_):
+          pos_[k_] = x
+        return _positions.apply(cfg.score_mod, tuple(c_) + rest, tuple(pos_), s_, gb, gh, gq,
+                                gk)
+
+      if n_tconsts or tpos:
         tc = tuple(tconsts) + tuple(jnp.zeros_like(c) for c in fl[n_tconsts:])
-        s, ts = jax.jvp(fn, (s, fl), (ts, tc))
+        tp = tuple(tpos) if tpos else tuple(jnp.zeros_like(pos[k_]) for k_ in idx)
+        s, ts = jax.jvp(fn, (s, fl, tuple(pos[k_] for k_ in idx)), (ts, tc, tp))
       else:
         s, ts = jax.jvp(lambda s_: fn(s_, fl), (s,), (ts,))
     neg = C.mask_value(acc)
@@ -167,20 +178,33 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   n_user = cfg.num_diff_consts
   tconsts = tuple(tconsts) if tconsts is not None else (None,) * n_user
   cfg, consts = C.hoist_score_mod(cfg, consts, acc)
-  split = C.split_per_head(cfg, consts, acc, g.B, g.H, grads=False, offsets=offsets)
+  positions = F.positions(cfg, g)
+  split = C.split_per_head(cfg, consts, acc, g.B, g.H, grads=False, offsets=offsets,
+                           positions=positions)
   n_float = sum(1 for x in split.arrays if jnp.issubdtype(x.dtype, jnp.inexact))
   res_tangents: tuple = ()
+  pos_tangents = None
   if cfg.score_mod is not None and any(t is not None for t in tconsts):
     diff, fixed = tuple(consts[:n_user]), tuple(consts[n_user:])
     tdiff = tuple(jnp.zeros_like(c) if t is None else t.astype(c.dtype)
                   for c, t in zip(diff, tconsts))
-    per_head = lambda d: C.split_per_head(cfg, tuple(d) + fixed, acc, g.B, g.H, grads=False,
-                                          offsets=offsets).arrays[:n_float]
-    _, res_tangents = jax.jvp(per_head, (diff,), (tdiff,))
-  msplit = C.split_mask_mod(split.cfg, mod, g.B, g.H, offsets)
+    floats = lambda xs: tuple(x for x in xs if jnp.issubdtype(x.dtype, jnp.inexact))
+
+    def per_head(d):
+      sp = C.split_per_head(cfg, tuple(d) + fixed, acc, g.B, g.H, grads=False,
+                            offsets=offsets, positions=positions)
+      p = sp.pos
+      return sp.arrays[:n_float], (() if p is None else floats(p.q) + floats(p.kv))
+
+    _, (res_tangents, pos_t) = jax.jvp(per_head, (diff,), (tdiff,))
+    if split.pos is not None:  # the float residuals' tangents, q ones then kv ones
+      nq = len(floats(split.pos.q))
+      pos_tangents = C.PosResiduals(tuple(pos_t[:nq]), tuple(pos_t[nq:]))
+  msplit = C.split_mask_mod(split.cfg, mod, g.B, g.H, offsets, positions)
   cfg = msplit.cfg
   ins = F.kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, split.arrays, mod,
-                        msplit, offsets)
+                        msplit, offsets, split.pos)
+  F.add_positions(ins, g, pos_tangents, "tpos")
   for n, c in enumerate(res_tangents):
     nd = c.ndim - 2
     ins.add(f"tconst{n}", c, _compat.block_spec(

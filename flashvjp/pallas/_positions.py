@@ -1,0 +1,208 @@
+"""Per-position residuals: a mod's reads of arrays by q position or by kv position, hoisted
+out of the tile into [B, H, seq] arrays that the kernels slice like segment ids (issue 32).
+
+Room: Pallas kernels (shared part). `doc[b, q_idx]`, `bias_vec[kv_idx]`, `temp[q_idx]` read
+an array at one position: a gather on a tile, which neither Triton nor Mosaic lowers, but
+per tile only a [block_q] or [block_kv] slice of a per-position array. `hoist` walks the
+scalar mod's jaxpr (traced on (s, b, h, q, kv, *consts)), finds the values that depend on
+(b, h, q) only or on (b, h, kv) only *and* need an indexing primitive to compute (values
+computable elementwise, `kv_idx < lengths[b]`, stay in the tile as before), and splits the
+mod into
+
+* `q_fn(b, h, q, *consts)` / `kv_fn(b, h, kv, *consts)` -> the hoisted scalars (run by XLA
+  for every position: `arrays`, [B, H, seq_pad] per residual), and
+* `tile(s, b, h, q, kv, *consts, *q_res, *kv_res)` -> the mod's output, with the hoisted
+  values as trailing, elementwise arguments.
+
+The per-(b, h) split (`_common.split_score_mod_jaxprs`) then runs on `tile` with the
+position residuals marked as varying, like s, q and kv. Gradients to the arrays go through
+the residuals: the kernels return d(residual) per position (the dQ kernel's rows, the
+dK/dV kernel's columns), and `jax.vjp` of `q_fn` / `kv_fn` maps them to the arrays.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from flashvjp import _ad_compat as _ac
+from flashvjp import _score_mod
+
+# Primitives computable on a tile: what the kernels' lowerings have rules for (the
+# authoritative list is `flashvjp.pallas._limits.ELEMENTWISE_PRIMITIVES`; a value needing
+# anything else, an indexing primitive above all, is hoisted when it depends on one position).
+_INDEXING = frozenset({"gather", "dynamic_slice", "dynamic_update_slice", "scatter",
+                       "scatter-add", "select_and_gather_add", "take", "argmax", "argmin"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Hoist:
+  """A scalar mod split into per-position residual functions and a tile function.
+
+  Attributes:
+    tile: ``(s, b, h, q, kv, *consts, *q_res, *kv_res) -> out``.
+    q_fn: ``(b, h, q, *consts) -> tuple`` of the q residuals (scalars); kv_fn likewise.
+    q_avals, kv_avals: the residuals' abstract values (scalar shapes, their dtypes).
+    problem: None, or why a hoisted value cannot travel per position (not a scalar).
+  """
+
+  tile: Callable
+  q_fn: Callable
+  kv_fn: Callable
+  q_avals: tuple
+  kv_avals: tuple
+  problem: str | None = None
+
+  @property
+  def n_pos(self) -> int:
+    return len(self.q_avals) + len(self.kv_avals)
+
+
+def _is_literal(v) -> bool:
+  return type(v).__name__ == "Literal"
+
+
+def _eval(jaxpr, env: dict, eqns):
+  """Bind `eqns` (a subset of jaxpr's, in order) on `env` (var -> value), in place."""
+  read = lambda v: v.val if _is_literal(v) else env[v]
+  for e in eqns:
+    ins = [read(v) for v in e.invars]
+    outs = e.primitive.bind(*ins, **e.primitive.get_bind_params(e.params))
+    outs = list(outs) if e.primitive.multiple_results else [outs]
+    for v, x in zip(e.outvars, outs):
+      env[v] = x
+  return read
+
+
+def hoist(fn, consts, acc, arity: int = 5) -> Hoist | None:
+  """Split the scalar mod `fn` (see the module doc), or None when nothing is read by one
+  position through an indexing primitive (the mod is then left as it is).
+
+  `arity`: 5 for a score_mod ``fn(s, b, h, q, kv, *consts)``; a mask_mod is passed in the
+  same form (`_common._mask_mod_as_score_mod`).
+  """
+  del arity
+  consts = tuple(consts)
+  s = jax.ShapeDtypeStruct((), acc)
+  i = jax.ShapeDtypeStruct((), jnp.int32)
+  cs = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in consts]
+  closed = jax.make_jaxpr(fn)(s, i, i, i, i, *cs)
+  jaxpr = closed.jaxpr
+  S, B, Hh, Q, KV = jaxpr.invars[:5]
+  deps: dict = {v: frozenset() for v in jaxpr.constvars}
+  deps.update({v: frozenset() for v in jaxpr.invars})
+  deps[S], deps[Q], deps[KV] = frozenset("s"), frozenset({"q"}), frozenset({"kv"})
+  hoisted: dict = {}  # var -> whether it needs an indexing primitive (one-position vars)
+  get = lambda v: frozenset() if _is_literal(v) else deps[v]
+  for e in jaxpr.eqns:
+    d = frozenset().union(*(get(v) for v in e.invars))
+    idx = (e.primitive.name in _INDEXING
+           or any(hoisted.get(v, False) for v in e.invars if not _is_literal(v)))
+    for v in e.outvars:
+      deps[v] = d
+      if d in (frozenset({"q"}), frozenset({"kv"})):
+        hoisted[v] = idx
+  hoist_eqn = lambda e: any(hoisted.get(v, False) for v in e.outvars)
+  tile_eqns = [e for e in jaxpr.eqns if not hoist_eqn(e)]
+  # the frontier: hoisted values read by the tile (or returned)
+  reads = [v for e in tile_eqns for v in e.invars if not _is_literal(v)]
+  reads += [v for v in jaxpr.outvars if not _is_literal(v)]
+  frontier: dict = {}
+  for v in reads:
+    if hoisted.get(v, False):
+      frontier.setdefault(v, None)
+  if not frontier:
+    return None
+  q_vars = [v for v in frontier if deps[v] == frozenset({"q"})]
+  kv_vars = [v for v in frontier if deps[v] == frozenset({"kv"})]
+  float_first = lambda vs: ([v for v in vs if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
+                            + [v for v in vs if not jnp.issubdtype(v.aval.dtype, jnp.inexact)])
+  q_vars, kv_vars = float_first(q_vars), float_first(kv_vars)
+  problem = None
+  for v in q_vars + kv_vars:
+    if v.aval.shape != ():
+      problem = (f"a value read by one position has shape {tuple(v.aval.shape)} (per position"
+                 " the kernels take scalars)")
+  consts_vars = list(jaxpr.invars[5:])
+
+  def needed(targets):
+    """The equations the `targets` need, in order (all read (b, h, one position, consts)
+    only: a one-position value's inputs depend on no more than it does)."""
+    want = set(targets)
+    out = []
+    for e in reversed(jaxpr.eqns):
+      if any(v in want for v in e.outvars):
+        out.append(e)
+        want.update(v for v in e.invars if not _is_literal(v))
+    return out[::-1]
+
+  def position_fn(targets, pos_var):
+    eqns = needed(targets)
+
+    def f(b, h, p, *cs_):
+      env = dict(zip(jaxpr.constvars, closed.consts))
+      env.update(zip(consts_vars, cs_))
+      env.update({B: b, Hh: h, pos_var: p})
+      read = _eval(jaxpr, env, eqns)
+      return tuple(read(v) for v in targets)
+
+    return f
+
+  n_q = len(q_vars)
+
+  def tile(s_, b, h, q, kv, *args):
+    cs_, pos = args[:len(consts_vars)], args[len(consts_vars):]
+    env = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(consts_vars, cs_))
+    env.update({S: s_, B: b, Hh: h, Q: q, KV: kv})
+    env.update(zip(q_vars, pos[:n_q]))
+    env.update(zip(kv_vars, pos[n_q:]))
+    read = _eval(jaxpr, env, tile_eqns)
+    (out,) = [read(v) for v in jaxpr.outvars]
+    return out
+
+  aval = lambda v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+  return Hoist(tile, position_fn(q_vars, Q), position_fn(kv_vars, KV),
+               tuple(aval(v) for v in q_vars), tuple(aval(v) for v in kv_vars), problem)
+
+
+def arrays(h: Hoist, consts, bs, hs, q_pos, kv_pos):
+  """(q residuals, kv residuals): tuples of [B, H, len(q_pos)] / [B, H, len(kv_pos)] arrays,
+  `h.q_fn` / `h.kv_fn` at every (b in bs, h in hs, position) (int32 index vectors)."""
+  consts = tuple(consts)
+
+  def table(fn, pos, n):
+    if not n:
+      return ()
+    f = lambda b, hh, p: fn(b, hh, p, *consts)
+    f = jax.vmap(f, (None, None, 0))
+    f = jax.vmap(f, (None, 0, None))
+    return tuple(jax.vmap(f, (0, None, None))(bs, hs, pos))
+
+  return table(h.q_fn, q_pos, len(h.q_avals)), table(h.kv_fn, kv_pos, len(h.kv_avals))
+
+
+def apply(fn, consts, pos, scores, b, h, q_idx, kv_idx):
+  """`_score_mod.apply` of a hoisted tile function: `pos` (the loaded residual tiles, each
+  broadcasting against the scores like q_idx or kv_idx) are elementwise arguments."""
+  if not pos:
+    return _score_mod.apply(fn, consts, scores, b, h, q_idx, kv_idx)
+  scores, b, h, q_idx, kv_idx, *rest = _ac.unify_varying(scores, b, h, q_idx, kv_idx,
+                                                          *consts, *pos)
+  consts, pos = tuple(rest[:len(consts)]), tuple(rest[len(consts):])
+  vec = jnp.vectorize(lambda s_, b_, h_, q_, k_, *p: fn(s_, b_, h_, q_, k_, *consts, *p))
+  out = vec(scores, b, h, q_idx, kv_idx, *pos)
+  return jnp.broadcast_to(out, scores.shape).astype(scores.dtype)
+
+
+def apply_mask(fn, consts, pos, b, h, q_idx, kv_idx):
+  """`_mask_mod.apply` of a hoisted mask_mod tile function (``fn(b, h, q, kv, *consts,
+  *pos)``), `pos` elementwise as in `apply`."""
+  i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
+  b, h, q_idx, kv_idx, *rest = _ac.unify_varying(i32(b), i32(h), i32(q_idx), i32(kv_idx),
+                                                 *consts, *pos)
+  consts, pos = tuple(rest[:len(consts)]), tuple(rest[len(consts):])
+  vec = jnp.vectorize(lambda b_, h_, q_, k_, *p: fn(b_, h_, q_, k_, *consts, *p))
+  return vec(b, h, q_idx, kv_idx, *pos)

@@ -1,0 +1,202 @@
+"""Issue 32: score_mod / mask_mod that read arrays by q or kv position, in the Pallas kernels.
+
+What a mod reads from an array by one position (a per-key bias `bias[b, kv_idx]`, a per-query
+temperature `t[q_idx]`, document ids `doc[b, q_idx] == doc[b, kv_idx]`) travels as
+per-position residuals (`flashvjp.pallas._positions`): [B, H, seq] arrays the kernels slice
+per tile like segment ids, with gradients per row (dQ kernel) and per column (dK/dV kernel).
+Checked here in interpret mode (the Triton kernels' exact shapes) against float64 autodiff of
+naive attention: forward, gradients to q, k, v, a bias and each array, and the tangent;
+the deviceless H100 compiles are in tests/test_aot.py.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashvjp
+from flashvjp import _mask
+from flashvjp import _mask_mod
+from flashvjp import _score_mod
+from flashvjp.pallas import _positions
+from tests import _util
+
+B, H, HKV, SQ, SKV, D = 2, 4, 2, 40, 56, 16
+BLOCKS = dict(block_q=16, block_kv=16)
+
+
+def _kv_bias(bv):
+  return lambda s, b, h, i, j: s + bv[b, j]
+
+
+def _q_temperature(t):
+  return lambda s, b, h, i, j: s * t[i]
+
+
+def _both(bv, t):  # a q residual and a kv residual in one mod, with a per-head factor
+  return lambda s, b, h, i, j: s * t[i] + bv[b, j] * (1.0 + 0.1 * h)
+
+
+ARRAYS = {
+    "kv_bias": lambda rng: (rng.standard_normal((B, SKV)),),
+    "q_temperature": lambda rng: (1.0 + 0.3 * rng.standard_normal((SQ,)),),
+    "both": lambda rng: (rng.standard_normal((B, SKV)), 1.0 + 0.3 * rng.standard_normal((SQ,))),
+}
+MODS = {"kv_bias": _kv_bias, "q_temperature": _q_temperature, "both": _both}
+
+
+def _inputs(name, dtype=jnp.float32):
+  rng = np.random.default_rng(7)
+  q, k, v = _util.random_qkv(11, B, H, HKV, SQ, SKV, D, dtype=dtype)
+  arrays = tuple(jnp.asarray(a, jnp.float64).astype(dtype) for a in ARRAYS[name](rng))
+  bias = jnp.asarray(rng.standard_normal((1, H, SQ, SKV)), jnp.float64).astype(dtype)
+  return q, k, v, bias, arrays
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("name", sorted(MODS))
+def test_grads_to_q_k_v_and_every_array(name, with_bias):
+  q, k, v, bias, arrays = _inputs(name)
+  w = jax.random.normal(jax.random.key(3), (B, H, SQ, D), jnp.float64)
+
+  def loss(impl, q, k, v, bias, arrays):
+    extra = {} if impl == "naive" else BLOCKS
+    out = flashvjp.flash_attention(q, k, v, bias=bias if with_bias else None, causal=True,
+                                   score_mod=MODS[name](*arrays), implementation=impl,
+                                   **extra)
+    return jnp.sum(out.astype(jnp.float64) * w), out
+
+  args = (q, k, v, bias, arrays)
+  (_, got_out), got = jax.value_and_grad(
+      lambda *a: loss("pallas_triton", *a), (0, 1, 2, 3, 4), has_aux=True)(*args)
+  (_, ref_out), ref = jax.value_and_grad(
+      lambda *a: loss("naive", *a), (0, 1, 2, 3, 4), has_aux=True)(*_util.as64(args))
+  _util.assert_close(got_out, ref_out, jnp.float32, f"{name} out", impl="pallas_triton")
+  names = ("dq", "dk", "dv", "dbias", "darrays")
+  for what, g, r in zip(names, got, ref):
+    if what == "dbias" and not with_bias:
+      continue
+    _util.assert_close(g, r, jnp.float32, f"{name} {what}", impl="pallas_triton")
+  assert any(float(jnp.abs(d).max()) > 0 for d in got[4])  # the arrays do get gradients
+
+
+@pytest.mark.parametrize("name", sorted(MODS))
+def test_tangent_with_array_tangents(name):
+  q, k, v, _, arrays = _inputs(name)
+  primals = (q, k, v, arrays)
+  keys = jax.random.split(jax.random.key(5), 4)
+  tangents = jax.tree_util.tree_map(
+      lambda x, kk: jax.random.normal(kk, x.shape, jnp.float32), primals,
+      (keys[0], keys[1], keys[2], (keys[3],) * len(arrays)))
+
+  def run(impl, primals, tangents):
+    extra = {} if impl == "naive" else BLOCKS
+    f = lambda q, k, v, a: flashvjp.flash_attention(
+        q, k, v, causal=True, score_mod=MODS[name](*a), implementation=impl,
+        return_lse=True, **extra)
+    return jax.jvp(f, primals, tangents)
+
+  got = run("pallas_triton", primals, tangents)
+  ref = run("naive", _util.as64(primals), _util.as64(tangents))
+  _util.assert_close(got, ref, jnp.float32, f"{name} jvp", impl="pallas_triton")
+
+
+def _docs(n_docs, S=SQ, batch=B):
+  ids = np.repeat(np.arange(n_docs), -(-S // n_docs))[:S]
+  return jnp.asarray(np.stack([ids, np.roll(ids, 3)])[:batch].astype(np.int32))
+
+
+def test_document_causal_grads_and_tangent():
+  q, k, v = _util.random_qkv(2, B, H, HKV, SQ, SQ, D)
+  mm = flashvjp.document_causal(jnp.sort(_docs(5), axis=1))
+  w = jax.random.normal(jax.random.key(1), (B, H, SQ, D), jnp.float64)
+
+  def f(impl, q, k, v):
+    extra = {} if impl == "naive" else BLOCKS
+    return flashvjp.flash_attention(q, k, v, mask_mod=mm, implementation=impl, **extra)
+
+  loss = lambda impl, *a: jnp.sum(f(impl, *a).astype(jnp.float64) * w)
+  got = jax.value_and_grad(lambda *a: loss("pallas_triton", *a), (0, 1, 2))(q, k, v)
+  ref = jax.value_and_grad(lambda *a: loss("naive", *a), (0, 1, 2))(*_util.as64((q, k, v)))
+  _util.assert_close(got, ref, jnp.float32, "document_causal grad", impl="pallas_triton")
+  t = _util.random_qkv(9, B, H, HKV, SQ, SQ, D)
+  got = jax.jvp(lambda *a: f("pallas_triton", *a), (q, k, v), t)
+  ref = jax.jvp(lambda *a: f("naive", *a), _util.as64((q, k, v)), _util.as64(t))
+  _util.assert_close(got, ref, jnp.float32, "document_causal jvp", impl="pallas_triton")
+
+
+# ---- the split itself -----------------------------------------------------------------
+
+def _hoist(mod, consts_shapes=None):
+  fn, consts, _ = _score_mod.convert(mod, jnp.float32)
+  return _positions.hoist(fn, consts, jnp.float32)
+
+
+def test_what_is_hoisted():
+  bv, t = jnp.ones((B, SKV)), jnp.ones((SQ,))
+  h = _hoist(_both(bv, t))
+  assert (len(h.q_avals), len(h.kv_avals)) == (1, 1) and h.problem is None
+  # elementwise functions of one position stay in the tile (nothing to hoist): the mods that
+  # compiled before keep their form, and a relative-position table is not a one-position read
+  assert _hoist(flashvjp.alibi(jnp.ones(H))) is None
+  assert _hoist(lambda s, b, h_, i, j: jnp.where(j < 5, s, 2 * s)) is None
+  assert _hoist(flashvjp.relative_position_bias(jnp.ones((H, 9)), 4)) is None
+  # a row read by one position and then indexed by the other cannot travel as a scalar
+  table = jnp.ones((SQ, SKV))
+  h = _hoist(lambda s, b, h_, i, j: s + table[i][j])
+  assert h is None or h.problem is not None
+
+
+def test_residuals_are_the_arrays_at_each_position():
+  """q residuals [B, H, Sqp] at every padded position, clamped into the sequence, shifted by
+  the global offsets (a ring's chunk)."""
+  from flashvjp.pallas import _common
+  rng = np.random.default_rng(0)
+  bv, t = jnp.asarray(rng.standard_normal((B, 3 * SKV))), jnp.asarray(rng.standard_normal(SQ))
+  fn, consts, _ = _score_mod.convert(_both(bv, t), jnp.float32)
+  h = _positions.hoist(fn, consts, jnp.float32)
+  bs, hs = _common.global_batch_heads(B, H)
+  q_res, kv_res = _common._position_arrays(h, consts, bs, hs, (SQ, 20, 48, 32), (0, 0, 0, 7))
+  ti = np.minimum(np.arange(48), SQ - 1)
+  np.testing.assert_array_equal(np.asarray(q_res[0]), np.broadcast_to(np.asarray(t)[ti], (B, H, 48)))
+  kvi = np.minimum(np.arange(32), 19) + 7
+  want = np.asarray(bv)[:, kvi][:, None, :] * (1.0 + 0.1 * np.arange(H))[None, :, None]
+  np.testing.assert_allclose(np.asarray(kv_res[0]), want, rtol=1e-6)
+
+
+# ---- dispatch and work ----------------------------------------------------------------
+
+def test_triton_compiles_them_and_explain_names_the_class():
+  q = jax.ShapeDtypeStruct((B, H, 256, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((B, HKV, 256, 64), jnp.bfloat16)
+  bv, t, doc = jnp.ones((B, 256)), jnp.ones((256,)), jnp.zeros((B, 256), jnp.int32)
+  for kw, how in ((dict(score_mod=_kv_bias(bv)), "by kv position"),
+                  (dict(score_mod=_q_temperature(t)), "by q position"),
+                  (dict(mask_mod=flashvjp.document_causal(doc)),
+                   "by q position and by kv position")):
+    d = flashvjp.explain(q, k, k, implementation="pallas_triton", interpret=False, **kw)
+    assert d.implementation == "pallas_triton" and not d.interpret, d
+    assert [o.how for o in d.operands] == [how], d.operands
+
+
+def test_document_causal_visits_the_blocks_segment_ids_visit():
+  """8 equal documents in one row: the mask_mod's block classes (from the arrays, once per
+  batch) give the kernels the same block lists as segment_ids with causal: about 1/8 of
+  causal's blocks."""
+  S, bq = 1024, 64
+  docs = jnp.asarray(np.repeat(np.arange(8), S // 8)[None].astype(np.int32))
+  fn, consts, uses = _mask_mod.check(flashvjp.document_causal(docs), (1, 1, S, S))
+  mod_cls = _mask_mod.classify(fn, consts, uses, 1, 1, S, S, bq, bq)
+  spec = _mask.MaskSpec(True, None, S, S)
+  nb = S // bq
+  seg_cls = _mask.block_classes(spec, docs, docs, None, bq, bq, nb, nb)
+  mod_lists = _mask.block_classes(_mask.MaskSpec(False, None, S, S), None, None, None, bq, bq,
+                                  nb, nb, mod_classes=mod_cls)
+  visited = lambda c: int((np.asarray(c) != _mask.EMPTY).sum())
+  causal = visited(_mask.block_classes(spec, None, None, None, bq, bq, nb, nb))
+  assert visited(mod_lists) == visited(seg_cls)
+  np.testing.assert_array_equal(np.asarray(mod_lists) != _mask.EMPTY,
+                                np.broadcast_to(np.asarray(seg_cls) != _mask.EMPTY,
+                                                np.shape(mod_lists)))
+  assert visited(seg_cls) <= causal / 8 + nb, (visited(seg_cls), causal)
