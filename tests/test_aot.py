@@ -207,6 +207,15 @@ def test_gpu_compiles_mods_indexing_arrays_by_position(feature, mode):
 
 @_aot.needs_tpu
 @pytest.mark.parametrize("mode", ["grad", "jvp"])
+@pytest.mark.parametrize("feature", POSITION_FEATURES)
+def test_tpu_compiles_mods_indexing_arrays_by_position(feature, mode):
+  """The same mods through libtpu's Mosaic compiler (residuals laid out like segment ids)."""
+  decision, compiled = _compile(_aot.tpu_mesh("v5e"), feature, mode, jnp.bfloat16)
+  _assert_compiled_kernels(decision, compiled, "pallas_tpu", _aot.TPU_CALL, mode)
+
+
+@_aot.needs_tpu
+@pytest.mark.parametrize("mode", ["grad", "jvp"])
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("tpu", ["v5e", "v6e"])
 def test_tpu_compile_matrix(tpu, feature, mode):

@@ -474,17 +474,20 @@ def test_mask_mod_empty_blocks_are_never_read():
 
 
 def test_mask_mod_dispatch_compiled():
-  """document_causal reads doc_ids[b, q_idx] and doc_ids[b, kv_idx] per position: the Triton
-  kernels take both as per-position residuals (issue 32), so implementation=None on a GPU
-  compiles them; the Mosaic-TPU family does not read per-position residuals yet and refuses
-  it naming mask_mod. prefix_lm / chunked / sliding_window_with_global stay on the kernels."""
+  """document_causal reads doc_ids[b, q_idx] and doc_ids[b, kv_idx] per position: both
+  families take them as per-position residuals (issue 32), so implementation=None on a GPU
+  compiles them; a mask_mod that indexes an array by both positions at once is refused,
+  naming mask_mod. prefix_lm / chunked / sliding_window_with_global stay on the kernels."""
   from flashvjp import _dispatch
   x = jax.ShapeDtypeStruct((2, 2, 64, 32), jnp.bfloat16)
   docs = flashvjp.document_causal(jnp.zeros((2, 64), jnp.int32))
-  d = flashvjp.explain(x, x, x, mask_mod=docs, implementation="pallas_triton", interpret=False)
-  assert not d.interpret and [o.how for o in d.operands] == ["by q position and by kv position"]
+  for impl in ("pallas_triton", "pallas_tpu"):
+    d = flashvjp.explain(x, x, x, mask_mod=docs, implementation=impl, interpret=False)
+    assert not d.interpret and [o.how for o in d.operands] == ["by q position and by kv position"]
+  pairs = jnp.zeros((64, 64), jnp.bool_)
   with pytest.raises(ValueError, match="mask_mod uses (gather|dynamic_slice)"):
-    flashvjp.explain(x, x, x, mask_mod=docs, implementation="pallas_tpu", interpret=False)
+    flashvjp.explain(x, x, x, mask_mod=lambda b, h, i, j: pairs[i, j],
+                     implementation="pallas_triton", interpret=False)
   # Interpret mode gathers fine.
   assert flashvjp.explain(x, x, x, mask_mod=docs, implementation="pallas_triton").interpret
   mp = pytest.MonkeyPatch()

@@ -54,9 +54,13 @@ def _inputs(name, dtype=jnp.float32):
   return q, k, v, bias, arrays
 
 
+FAMILIES = ["pallas_triton", "pallas_tpu"]
+
+
+@pytest.mark.parametrize("impl", FAMILIES)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("name", sorted(MODS))
-def test_grads_to_q_k_v_and_every_array(name, with_bias):
+def test_grads_to_q_k_v_and_every_array(name, with_bias, impl):
   q, k, v, bias, arrays = _inputs(name)
   w = jax.random.normal(jax.random.key(3), (B, H, SQ, D), jnp.float64)
 
@@ -69,20 +73,21 @@ def test_grads_to_q_k_v_and_every_array(name, with_bias):
 
   args = (q, k, v, bias, arrays)
   (_, got_out), got = jax.value_and_grad(
-      lambda *a: loss("pallas_triton", *a), (0, 1, 2, 3, 4), has_aux=True)(*args)
+      lambda *a: loss(impl, *a), (0, 1, 2, 3, 4), has_aux=True)(*args)
   (_, ref_out), ref = jax.value_and_grad(
       lambda *a: loss("naive", *a), (0, 1, 2, 3, 4), has_aux=True)(*_util.as64(args))
-  _util.assert_close(got_out, ref_out, jnp.float32, f"{name} out", impl="pallas_triton")
+  _util.assert_close(got_out, ref_out, jnp.float32, f"{name} out", impl=impl)
   names = ("dq", "dk", "dv", "dbias", "darrays")
   for what, g, r in zip(names, got, ref):
     if what == "dbias" and not with_bias:
       continue
-    _util.assert_close(g, r, jnp.float32, f"{name} {what}", impl="pallas_triton")
+    _util.assert_close(g, r, jnp.float32, f"{name} {what}", impl=impl)
   assert any(float(jnp.abs(d).max()) > 0 for d in got[4])  # the arrays do get gradients
 
 
+@pytest.mark.parametrize("impl", FAMILIES)
 @pytest.mark.parametrize("name", sorted(MODS))
-def test_tangent_with_array_tangents(name):
+def test_tangent_with_array_tangents(name, impl):
   q, k, v, _, arrays = _inputs(name)
   primals = (q, k, v, arrays)
   keys = jax.random.split(jax.random.key(5), 4)
@@ -97,9 +102,9 @@ def test_tangent_with_array_tangents(name):
         return_lse=True, **extra)
     return jax.jvp(f, primals, tangents)
 
-  got = run("pallas_triton", primals, tangents)
+  got = run(impl, primals, tangents)
   ref = run("naive", _util.as64(primals), _util.as64(tangents))
-  _util.assert_close(got, ref, jnp.float32, f"{name} jvp", impl="pallas_triton")
+  _util.assert_close(got, ref, jnp.float32, f"{name} jvp", impl=impl)
 
 
 def _docs(n_docs, S=SQ, batch=B):
@@ -107,7 +112,8 @@ def _docs(n_docs, S=SQ, batch=B):
   return jnp.asarray(np.stack([ids, np.roll(ids, 3)])[:batch].astype(np.int32))
 
 
-def test_document_causal_grads_and_tangent():
+@pytest.mark.parametrize("impl", FAMILIES)
+def test_document_causal_grads_and_tangent(impl):
   q, k, v = _util.random_qkv(2, B, H, HKV, SQ, SQ, D)
   mm = flashvjp.document_causal(jnp.sort(_docs(5), axis=1))
   w = jax.random.normal(jax.random.key(1), (B, H, SQ, D), jnp.float64)
@@ -117,13 +123,13 @@ def test_document_causal_grads_and_tangent():
     return flashvjp.flash_attention(q, k, v, mask_mod=mm, implementation=impl, **extra)
 
   loss = lambda impl, *a: jnp.sum(f(impl, *a).astype(jnp.float64) * w)
-  got = jax.value_and_grad(lambda *a: loss("pallas_triton", *a), (0, 1, 2))(q, k, v)
+  got = jax.value_and_grad(lambda *a: loss(impl, *a), (0, 1, 2))(q, k, v)
   ref = jax.value_and_grad(lambda *a: loss("naive", *a), (0, 1, 2))(*_util.as64((q, k, v)))
-  _util.assert_close(got, ref, jnp.float32, "document_causal grad", impl="pallas_triton")
+  _util.assert_close(got, ref, jnp.float32, "document_causal grad", impl=impl)
   t = _util.random_qkv(9, B, H, HKV, SQ, SQ, D)
-  got = jax.jvp(lambda *a: f("pallas_triton", *a), (q, k, v), t)
+  got = jax.jvp(lambda *a: f(impl, *a), (q, k, v), t)
   ref = jax.jvp(lambda *a: f("naive", *a), _util.as64((q, k, v)), _util.as64(t))
-  _util.assert_close(got, ref, jnp.float32, "document_causal jvp", impl="pallas_triton")
+  _util.assert_close(got, ref, jnp.float32, "document_causal jvp", impl=impl)
 
 
 # ---- the split itself -----------------------------------------------------------------
@@ -167,7 +173,8 @@ def test_residuals_are_the_arrays_at_each_position():
 
 # ---- dispatch and work ----------------------------------------------------------------
 
-def test_triton_compiles_them_and_explain_names_the_class():
+@pytest.mark.parametrize("impl", FAMILIES)
+def test_families_compile_them_and_explain_names_the_class(impl):
   q = jax.ShapeDtypeStruct((B, H, 256, 64), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((B, HKV, 256, 64), jnp.bfloat16)
   bv, t, doc = jnp.ones((B, 256)), jnp.ones((256,)), jnp.zeros((B, 256), jnp.int32)
@@ -175,8 +182,8 @@ def test_triton_compiles_them_and_explain_names_the_class():
                   (dict(score_mod=_q_temperature(t)), "by q position"),
                   (dict(mask_mod=flashvjp.document_causal(doc)),
                    "by q position and by kv position")):
-    d = flashvjp.explain(q, k, k, implementation="pallas_triton", interpret=False, **kw)
-    assert d.implementation == "pallas_triton" and not d.interpret, d
+    d = flashvjp.explain(q, k, k, implementation=impl, interpret=False, **kw)
+    assert d.implementation == impl and not d.interpret, d
     assert [o.how for o in d.operands] == [how], d.operands
 
 

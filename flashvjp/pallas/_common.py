@@ -806,6 +806,30 @@ def biased_modded(cfg: AttentionConfig, qk, t, qi, ki, consts, acc, diff_consts=
   return out, vjp_flat
 
 
+def modded_jvp(cfg: AttentionConfig, s, ts, t, qi, ki, consts, n_float: int, tconsts=(),
+               tpos=()):
+  """(score_mod(s), its tangent) on a tile, for the tangent kernels: `ts` the scores'
+  tangent, `tconsts` the tangents of the first len(tconsts) of the n_float float per-head
+  residuals `consts[:n_float]`, `tpos` those of the float per-position residuals in t.pos
+  (q ones then kv ones, `PosResiduals`; empty: none)."""
+  fl, rest = tuple(consts[:n_float]), tuple(consts[n_float:])
+  gb, gh, gq, gk = global_indices(t, qi, ki)
+  pos = list(getattr(t, "pos", ()))
+  idx = [n for n, x in enumerate(pos) if jnp.issubdtype(x.dtype, jnp.inexact)]
+
+  def fn(s_, c_, p_=()):
+    pos_ = list(pos)
+    for n, x in zip(idx, p_):
+      pos_[n] = x
+    return _positions.apply(cfg.score_mod, tuple(c_) + rest, tuple(pos_), s_, gb, gh, gq, gk)
+
+  if not (tconsts or tpos):
+    return jax.jvp(lambda s_: fn(s_, fl), (s,), (ts,))
+  tc = tuple(tconsts) + tuple(jnp.zeros_like(c) for c in fl[len(tconsts):])
+  tp = tuple(tpos) if tpos else tuple(jnp.zeros_like(pos[n]) for n in idx)
+  return jax.jvp(fn, (s, fl, tuple(pos[n] for n in idx)), (ts, tc, tp))
+
+
 def scores(cfg: AttentionConfig, g: Geometry, q, k, t: TileInputs, consts, acc, masked,
            diff_consts=None, transposed: bool = False, diff_pos=()):
   """Scores of one tile: scale * q k^T + bias, score_mod -> (s [bq, bk], ok, vjp or None).

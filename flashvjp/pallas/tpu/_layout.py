@@ -246,6 +246,8 @@ class Tile:
   kv_seg: jax.Array | None = None  # int32 [1, bk]
   mod: tuple = ()  # the mask_mod's residuals of (b, h), loaded
   off: tuple | None = None  # global (b0, h0, q0, kv0) int32 scalars (`_common.load_offsets`)
+  pos: tuple = ()  # per-position residuals (`_common.PosResiduals`): [bq, 1] then [1, bk]
+  mpos: tuple = ()  # the mask_mod's
 
 
 def load_tile(r, b, h, i, j, mod=()) -> Tile:
@@ -259,11 +261,40 @@ def load_tile(r, b, h, i, j, mod=()) -> Tile:
   if "q_seg" in r:
     t.q_seg = r["q_seg"][:, 0:1]
     t.kv_seg = r["kv_seg"][0:1, :]
+  t.pos, t.mpos = load_positions(r, "pos"), load_positions(r, "mpos")
   return t
 
 
+def count(r, stem: str) -> int:
+  """How many refs "{stem}0", "{stem}1", ... a kernel has."""
+  n = 0
+  while f"{stem}{n}" in r:
+    n += 1
+  return n
+
+
+def position_layouts(pos, g: C.Geometry, acc):
+  """Per-position residuals (`_common.PosResiduals`, or None) as kernel arrays, laid out
+  like segment ids: q ones lane-broadcast [B, H, Sqp, 128] (read as a [bq, 1] column), kv
+  ones sublane-broadcast [B, H, 8, Skvp] (read as a [1, bk] row); floats in `acc`."""
+  if pos is None:
+    return (), ()
+  cast = lambda x: x.astype(acc if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.int32)
+  qs = tuple(jnp.broadcast_to(cast(x[..., : g.Sqp])[..., None], x.shape[:2] + (g.Sqp, LANES))
+             for x in pos.q)
+  kvs = tuple(jnp.broadcast_to(cast(x[..., : g.Skvp])[:, :, None, :],
+                               x.shape[:2] + (SUBLANES, g.Skvp)) for x in pos.kv)
+  return qs, kvs
+
+
+def load_positions(r, prefix: str) -> tuple:
+  """The per-position residual tiles of this step's blocks (`position_layouts`)."""
+  return (tuple(r[f"{prefix}q{n}"][:, 0:1] for n in range(count(r, f"{prefix}q")))
+          + tuple(r[f"{prefix}kv{n}"][0:1, :] for n in range(count(r, f"{prefix}kv"))))
+
+
 def scores(cfg: AttentionConfig, g: C.Geometry, q, k, t: Tile, consts, acc, masked,
-           diff_consts=None):
+           diff_consts=None, diff_pos=()):
   """scale * q k^T + bias, score_mod -> (s [bq, bk], ok, score_mod vjp or None).
 
   The semantics of `flashvjp.pallas._common.scores` (same mask model in local positions,
@@ -282,7 +313,7 @@ def scores(cfg: AttentionConfig, g: C.Geometry, q, k, t: Tile, consts, acc, mask
     if cfg.mask_mod is not None:  # PARTIAL blocks only (FULL ones come with masked=False)
       ok = ok & C.mask_mod_allowed(cfg, t, qi, ki)
   qk = C.masked_scores_for_mod(cfg, dot_nt(q, k, acc, cfg), ok)
-  s, sm_vjp = C.biased_modded(cfg, qk, t, qi, ki, consts, acc, diff_consts)
+  s, sm_vjp = C.biased_modded(cfg, qk, t, qi, ki, consts, acc, diff_consts, diff_pos)
   return s, ok, sm_vjp
 
 

@@ -47,7 +47,8 @@ _bs = F._bs
 PARALLEL, ARBITRARY = F.PARALLEL, F.ARBITRARY
 
 
-def tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, masked, n_diff):
+def tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, masked, n_diff,
+               diff_pos=()):
   """(pd, ds, dconsts) of one [bq, bk] tile (as the Triton family's `_tile_grads`).
 
   pd: dropped-out probabilities (for dV); ds: dL/d(pre-mod score incl. bias), not yet
@@ -58,7 +59,8 @@ def tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, masked
   if cfg.score_mod is not None:
     diff = tuple(consts[:n_diff])
     consts = tuple(consts[n_diff:])
-  s, ok, sm_vjp = Lo.scores(cfg, g, q, k, t, consts, acc, masked, diff_consts=diff)
+  s, ok, sm_vjp = Lo.scores(cfg, g, q, k, t, consts, acc, masked, diff_consts=diff,
+                            diff_pos=diff_pos)
   d = s - lse
   if ok is not None:  # p = exp(mask_value) = 0 on masked entries, whatever the row's lse
     d = jnp.where(ok, d, C.mask_value(acc))
@@ -116,8 +118,11 @@ def read_rows(ref):
 # ---- dK / dV ------------------------------------------------------------------------
 
 def _dkdv_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, names, meta,
-                 may_mask, mod_meta=None):
-  r = dict(zip(names + ["dk", "dv", "dk_s", "dv_s"], refs))
+                 may_mask, mod_meta=None, n_q_pos=0, n_kv_diff=0):
+  dpk = [f"dposkv{n}" for n in range(n_kv_diff)]
+  r = dict(zip(names + ["dk", "dv"] + dpk + ["dk_s", "dv_s"]
+               + [f"dpk_s{n}" for n in range(n_kv_diff)], refs))
+  diff_pos = tuple(range(n_q_pos, n_q_pos + n_kv_diff))  # the float kv residuals in t.pos
   acc = r["dk_s"].dtype
   b, hk, j, t_ = (_compat.program_id(a) for a in range(4))
   gi, s = Lo.div(t_, lists.W), Lo.rem(t_, lists.W)
@@ -129,17 +134,33 @@ def _dkdv_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, n
     r["dk_s"][...] = jnp.zeros(r["dk_s"].shape, acc)
     r["dv_s"][...] = jnp.zeros(r["dv_s"].shape, acc)
 
+  if n_kv_diff:
+    @pl.when(s == 0)
+    def _init_head():  # d(kv residual) per query head: its own [8, bk] accumulator
+      for n in range(n_kv_diff):
+        r[f"dpk_s{n}"][...] = jnp.zeros(r[f"dpk_s{n}"].shape, acc)
+
   def compute(masked):
     consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
     t = Lo.load_tile(r, b, h, i, j, F.load_mod_consts(r, mod_meta, b, h))
     q, do = r["q"][...], r["do"][...]
-    pd, ds, _ = tile_grads(cfg, g, q, r["k"][...], r["v"][...], do, read_rows(r["lse"]),
-                           read_rows(r["delta"]), t, consts, r.get("seed"), acc, masked, 0)
+    pd, ds, dc = tile_grads(cfg, g, q, r["k"][...], r["v"][...], do, read_rows(r["lse"]),
+                            read_rows(r["delta"]), t, consts, r.get("seed"), acc, masked, 0,
+                            diff_pos)
+    for n, d in enumerate(dc):  # [1, bk] rows, sublane-broadcast
+      ref = r[f"dpk_s{n}"]
+      ref[...] += jnp.broadcast_to(d.astype(acc), ref.shape)
     r["dv_s"][...] += Lo.dot_tn(pd.astype(do.dtype), do, acc, cfg)
     ds = ds * jnp.asarray(cfg.scale, acc)
     r["dk_s"][...] += Lo.dot_tn(ds.astype(q.dtype), q, acc, cfg)
 
   F.when_active(active, partial, may_mask, compute)
+
+  if n_kv_diff:
+    @pl.when(s == lists.W - 1)
+    def _finish_head():
+      for n in range(n_kv_diff):
+        r[f"dposkv{n}"][...] = r[f"dpk_s{n}"][...]
 
   @pl.when(t_ == g.G * lists.W - 1)
   def _finish():
@@ -148,7 +169,7 @@ def _dkdv_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, n
 
 
 def _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, carrays, meta,
-          acc, mod=None, marrays=(), mmeta=None, offsets=None):
+          acc, mod=None, marrays=(), mmeta=None, offsets=None, pos=None, mpos=None):
   (q_l, k_l), lists, counts, entries = F.prepare(cfg, g, q_seg, kv_seg, mask, "kv", mod)
   G, W = g.G, lists.W
 
@@ -174,35 +195,46 @@ def _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed
   F.add_common(ins, cfg, g, tile_index, bias_p=C.pad_pair(bias, g),
                mask_p=None if mask is None else C.pad_pair(mask, g).astype(jnp.int8),
                seg_l=(q_l, k_l), seed=seed, const_arrays=carrays, meta=meta,
-               mod_arrays=marrays, mod_meta=mmeta, offsets=offsets)
+               mod_arrays=marrays, mod_meta=mmeta, offsets=offsets,
+               pos=Lo.position_layouts(pos, g, acc), mpos=Lo.position_layouts(mpos, g, acc))
   may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
+  n_kv_diff = 0 if pos is None else pos.n_kv_diff
   kernel = functools.partial(_dkdv_kernel, cfg=cfg, g=g, lists=lists, names=ins.names,
-                             meta=meta, may_mask=may_mask, mod_meta=mmeta)
+                             meta=meta, may_mask=may_mask, mod_meta=mmeta,
+                             n_q_pos=0 if pos is None else len(pos.q), n_kv_diff=n_kv_diff)
+  dpk_map = lambda b, hk, j, t, *_: (b, hk * G + Lo.div(t, W), 0, j)
   tiles = g.B * g.H * Lo.static_tiles(cfg, g, "kv")
   isz = jnp.dtype(q.dtype).itemsize
   cost = _compat.cost_estimate(
       4 * tiles * g.bq * g.bk * (g.Dp + g.Dvp), tiles * g.bq * g.bk,
       tiles * g.bq * (g.Dp + g.Dvp) * isz + 2 * g.B * g.Hkv * g.Skvp * (g.Dp + g.Dvp) * isz)
-  return _compat.tpu_pallas_call(
+  dk, dv, *dposkv = _compat.tpu_pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), k.dtype),
-                 jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), v.dtype)),
+                 jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), v.dtype),
+                 *(jax.ShapeDtypeStruct((g.B, g.H, Lo.SUBLANES, g.Skvp), acc),) * n_kv_diff),
       grid=(g.B, g.Hkv, g.nk, G * W),
       in_specs=ins.specs,
-      out_specs=(_bs((None, None, g.bk, g.Dp), kv_map), _bs((None, None, g.bk, g.Dvp), kv_map)),
-      scratch_shapes=[_compat.tpu_vmem((g.bk, g.Dp), acc), _compat.tpu_vmem((g.bk, g.Dvp), acc)],
+      out_specs=(_bs((None, None, g.bk, g.Dp), kv_map), _bs((None, None, g.bk, g.Dvp), kv_map),
+                 *(_bs((None, None, Lo.SUBLANES, g.bk), dpk_map),) * n_kv_diff),
+      scratch_shapes=[_compat.tpu_vmem((g.bk, g.Dp), acc), _compat.tpu_vmem((g.bk, g.Dvp), acc),
+                      *(_compat.tpu_vmem((Lo.SUBLANES, g.bk), acc),) * n_kv_diff],
       num_scalar_prefetch=2,
       dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY),
       interpret=F.interpret_arg(cfg), name="flashvjp_tpu_bwd_dkdv", cost=cost,
   )(counts, entries, *ins.arrays)
+  return dk, dv, tuple(d[:, :, 0, :] for d in dposkv)
 
 
 # ---- dQ (+ score_mod residual grads) ----------------------------------------------------
 
 def _dq_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, names, meta,
-               may_mask, n_diff, dc_sizes, mod_meta=None):
-  outs = ["dq"] + [f"dconst{n}" for n in range(n_diff)]
-  scratch = ["dq_s"] + [f"dc_s{n}" for n in range(n_diff)]
+               may_mask, n_diff, dc_sizes, mod_meta=None, n_q_diff=0):
+  outs = (["dq"] + [f"dconst{n}" for n in range(n_diff)]
+          + [f"dposq{n}" for n in range(n_q_diff)])
+  scratch = (["dq_s"] + [f"dc_s{n}" for n in range(n_diff)]
+             + [f"dpq_s{n}" for n in range(n_q_diff)])
+  diff_pos = tuple(range(n_q_diff))  # the float q residuals lead t.pos
   r = dict(zip(names + outs + scratch, refs))
   acc = r["dq_s"].dtype
   b, h, i, s = (_compat.program_id(a) for a in range(4))
@@ -218,10 +250,14 @@ def _dq_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, nam
     t = Lo.load_tile(r, b, h, i, j, F.load_mod_consts(r, mod_meta, b, h))
     k = r["k"][...]
     _, ds, dc = tile_grads(cfg, g, r["q"][...], k, r["v"][...], r["do"][...], read_rows(r["lse"]),
-                           read_rows(r["delta"]), t, consts, r.get("seed"), acc, masked, n_diff)
+                           read_rows(r["delta"]), t, consts, r.get("seed"), acc, masked, n_diff,
+                           diff_pos)
     ds = ds * jnp.asarray(cfg.scale, acc)
     r["dq_s"][...] += Lo.dot_nn(ds.astype(k.dtype), k, acc, cfg)
-    for n, (d, size) in enumerate(zip(dc, dc_sizes)):
+    for n, d in enumerate(dc[n_diff:]):  # [bq, 1] columns, lane-broadcast
+      ref = r[f"dpq_s{n}"]
+      ref[...] += jnp.broadcast_to(d.astype(acc), ref.shape)
+    for n, (d, size) in enumerate(zip(dc[:n_diff], dc_sizes)):
       ref = r[f"dc_s{n}"]
       row = jnp.reshape(d.astype(ref.dtype), (1, size))
       if size != ref.shape[1]:
@@ -235,14 +271,18 @@ def _dq_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, nam
     r["dq"][...] = r["dq_s"][...].astype(r["dq"].dtype)
     for n in range(n_diff):
       r[f"dconst{n}"][...] = r[f"dc_s{n}"][...]
+    for n in range(n_q_diff):
+      r[f"dposq{n}"][...] = r[f"dpq_s{n}"][...]
 
 
 def _dq(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, carrays, meta,
-        acc, n_diff, diff_shapes, mod=None, marrays=(), mmeta=None, offsets=None):
+        acc, n_diff, diff_shapes, mod=None, marrays=(), mmeta=None, offsets=None, pos=None,
+        mpos=None):
   seg_l, lists, counts, entries = F.prepare(cfg, g, q_seg, kv_seg, mask, "q", mod)
   q_seg_l, kv_seg_l = seg_l
   ins = F.row_inputs(cfg, g, lists, q, k, v, bias, mask, q_seg_l, kv_seg_l, seed, carrays, meta,
-                     marrays, mmeta, offsets)
+                     marrays, mmeta, offsets, Lo.position_layouts(pos, g, acc),
+                     Lo.position_layouts(mpos, g, acc))
   row_map = lambda b, h, i, s, *_: (b, h, i, 0)
   ins.add("do", C.pad_seq_head(dout, g.Sqp, g.Dvp), _bs((None, None, g.bq, g.Dvp), row_map))
   add_rows(ins, g, delta_l, lse_l, lambda b, h, i, s, *_: (b, h, i))
@@ -257,10 +297,15 @@ def _dq(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, 
     out_shape.append(jax.ShapeDtypeStruct((g.B, g.H, g.nq, Lo.SUBLANES, L), acc))
     out_specs.append(_bs((None, None, None, Lo.SUBLANES, L), lambda b, h, i, s, *_: (b, h, i, 0, 0)))
     scratch.append(_compat.tpu_vmem((Lo.SUBLANES, L), acc))
+  n_q_diff = 0 if pos is None else pos.n_q_diff
+  for _ in range(n_q_diff):  # d(q residual): [B, H, Sqp, 128] lane-broadcast rows
+    out_shape.append(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, Lo.LANES), acc))
+    out_specs.append(_bs((None, None, g.bq, Lo.LANES), row_map))
+    scratch.append(_compat.tpu_vmem((g.bq, Lo.LANES), acc))
   may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_dq_kernel, cfg=cfg, g=g, lists=lists, names=ins.names, meta=meta,
                              may_mask=may_mask, n_diff=n_diff, dc_sizes=tuple(sizes),
-                             mod_meta=mmeta)
+                             mod_meta=mmeta, n_q_diff=n_q_diff)
   tiles = g.B * g.H * Lo.static_tiles(cfg, g, "q")
   isz = jnp.dtype(q.dtype).itemsize
   cost = _compat.cost_estimate(
@@ -272,10 +317,10 @@ def _dq(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, 
       dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY),
       interpret=F.interpret_arg(cfg), name="flashvjp_tpu_bwd_dq", cost=cost,
   )(counts, entries, *ins.arrays)
-  dq, partials = outs[0], outs[1:]
+  dq, partials, dposq = outs[0], outs[1:1 + n_diff], outs[1 + n_diff:]
   dres = tuple(p_[:, :, :, 0, :size].sum(axis=2).reshape((g.B, g.H) + tuple(shape))
                for p_, size, shape in zip(partials, sizes, diff_shapes))
-  return dq, dres
+  return dq, dres, tuple(d[..., 0] for d in dposq)
 
 
 # ---- dbias ----------------------------------------------------------------------------
@@ -337,7 +382,7 @@ def _decode(pids, bias_shape, red):
 
 
 def _dbias(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, carrays, meta,
-           acc, mod=None, marrays=(), mmeta=None, offsets=None):
+           acc, mod=None, marrays=(), mmeta=None, offsets=None, pos=None, mpos=None):
   q_seg_p, kv_seg_p, q_l, k_l = Lo.segments(q_seg, kv_seg, g)
   mask_p = None if mask is None else C.pad_pair(mask, g)
   Bl, Hl, cls = Lo.block_class_table(cfg, g, q_seg_p, kv_seg_p, mask_p, C.mod_classes(cfg, g, mod))
@@ -363,7 +408,8 @@ def _dbias(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, see
   F.add_common(ins, cfg, g, index, bias_p=bias_p,
                mask_p=None if mask_p is None else mask_p.astype(jnp.int8),
                seg_l=(q_l, k_l), seed=seed, const_arrays=carrays, meta=meta,
-               mod_arrays=marrays, mod_meta=mmeta, offsets=offsets)
+               mod_arrays=marrays, mod_meta=mmeta, offsets=offsets,
+               pos=Lo.position_layouts(pos, g, acc), mpos=Lo.position_layouts(mpos, g, acc))
   may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_dbias_kernel, cfg=cfg, g=g, names=ins.names, meta=meta,
                              may_mask=may_mask, bias_shape=bshape, red=red, Bl=Bl, Hl=Hl,
@@ -396,17 +442,21 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   n_user_diff = cfg.num_diff_consts
   user_consts = tuple(consts)
   B, H = q.shape[0], q.shape[1]
-  cfg, split, carrays, meta = F.split_consts(cfg, consts, acc, B, H, grads=True, offsets=offsets)
-  cfg, marrays, mmeta = F.split_mod(cfg, mod, acc, B, H, offsets)
-  mod_kw = dict(mod=mod, marrays=marrays, mmeta=mmeta, offsets=offsets)
+  g = Lo.geometry(q.shape, k.shape, v.shape, *cfg.blocks.dkv)
+  g2 = Lo.geometry(q.shape, k.shape, v.shape, *cfg.blocks.dq)
+  # per-position residuals cover both kernels' padded lengths (each slices its own)
+  positions = (cfg.seq_q, cfg.seq_kv, max(g.Sqp, g2.Sqp), max(g.Skvp, g2.Skvp))
+  cfg, split, carrays, meta = F.split_consts(cfg, consts, acc, B, H, grads=True, offsets=offsets,
+                                             positions=positions)
+  cfg, marrays, mmeta, mpos = F.split_mod(cfg, mod, acc, B, H, offsets, positions)
+  pos = split.pos
+  mod_kw = dict(mod=mod, marrays=marrays, mmeta=mmeta, offsets=offsets, pos=pos, mpos=mpos)
   n_diff = split.n_diff
 
   # dK / dV (and dbias, on the same blocks).
-  bq, bk = cfg.blocks.dkv
-  g = Lo.geometry(q.shape, k.shape, v.shape, bq, bk)
   delta_l, lse_l = preprocess(out, lse, dout, dlse, g.Sqp, acc)
-  dk, dv = _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed,
-                 carrays, meta, acc, **mod_kw)
+  dk, dv, dposkv = _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg,
+                         seed, carrays, meta, acc, **mod_kw)
   dk, dv = dk[:, :, : g.Skv, : g.D], dv[:, :, : g.Skv, : g.Dv]
   dbias = None
   if bias is not None:
@@ -415,17 +465,17 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
 
   # dQ (and the score_mod residuals' grads).
-  bq2, bk2 = cfg.blocks.dq
-  g2 = Lo.geometry(q.shape, k.shape, v.shape, bq2, bk2)
   if g2.Sqp != g.Sqp:
     delta_l, lse_l = preprocess(out, lse, dout, dlse, g2.Sqp, acc)
   diff_shapes = [tuple(a.shape[2:]) if not sc else () for a, sc in
                  zip(split.arrays[:n_diff], split.scalar[:n_diff])]
-  dq, dres = _dq(cfg, g2, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed,
-                 carrays, meta, acc, n_diff, diff_shapes, **mod_kw)
+  dq, dres, dposq = _dq(cfg, g2, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg,
+                        seed, carrays, meta, acc, n_diff, diff_shapes, **mod_kw)
   dq = dq[:, :, : g2.Sq, : g2.D]
-  if n_diff:
-    dconsts = tuple(split.to_consts(dres))
+  if split.to_consts is not None:  # grads to the arrays, through per-head / -position residuals
+    fit = lambda ds, xs: tuple(C.pad_to(d, 2, x.shape[2]) for d, x in zip(ds, xs))
+    dconsts = tuple(split.to_consts(dres, *(() if pos is None else (
+        fit(dposq, pos.q), fit(dposkv, pos.kv)))))
   else:  # differentiable consts that the scores do not depend on
     dconsts = tuple(jnp.zeros(jnp.shape(c), jnp.result_type(c)) for c in user_consts[:n_user_diff])
   dconsts = tuple(d.astype(jnp.result_type(c)) for d, c in zip(dconsts, user_consts[:n_user_diff]))

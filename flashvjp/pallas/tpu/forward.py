@@ -48,7 +48,8 @@ def pair_spec(x, g: C.Geometry, index):
 
 
 def add_common(ins: C.KernelInputs, cfg, g: C.Geometry, index, *, bias_p, mask_p, seg_l, seed,
-               const_arrays, meta: Lo.ConstMeta, mod_arrays=(), mod_meta=None, offsets=None):
+               const_arrays, meta: Lo.ConstMeta, mod_arrays=(), mod_meta=None, offsets=None,
+               pos=((), ()), mpos=((), ())):
   """Bias, mask, segment ids, seed, global offsets and score_mod / mask_mod residuals for
   any (b, h, i, j) grid (mask_mod residuals: "mconst{n}", described by `mod_meta`; the
   offsets: int32 [4] "offsets" in SMEM, `_common.offset_operand`).
@@ -76,6 +77,8 @@ def add_common(ins: C.KernelInputs, cfg, g: C.Geometry, index, *, bias_p, mask_p
   off = C.offset_operand(offsets)
   if off is not None:
     ins.add("offsets", off, _compat.smem_spec(off.shape))
+  add_positions(ins, g, index, pos, "pos")
+  add_positions(ins, g, index, mpos, "mpos")
   mod_scalar = () if mod_meta is None else mod_meta.scalar
   for prefix, arrays, scalar in (("const", const_arrays, meta.scalar),
                                  ("mconst", mod_arrays, mod_scalar)):
@@ -87,6 +90,26 @@ def add_common(ins: C.KernelInputs, cfg, g: C.Geometry, index, *, bias_p, mask_p
         ins.add(f"{prefix}{n}", c, _bs(c.shape, functools.partial(lambda nd, *a: (0,) * nd, nd)))
 
 
+def add_positions(ins: C.KernelInputs, g: C.Geometry, index, layouts, prefix: str):
+  """Per-position residuals in `_layout.position_layouts` (q ones, kv ones) as inputs
+  "{prefix}q{n}" / "{prefix}kv{n}": this step's [bq, 128] / [8, bk] blocks (`index` as
+  `add_common`'s)."""
+  qs, kvs = layouts
+
+  def q_pos_map(*a):
+    b, h, i, _ = index(*a)
+    return (b, h, i, 0)
+
+  def kv_pos_map(*a):
+    b, h, _, j = index(*a)
+    return (b, h, 0, j)
+
+  for n, x in enumerate(qs):
+    ins.add(f"{prefix}q{n}", x, _bs((None, None, g.bq, Lo.LANES), q_pos_map))
+  for n, x in enumerate(kvs):
+    ins.add(f"{prefix}kv{n}", x, _bs((None, None, Lo.SUBLANES, g.bk), kv_pos_map))
+
+
 def load_mod_consts(r, mod_meta, b, h):
   """The mask_mod residuals of (b, h) (refs "mconst{n}"; () without a mask_mod)."""
   if mod_meta is None:
@@ -96,7 +119,7 @@ def load_mod_consts(r, mod_meta, b, h):
 
 def row_inputs(cfg: AttentionConfig, g: C.Geometry, lists: Lo.Lists, q, k, v, bias, mask,
                q_seg, kv_seg, seed, const_arrays, meta, mod_arrays=(), mod_meta=None,
-               offsets=None):
+               offsets=None, pos=((), ()), mpos=((), ())):
   """Inputs for a (batch, head, q block, step) grid (the forward and dQ kernels)."""
   G = g.G
 
@@ -118,7 +141,7 @@ def row_inputs(cfg: AttentionConfig, g: C.Geometry, lists: Lo.Lists, q, k, v, bi
   add_common(ins, cfg, g, index, bias_p=C.pad_pair(bias, g),
              mask_p=None if mask is None else C.pad_pair(mask, g).astype(jnp.int8),
              seg_l=(q_seg, kv_seg), seed=seed, const_arrays=const_arrays, meta=meta,
-             mod_arrays=mod_arrays, mod_meta=mod_meta, offsets=offsets)
+             mod_arrays=mod_arrays, mod_meta=mod_meta, offsets=offsets, pos=pos, mpos=mpos)
   return ins
 
 
@@ -207,20 +230,26 @@ def _forward_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
       r[name][...] = x.astype(r[name].dtype)
 
 
-def split_mod(cfg, mod, acc, B, H, offsets=None):
-  """(cfg with the per-tile mask_mod, kernel arrays, ConstMeta or None) of a mask_mod
-  (`_common.split_mask_mod`; residuals travel as the score_mod's do)."""
-  msplit = C.split_mask_mod(cfg, mod, B, H, offsets)
+def positions(cfg: AttentionConfig, g: C.Geometry):
+  """What `_common.split_per_head` needs to hoist per-position residuals for geometry g."""
+  return (cfg.seq_q, cfg.seq_kv, g.Sqp, g.Skvp)
+
+
+def split_mod(cfg, mod, acc, B, H, offsets=None, positions=None):
+  """(cfg with the per-tile mask_mod, kernel arrays, ConstMeta or None, PosResiduals or
+  None) of a mask_mod (`_common.split_mask_mod`; residuals travel as the score_mod's do)."""
+  msplit = C.split_mask_mod(cfg, mod, B, H, offsets, positions)
   if msplit.cfg.mask_mod is None:
-    return msplit.cfg, (), None
-  return msplit.cfg, Lo.const_arrays(msplit, acc), Lo.ConstMeta(tuple(msplit.scalar), H)
+    return msplit.cfg, (), None, None
+  return (msplit.cfg, Lo.const_arrays(msplit, acc), Lo.ConstMeta(tuple(msplit.scalar), H),
+          msplit.pos)
 
 
-def split_consts(cfg, consts, acc, B, H, grads, offsets=None):
+def split_consts(cfg, consts, acc, B, H, grads, offsets=None, positions=None):
   """(cfg with the per-tile score_mod, HeadSplit, kernel arrays, ConstMeta)."""
   cfg, consts = C.hoist_score_mod(cfg, consts, acc)
   split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), acc, B, H, grads=grads,
-                           offsets=offsets)
+                           offsets=offsets, positions=positions)
   return split.cfg, split, Lo.const_arrays(split, acc), Lo.ConstMeta(tuple(split.scalar), H)
 
 
@@ -243,12 +272,14 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   """
   g = Lo.geometry(q.shape, k.shape, v.shape, cfg.blocks.block_q, cfg.blocks.block_kv)
   acc = C.acc_dtype(q.dtype)
-  cfg, _, carrays, meta = split_consts(cfg, consts, acc, g.B, g.H, grads=False, offsets=offsets)
-  cfg, marrays, mmeta = split_mod(cfg, mod, acc, g.B, g.H, offsets)
+  cfg, split, carrays, meta = split_consts(cfg, consts, acc, g.B, g.H, grads=False,
+                                          offsets=offsets, positions=positions(cfg, g))
+  cfg, marrays, mmeta, mpos = split_mod(cfg, mod, acc, g.B, g.H, offsets, positions(cfg, g))
   seg_l, lists, counts, entries = prepare(cfg, g, q_seg, kv_seg, mask, "q", mod)
   q_seg_l, kv_seg_l = seg_l
   ins = row_inputs(cfg, g, lists, q, k, v, bias, mask, q_seg_l, kv_seg_l, seed, carrays, meta,
-                   marrays, mmeta, offsets)
+                   marrays, mmeta, offsets, Lo.position_layouts(split.pos, g, acc),
+                   Lo.position_layouts(mpos, g, acc))
   may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_forward_kernel, cfg=cfg, g=g, lists=lists, names=ins.names,
                              meta=meta, may_mask=may_mask, mod_meta=mmeta)

@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from flashvjp import _score_mod
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas import _compat
@@ -68,14 +67,8 @@ def _tangent_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
     if "tbias" in r:
       ts = ts + r["tbias"][...].astype(acc)
     if cfg.score_mod is not None:
-      fl, rest = tuple(consts[:n_float]), tuple(consts[n_float:])
-      gb, gh, gq, gk = C.global_indices(t, qi, ki)
-      fn = lambda s_, c_: _score_mod.apply(cfg.score_mod, tuple(c_) + rest, s_, gb, gh, gq, gk)
-      if tconsts:
-        tc = tuple(tconsts) + tuple(jnp.zeros_like(c) for c in fl[len(tconsts):])
-        sc, ts = jax.jvp(fn, (sc, fl), (ts, tc))
-      else:
-        sc, ts = jax.jvp(lambda s_: fn(s_, fl), (sc,), (ts,))
+      sc, ts = C.modded_jvp(cfg, sc, ts, t, qi, ki, consts, n_float, tuple(tconsts),
+                            Lo.load_positions(r, "tpos"))
     lse = BW.read_rows(r["lse"])
     if masked:
       dense = None if t.mask is None else (t.mask.astype(jnp.int32) != 0)
@@ -124,24 +117,36 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   tconsts = tuple(tconsts) if tconsts is not None else (None,) * n_user
   cfg0, consts0 = C.hoist_score_mod(cfg, consts, acc)
   consts0 = tuple(jnp.asarray(c) for c in consts0)
+  positions = F.positions(cfg, g)
   cfg, split, carrays, meta = F.split_consts(cfg, consts, acc, g.B, g.H, grads=False,
-                                             offsets=offsets)
+                                             offsets=offsets, positions=positions)
   n_float = sum(1 for x in split.arrays if jnp.issubdtype(x.dtype, jnp.inexact))
   tarrays: tuple = ()
   tmeta = Lo.ConstMeta((), g.H)
+  pos_t = None
   if cfg.score_mod is not None and any(t is not None for t in tconsts):
     diff, fixed = consts0[:n_user], consts0[n_user:]
     tdiff = tuple(jnp.zeros_like(c) if t is None else t.astype(c.dtype)
                   for c, t in zip(diff, tconsts))
-    per_head = lambda d: C.split_per_head(cfg0, tuple(d) + fixed, acc, g.B, g.H, grads=False,
-                                          offsets=offsets).arrays[:n_float]
-    _, res_t = jax.jvp(per_head, (diff,), (tdiff,))
+    floats = lambda xs: tuple(x for x in xs if jnp.issubdtype(x.dtype, jnp.inexact))
+
+    def per_head(d):
+      sp = C.split_per_head(cfg0, tuple(d) + fixed, acc, g.B, g.H, grads=False,
+                            offsets=offsets, positions=positions)
+      p = sp.pos
+      return sp.arrays[:n_float], (() if p is None else floats(p.q) + floats(p.kv))
+
+    _, (res_t, pt) = jax.jvp(per_head, (diff,), (tdiff,))
     tsplit = C.HeadSplit(cfg, tuple(res_t), tuple(split.scalar[:n_float]))
     tarrays, tmeta = Lo.const_arrays(tsplit, acc), Lo.ConstMeta(tuple(split.scalar[:n_float]), g.H)
-  cfg, marrays, mmeta = F.split_mod(cfg, mod, acc, g.B, g.H, offsets)
+    if split.pos is not None:  # the float residuals' tangents, q ones then kv ones
+      nq = len(floats(split.pos.q))
+      pos_t = C.PosResiduals(tuple(pt[:nq]), tuple(pt[nq:]))
+  cfg, marrays, mmeta, mpos = F.split_mod(cfg, mod, acc, g.B, g.H, offsets, positions)
   seg_l, lists, counts, entries = F.prepare(cfg, g, q_seg, kv_seg, mask, "q", mod)
   ins = F.row_inputs(cfg, g, lists, q, k, v, bias, mask, *seg_l, seed, carrays, meta, marrays,
-                     mmeta, offsets)
+                     mmeta, offsets, Lo.position_layouts(split.pos, g, acc),
+                     Lo.position_layouts(mpos, g, acc))
   G = g.G
 
   def kv_block(b, h, i, s, cnt, ent):
@@ -150,6 +155,7 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   def index(b, h, i, s, cnt, ent, *_):
     return b, h, i, kv_block(b, h, i, s, cnt, ent)
 
+  F.add_positions(ins, g, index, Lo.position_layouts(pos_t, g, acc), "tpos")
   for n, (c, sc) in enumerate(zip(tarrays, tmeta.scalar)):
     if sc:
       ins.add(f"tconst{n}", c, _compat.smem_spec(c.shape))

@@ -33,7 +33,6 @@ from jax import lax
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas import _compat
-from flashvjp.pallas import _positions
 
 # The module (the package's `forward` attribute is the forward function).
 F = importlib.import_module("flashvjp.pallas.triton.forward")
@@ -73,25 +72,8 @@ def _tangent_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
     if "tbias" in r:
       ts = ts + C.pair_tile(r["tbias"], (), i, j, g, full_q=False, full_kv=True).astype(acc)
     if cfg.score_mod is not None:
-      fl, rest = tuple(consts[:n_float]), tuple(consts[n_float:])
-      gb, gh, gq, gk = C.global_indices(t, qi, ki)
-      pos = list(t.pos)
-      tpos = F.load_positions(r, g, j, "tpos")  # tangents of the float ones, in t.pos order
-      idx = [k_ for k_ in range(len(pos)) if jnp.issubdtype(pos[k_].dtype, jnp.inexact)]
-
-      def fn(s_, c_, p_=()):
-        pos_ = list(pos)
-        for k_, x in zip(idx, p_):
-          pos_[k_] = x
-        return _positions.apply(cfg.score_mod, tuple(c_) + rest, tuple(pos_), s_, gb, gh, gq,
-                                gk)
-
-      if n_tconsts or tpos:
-        tc = tuple(tconsts) + tuple(jnp.zeros_like(c) for c in fl[n_tconsts:])
-        tp = tuple(tpos) if tpos else tuple(jnp.zeros_like(pos[k_]) for k_ in idx)
-        s, ts = jax.jvp(fn, (s, fl, tuple(pos[k_] for k_ in idx)), (ts, tc, tp))
-      else:
-        s, ts = jax.jvp(lambda s_: fn(s_, fl), (s,), (ts,))
+      s, ts = C.modded_jvp(cfg, s, ts, t, qi, ki, consts, n_float, tuple(tconsts),
+                           F.load_positions(r, g, j, "tpos"))
     neg = C.mask_value(acc)
     if masked:
       q_seg = None if t.q_seg is None else t.q_seg[:, None]
