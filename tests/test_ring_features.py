@@ -264,6 +264,12 @@ _PALLAS_OFFSET_FEATURES = {
     "prefix_lm": (lambda: dict(mask_mod=flashvjp.prefix_lm(jnp.array([20]))), tuple),
     "dropout": (lambda: dict(dropout_rate=0.25, dropout_rng=jax.random.key(7),
                              deterministic=False, window=(20, 20)), tuple),
+    # arrays read by one global position (issue 32: per-position residuals), with gradients
+    "kv_bias_q_temperature": (
+        lambda bv, t: dict(score_mod=lambda s, b, h, i, j: s * t[i] + bv[b, j], causal=True),
+        lambda: (jnp.linspace(-1.0, 1.0, 64)[None], 1.0 + 0.5 * jnp.cos(jnp.arange(64.0)))),
+    "document_causal": (lambda: dict(mask_mod=flashvjp.document_causal(
+        jnp.asarray([[0] * 20 + [1] * 30 + [2] * 14], jnp.int32))), tuple),
 }
 
 

@@ -273,13 +273,14 @@ def count(r, stem: str) -> int:
   return n
 
 
-def position_layouts(pos, g: C.Geometry, acc):
+def position_layouts(pos, g: C.Geometry):
   """Per-position residuals (`_common.PosResiduals`, or None) as kernel arrays, laid out
   like segment ids: q ones lane-broadcast [B, H, Sqp, 128] (read as a [bq, 1] column), kv
-  ones sublane-broadcast [B, H, 8, Skvp] (read as a [1, bk] row); floats in `acc`."""
+  ones sublane-broadcast [B, H, 8, Skvp] (read as a [1, bk] row); floats keep their dtype
+  (the tile part's jaxpr takes them so), other dtypes travel as int32."""
   if pos is None:
     return (), ()
-  cast = lambda x: x.astype(acc if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.int32)
+  cast = lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.int32)
   qs = tuple(jnp.broadcast_to(cast(x[..., : g.Sqp])[..., None], x.shape[:2] + (g.Sqp, LANES))
              for x in pos.q)
   kvs = tuple(jnp.broadcast_to(cast(x[..., : g.Skvp])[:, :, None, :],

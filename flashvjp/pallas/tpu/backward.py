@@ -196,7 +196,7 @@ def _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed
                mask_p=None if mask is None else C.pad_pair(mask, g).astype(jnp.int8),
                seg_l=(q_l, k_l), seed=seed, const_arrays=carrays, meta=meta,
                mod_arrays=marrays, mod_meta=mmeta, offsets=offsets,
-               pos=Lo.position_layouts(pos, g, acc), mpos=Lo.position_layouts(mpos, g, acc))
+               pos=Lo.position_layouts(pos, g), mpos=Lo.position_layouts(mpos, g))
   may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
   n_kv_diff = 0 if pos is None else pos.n_kv_diff
   kernel = functools.partial(_dkdv_kernel, cfg=cfg, g=g, lists=lists, names=ins.names,
@@ -281,8 +281,8 @@ def _dq(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, 
   seg_l, lists, counts, entries = F.prepare(cfg, g, q_seg, kv_seg, mask, "q", mod)
   q_seg_l, kv_seg_l = seg_l
   ins = F.row_inputs(cfg, g, lists, q, k, v, bias, mask, q_seg_l, kv_seg_l, seed, carrays, meta,
-                     marrays, mmeta, offsets, Lo.position_layouts(pos, g, acc),
-                     Lo.position_layouts(mpos, g, acc))
+                     marrays, mmeta, offsets, Lo.position_layouts(pos, g),
+                     Lo.position_layouts(mpos, g))
   row_map = lambda b, h, i, s, *_: (b, h, i, 0)
   ins.add("do", C.pad_seq_head(dout, g.Sqp, g.Dvp), _bs((None, None, g.bq, g.Dvp), row_map))
   add_rows(ins, g, delta_l, lse_l, lambda b, h, i, s, *_: (b, h, i))
@@ -409,7 +409,7 @@ def _dbias(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, see
                mask_p=None if mask_p is None else mask_p.astype(jnp.int8),
                seg_l=(q_l, k_l), seed=seed, const_arrays=carrays, meta=meta,
                mod_arrays=marrays, mod_meta=mmeta, offsets=offsets,
-               pos=Lo.position_layouts(pos, g, acc), mpos=Lo.position_layouts(mpos, g, acc))
+               pos=Lo.position_layouts(pos, g), mpos=Lo.position_layouts(mpos, g))
   may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_dbias_kernel, cfg=cfg, g=g, names=ins.names, meta=meta,
                              may_mask=may_mask, bias_shape=bshape, red=red, Bl=Bl, Hl=Hl,

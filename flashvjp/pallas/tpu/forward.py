@@ -278,8 +278,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   seg_l, lists, counts, entries = prepare(cfg, g, q_seg, kv_seg, mask, "q", mod)
   q_seg_l, kv_seg_l = seg_l
   ins = row_inputs(cfg, g, lists, q, k, v, bias, mask, q_seg_l, kv_seg_l, seed, carrays, meta,
-                   marrays, mmeta, offsets, Lo.position_layouts(split.pos, g, acc),
-                   Lo.position_layouts(mpos, g, acc))
+                   marrays, mmeta, offsets, Lo.position_layouts(split.pos, g),
+                   Lo.position_layouts(mpos, g))
   may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_forward_kernel, cfg=cfg, g=g, lists=lists, names=ins.names,
                              meta=meta, may_mask=may_mask, mod_meta=mmeta)

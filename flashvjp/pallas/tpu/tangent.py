@@ -145,8 +145,8 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   cfg, marrays, mmeta, mpos = F.split_mod(cfg, mod, acc, g.B, g.H, offsets, positions)
   seg_l, lists, counts, entries = F.prepare(cfg, g, q_seg, kv_seg, mask, "q", mod)
   ins = F.row_inputs(cfg, g, lists, q, k, v, bias, mask, *seg_l, seed, carrays, meta, marrays,
-                     mmeta, offsets, Lo.position_layouts(split.pos, g, acc),
-                     Lo.position_layouts(mpos, g, acc))
+                     mmeta, offsets, Lo.position_layouts(split.pos, g),
+                     Lo.position_layouts(mpos, g))
   G = g.G
 
   def kv_block(b, h, i, s, cnt, ent):
@@ -155,7 +155,7 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   def index(b, h, i, s, cnt, ent, *_):
     return b, h, i, kv_block(b, h, i, s, cnt, ent)
 
-  F.add_positions(ins, g, index, Lo.position_layouts(pos_t, g, acc), "tpos")
+  F.add_positions(ins, g, index, Lo.position_layouts(pos_t, g), "tpos")
   for n, (c, sc) in enumerate(zip(tarrays, tmeta.scalar)):
     if sc:
       ins.add(f"tconst{n}", c, _compat.smem_spec(c.shape))
