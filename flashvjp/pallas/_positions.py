@@ -76,14 +76,13 @@ def _eval(jaxpr, env: dict, eqns):
   return read
 
 
-def hoist(fn, consts, acc, arity: int = 5) -> Hoist | None:
+def hoist(fn, consts, acc) -> Hoist | None:
   """Split the scalar mod `fn` (see the module doc), or None when nothing is read by one
   position through an indexing primitive (the mod is then left as it is).
 
-  `arity`: 5 for a score_mod ``fn(s, b, h, q, kv, *consts)``; a mask_mod is passed in the
-  same form (`_common._mask_mod_as_score_mod`).
+  `fn`: a score_mod ``fn(s, b, h, q, kv, *consts)``; a mask_mod is passed in the same form
+  (`_common._mask_mod_as_score_mod`).
   """
-  del arity
   consts = tuple(consts)
   s = jax.ShapeDtypeStruct((), acc)
   i = jax.ShapeDtypeStruct((), jnp.int32)
@@ -107,7 +106,7 @@ def hoist(fn, consts, acc, arity: int = 5) -> Hoist | None:
   hoist_eqn = lambda e: any(hoisted.get(v, False) for v in e.outvars)
   tile_eqns = [e for e in jaxpr.eqns if not hoist_eqn(e)]
   # the frontier: hoisted values read by the tile (or returned)
-  reads = [v for e in tile_eqns for v in e.invars if not _is_literal(v)]
+  reads: list = [v for e in tile_eqns for v in e.invars if not _is_literal(v)]
   reads += [v for v in jaxpr.outvars if not _is_literal(v)]
   frontier: dict = {}
   for v in reads:
