@@ -347,6 +347,35 @@ def split_per_head(cfg: AttentionConfig, consts, acc, B: int, H: int, grads: boo
   return HeadSplit(new_cfg, arrays, scalar, n_diff, to_consts, pos)
 
 
+def residual_tangents(cfg: AttentionConfig, consts, tconsts, acc, B: int, H: int, split,
+                      offsets=None, positions=None):
+  """(tangents of the float per-head residuals, PosResiduals of the float per-position
+  residuals' tangents or None): the JVP of `split_per_head` (`split`, made from cfg after
+  `hoist_score_mod` and `consts`) along `tconsts`, the tangents of cfg.num_diff_consts
+  leading consts (None: zero). For the tangent kernels."""
+  n_user = cfg.num_diff_consts
+  if cfg.score_mod is None or not any(t is not None for t in tconsts):
+    return (), None
+  consts = tuple(consts)
+  diff, fixed = consts[:n_user], consts[n_user:]
+  tdiff = tuple(jnp.zeros_like(c) if t is None else t.astype(c.dtype)
+                for c, t in zip(diff, tconsts))
+  floats = lambda xs: tuple(x for x in xs if jnp.issubdtype(x.dtype, jnp.inexact))
+  n_float = len(floats(split.arrays))
+
+  def residuals(d):
+    sp = split_per_head(cfg, tuple(d) + fixed, acc, B, H, grads=False, offsets=offsets,
+                        positions=positions)
+    p = sp.pos
+    return sp.arrays[:n_float], (() if p is None else floats(p.q) + floats(p.kv))
+
+  _, (res_t, pos_t) = jax.jvp(residuals, (diff,), (tdiff,))
+  if split.pos is None:
+    return tuple(res_t), None
+  nq = len(floats(split.pos.q))  # q ones then kv ones
+  return tuple(res_t), PosResiduals(tuple(pos_t[:nq]), tuple(pos_t[nq:]))
+
+
 @dataclasses.dataclass
 class ModSplit:
   """A mask_mod split like a score_mod (`HeadSplit`): per-(b, h) residuals and a tile part.

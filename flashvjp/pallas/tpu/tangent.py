@@ -123,25 +123,11 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   n_float = sum(1 for x in split.arrays if jnp.issubdtype(x.dtype, jnp.inexact))
   tarrays: tuple = ()
   tmeta = Lo.ConstMeta((), g.H)
-  pos_t = None
-  if cfg.score_mod is not None and any(t is not None for t in tconsts):
-    diff, fixed = consts0[:n_user], consts0[n_user:]
-    tdiff = tuple(jnp.zeros_like(c) if t is None else t.astype(c.dtype)
-                  for c, t in zip(diff, tconsts))
-    floats = lambda xs: tuple(x for x in xs if jnp.issubdtype(x.dtype, jnp.inexact))
-
-    def per_head(d):
-      sp = C.split_per_head(cfg0, tuple(d) + fixed, acc, g.B, g.H, grads=False,
-                            offsets=offsets, positions=positions)
-      p = sp.pos
-      return sp.arrays[:n_float], (() if p is None else floats(p.q) + floats(p.kv))
-
-    _, (res_t, pt) = jax.jvp(per_head, (diff,), (tdiff,))
+  res_t, pos_t = C.residual_tangents(cfg0, consts0, tconsts, acc, g.B, g.H, split, offsets,
+                                     positions)
+  if res_t:
     tsplit = C.HeadSplit(cfg, tuple(res_t), tuple(split.scalar[:n_float]))
     tarrays, tmeta = Lo.const_arrays(tsplit, acc), Lo.ConstMeta(tuple(split.scalar[:n_float]), g.H)
-    if split.pos is not None:  # the float residuals' tangents, q ones then kv ones
-      nq = len(floats(split.pos.q))
-      pos_t = C.PosResiduals(tuple(pt[:nq]), tuple(pt[nq:]))
   cfg, marrays, mmeta, mpos = F.split_mod(cfg, mod, acc, g.B, g.H, offsets, positions)
   seg_l, lists, counts, entries = F.prepare(cfg, g, q_seg, kv_seg, mask, "q", mod)
   ins = F.row_inputs(cfg, g, lists, q, k, v, bias, mask, *seg_l, seed, carrays, meta, marrays,

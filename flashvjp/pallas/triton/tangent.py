@@ -164,24 +164,8 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   split = C.split_per_head(cfg, consts, acc, g.B, g.H, grads=False, offsets=offsets,
                            positions=positions)
   n_float = sum(1 for x in split.arrays if jnp.issubdtype(x.dtype, jnp.inexact))
-  res_tangents: tuple = ()
-  pos_tangents = None
-  if cfg.score_mod is not None and any(t is not None for t in tconsts):
-    diff, fixed = tuple(consts[:n_user]), tuple(consts[n_user:])
-    tdiff = tuple(jnp.zeros_like(c) if t is None else t.astype(c.dtype)
-                  for c, t in zip(diff, tconsts))
-    floats = lambda xs: tuple(x for x in xs if jnp.issubdtype(x.dtype, jnp.inexact))
-
-    def per_head(d):
-      sp = C.split_per_head(cfg, tuple(d) + fixed, acc, g.B, g.H, grads=False,
-                            offsets=offsets, positions=positions)
-      p = sp.pos
-      return sp.arrays[:n_float], (() if p is None else floats(p.q) + floats(p.kv))
-
-    _, (res_tangents, pos_t) = jax.jvp(per_head, (diff,), (tdiff,))
-    if split.pos is not None:  # the float residuals' tangents, q ones then kv ones
-      nq = len(floats(split.pos.q))
-      pos_tangents = C.PosResiduals(tuple(pos_t[:nq]), tuple(pos_t[nq:]))
+  res_tangents, pos_tangents = C.residual_tangents(cfg, consts, tconsts, acc, g.B, g.H, split,
+                                                   offsets, positions)
   msplit = C.split_mask_mod(split.cfg, mod, g.B, g.H, offsets, positions)
   cfg = msplit.cfg
   ins = F.kernel_inputs(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, split.arrays, mod,
