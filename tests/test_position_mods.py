@@ -114,17 +114,21 @@ def _docs(n_docs, S=SQ, batch=B):
 
 @pytest.mark.parametrize("impl", FAMILIES)
 def test_document_causal_grads_and_tangent(impl):
+  """With a bias too: the dbias kernels read the mask_mod's per-position values as well."""
   q, k, v = _util.random_qkv(2, B, H, HKV, SQ, SQ, D)
   mm = flashvjp.document_causal(jnp.sort(_docs(5), axis=1))
   w = jax.random.normal(jax.random.key(1), (B, H, SQ, D), jnp.float64)
+  bias = jax.random.normal(jax.random.key(4), (1, H, SQ, SQ), jnp.float32)
 
-  def f(impl, q, k, v):
+  def f(impl, q, k, v, bias=None):
     extra = {} if impl == "naive" else BLOCKS
-    return flashvjp.flash_attention(q, k, v, mask_mod=mm, implementation=impl, **extra)
+    return flashvjp.flash_attention(q, k, v, bias=bias, mask_mod=mm, implementation=impl,
+                                    **extra)
 
   loss = lambda impl, *a: jnp.sum(f(impl, *a).astype(jnp.float64) * w)
-  got = jax.value_and_grad(lambda *a: loss(impl, *a), (0, 1, 2))(q, k, v)
-  ref = jax.value_and_grad(lambda *a: loss("naive", *a), (0, 1, 2))(*_util.as64((q, k, v)))
+  got = jax.value_and_grad(lambda *a: loss(impl, *a), (0, 1, 2, 3))(q, k, v, bias)
+  ref = jax.value_and_grad(lambda *a: loss("naive", *a), (0, 1, 2, 3))(
+      *_util.as64((q, k, v, bias)))
   _util.assert_close(got, ref, jnp.float32, "document_causal grad", impl=impl)
   t = _util.random_qkv(9, B, H, HKV, SQ, SQ, D)
   got = jax.jvp(lambda *a: f(impl, *a), (q, k, v), t)
