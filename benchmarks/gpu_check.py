@@ -170,6 +170,7 @@ def correctness_cases(smoke):
   bias = lambda shape: 0.5 * jax.random.normal(jax.random.key(9), shape, jnp.float32)
   drop = dict(dropout_rate=0.2, dropout_rng=jax.random.key(3), deterministic=False)
   prefix = jnp.asarray([S // 3, S // 2], jnp.int32)
+  kv_bias = jnp.cos(jnp.arange(2 * S2, dtype=jnp.float32)).reshape(2, S2)  # read by kv position
   base = dict(B=2, H=4, Hkv=2, Sq=S, Skv=S2, D=64, Dv=64, dtype="bfloat16")
   f32 = dict(dtype="float32")
   combo = dict(causal=True, segment_ids=(jnp.asarray(seg_q), jnp.asarray(seg_kv)),
@@ -188,6 +189,10 @@ def correctness_cases(smoke):
       ("alibi score_mod (slopes[h] per head)", {},
        dict(causal=True, score_mod=flashvjp.alibi(flashvjp.alibi_slopes(4)))),
       ("mask_mod prefix_lm", dict(Skv=S), dict(mask_mod=flashvjp.prefix_lm(prefix))),
+      ("score_mod kv bias by position (grad)", {},
+       dict(causal=True, score_mod=lambda s, b, h, i, j: s + kv_bias[b, j])),
+      ("mask_mod document_causal", dict(Skv=S),
+       dict(mask_mod=flashvjp.document_causal(jnp.asarray(seg_q)))),
       ("sinks (grad)", {}, dict(causal=True, sinks=jnp.linspace(-1.0, 2.0, 4))),
       ("dropout", {}, drop),
       ("combo", {}, dict(combo, **drop)),

@@ -136,6 +136,7 @@ def _features(B, H, Sq) -> list[tuple]:
   mask[:, :, 1] = False  # an empty row
   seg = np.repeat(np.arange(Sq)[None] // 23, B, 0).astype(np.int32)
   bias = jax.random.normal(jax.random.key(1), (1, H, Sq, Sq), jnp.float64)
+  kv_bias = jnp.asarray(rng.standard_normal((B, Sq)))
   return [
       ("plain", {}),
       ("causal", dict(causal=True)),
@@ -148,12 +149,16 @@ def _features(B, H, Sq) -> list[tuple]:
       ("dropout 0.2", dict(dropout_rate=0.2, dropout_rng=jax.random.key(3), deterministic=False)),
       ("mask_mod prefix_lm", dict(mask_mod=flashvjp.prefix_lm(
           jnp.asarray((np.arange(B) * 17 + 9) % Sq, jnp.int32)))),
+      # arrays read by one position (per-position residuals in the kernels)
+      ("score_mod kv bias", dict(score_mod=lambda s, b, h, i, j: s + kv_bias[b, j], causal=True)),
+      ("mask_mod document_causal", dict(mask_mod=flashvjp.document_causal(jnp.asarray(seg)))),
       ("sinks", dict(sinks=jnp.linspace(-1.0, 2.0, H), causal=True)),
   ]
 
 
 FEATURES = ("plain", "causal", "window(8,4)", "segment_ids", "mask+empty row", "bias", "softcap",
-            "alibi", "dropout 0.2", "mask_mod prefix_lm", "sinks")
+            "alibi", "dropout 0.2", "mask_mod prefix_lm", "score_mod kv bias",
+            "mask_mod document_causal", "sinks")
 
 
 def run(implementations, dtype=jnp.float32, B=1, H=4, Hkv=2, S=70, D=32,
