@@ -85,6 +85,25 @@ def test_grads_to_q_k_v_and_every_array(name, with_bias, impl):
   assert any(float(jnp.abs(d).max()) > 0 for d in got[4])  # the arrays do get gradients
 
 
+def test_tpu_lane_major_rows():
+  """Mosaic-TPU with one 128-row q block: q residuals and their gradients travel lane-major
+  [B, H, 1, Sqp] (the compiled defaults' layout), not lane-broadcast (the other tests)."""
+  q, k, v, _, arrays = _inputs("both")
+  from flashvjp.pallas.tpu import _layout
+  assert _layout.rows_lane_major(_layout.geometry(q.shape, k.shape, v.shape, 128, 128))
+
+  def loss(impl, q, k, v, arrays):
+    extra = {} if impl == "naive" else dict(block_q=128, block_kv=128)
+    out = flashvjp.flash_attention(q, k, v, causal=True, score_mod=MODS["both"](*arrays),
+                                   implementation=impl, **extra)
+    return jnp.sum(jnp.sin(out.astype(jnp.float64)))
+
+  got = jax.value_and_grad(lambda *a: loss("pallas_tpu", *a), (0, 1, 2, 3))(q, k, v, arrays)
+  ref = jax.value_and_grad(lambda *a: loss("naive", *a), (0, 1, 2, 3))(
+      *_util.as64((q, k, v, arrays)))
+  _util.assert_close(got, ref, jnp.float32, "lane-major", impl="pallas_tpu")
+
+
 @pytest.mark.parametrize("impl", FAMILIES)
 @pytest.mark.parametrize("name", sorted(MODS))
 def test_tangent_with_array_tangents(name, impl):

@@ -273,24 +273,47 @@ def count(r, stem: str) -> int:
   return n
 
 
+def rows_lane_major(g: C.Geometry) -> bool:
+  """Whether per-row vectors (lse, delta, q per-position residuals) travel lane-major
+  [B, H, 1, Sqp] (block (1, bq), read as a [bq, 1] column): when bq is a multiple of 128
+  or the whole padded sequence; else lane-broadcast [B, H, Sqp, 128] (128x the memory)."""
+  return g.bq % LANES == 0 or g.nq == 1
+
+
 def position_layouts(pos, g: C.Geometry):
-  """Per-position residuals (`_common.PosResiduals`, or None) as kernel arrays, laid out
-  like segment ids: q ones lane-broadcast [B, H, Sqp, 128] (read as a [bq, 1] column), kv
-  ones sublane-broadcast [B, H, 8, Skvp] (read as a [1, bk] row); floats keep their dtype
+  """Per-position residuals (`_common.PosResiduals`, or None) as kernel arrays: q ones
+  lane-major [B, H, 1, Sqp] (or lane-broadcast [B, H, Sqp, 128], `rows_lane_major`), read as
+  a [bq, 1] column; kv ones [B, H, 1, Skvp], read as a [1, bk] row. Floats keep their dtype
   (the tile part's jaxpr takes them so), other dtypes travel as int32."""
   if pos is None:
     return (), ()
   cast = lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.int32)
-  qs = tuple(jnp.broadcast_to(cast(x[..., : g.Sqp])[..., None], x.shape[:2] + (g.Sqp, LANES))
-             for x in pos.q)
-  kvs = tuple(jnp.broadcast_to(cast(x[..., : g.Skvp])[:, :, None, :],
-                               x.shape[:2] + (SUBLANES, g.Skvp)) for x in pos.kv)
+  if rows_lane_major(g):
+    qs = tuple(cast(x[..., : g.Sqp])[:, :, None, :] for x in pos.q)
+  else:
+    qs = tuple(lane_rows(cast(x[..., : g.Sqp]), g.Sqp) for x in pos.q)
+  kvs = tuple(cast(x[..., : g.Skvp])[:, :, None, :] for x in pos.kv)
   return qs, kvs
+
+
+def read_column(ref):
+  """[bq, 1] column of a per-row block in either layout of `rows_lane_major`."""
+  if ref.shape[0] == 1:  # lane-major (1, bq)
+    return jnp.expand_dims(ref[0], -1)
+  return ref[:, 0:1]
+
+
+def write_column(ref, col):
+  """Write a [bq, 1] column `col` into a per-row output block in either layout."""
+  x = jnp.broadcast_to(col, (col.shape[0], LANES))
+  if ref.shape[0] == 1:  # lane-major (1, bq) block: a [bq, 128] -> [128, bq] transpose
+    x = jnp.transpose(x)[0:1, :]
+  ref[...] = x.astype(ref.dtype)
 
 
 def load_positions(r, prefix: str) -> tuple:
   """The per-position residual tiles of this step's blocks (`position_layouts`)."""
-  return (tuple(r[f"{prefix}q{n}"][:, 0:1] for n in range(count(r, f"{prefix}q")))
+  return (tuple(read_column(r[f"{prefix}q{n}"]) for n in range(count(r, f"{prefix}q")))
           + tuple(r[f"{prefix}kv{n}"][0:1, :] for n in range(count(r, f"{prefix}kv"))))
 
 

@@ -98,7 +98,7 @@ def add_rows(ins, g: C.Geometry, delta, lse, index):
   kernel does) when bq is a multiple of 128 or the whole padded sequence; else
   lane-broadcast [B, H, Sqp, 128] (block (bq, 128), 128x the memory).
   """
-  lanes = g.bq % Lo.LANES == 0 or g.nq == 1
+  lanes = Lo.rows_lane_major(g)
   for name, x in (("lse", lse), ("delta", delta)):
     if lanes:
       ins.add(name, x[:, :, None, :], _bs(
@@ -108,11 +108,7 @@ def add_rows(ins, g: C.Geometry, delta, lse, index):
           (None, None, g.bq, Lo.LANES), lambda *a: (index(*a)[0], index(*a)[1], index(*a)[2], 0)))
 
 
-def read_rows(ref):
-  """[bq, 1] column of a lse / delta block in either layout of `add_rows`."""
-  if ref.shape[0] == 1:  # lane-major (1, bq)
-    return jnp.expand_dims(ref[0], -1)
-  return ref[:, 0:1]
+read_rows = Lo.read_column  # [bq, 1] column of a lse / delta block in either layout
 
 
 # ---- dK / dV ------------------------------------------------------------------------
@@ -160,7 +156,7 @@ def _dkdv_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, n
     @pl.when(s == lists.W - 1)
     def _finish_head():
       for n in range(n_kv_diff):
-        r[f"dposkv{n}"][...] = r[f"dpk_s{n}"][...]
+        r[f"dposkv{n}"][...] = r[f"dpk_s{n}"][0:1, :]
 
   @pl.when(t_ == g.G * lists.W - 1)
   def _finish():
@@ -212,11 +208,11 @@ def _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed
       kernel,
       out_shape=(jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), k.dtype),
                  jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), v.dtype),
-                 *(jax.ShapeDtypeStruct((g.B, g.H, Lo.SUBLANES, g.Skvp), acc),) * n_kv_diff),
+                 *(jax.ShapeDtypeStruct((g.B, g.H, 1, g.Skvp), acc),) * n_kv_diff),
       grid=(g.B, g.Hkv, g.nk, G * W),
       in_specs=ins.specs,
       out_specs=(_bs((None, None, g.bk, g.Dp), kv_map), _bs((None, None, g.bk, g.Dvp), kv_map),
-                 *(_bs((None, None, Lo.SUBLANES, g.bk), dpk_map),) * n_kv_diff),
+                 *(_bs((None, None, 1, g.bk), dpk_map),) * n_kv_diff),
       scratch_shapes=[_compat.tpu_vmem((g.bk, g.Dp), acc), _compat.tpu_vmem((g.bk, g.Dvp), acc),
                       *(_compat.tpu_vmem((Lo.SUBLANES, g.bk), acc),) * n_kv_diff],
       num_scalar_prefetch=2,
@@ -272,7 +268,7 @@ def _dq_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, nam
     for n in range(n_diff):
       r[f"dconst{n}"][...] = r[f"dc_s{n}"][...]
     for n in range(n_q_diff):
-      r[f"dposq{n}"][...] = r[f"dpq_s{n}"][...]
+      Lo.write_column(r[f"dposq{n}"], r[f"dpq_s{n}"][:, 0:1])
 
 
 def _dq(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, carrays, meta,
@@ -298,9 +294,14 @@ def _dq(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, 
     out_specs.append(_bs((None, None, None, Lo.SUBLANES, L), lambda b, h, i, s, *_: (b, h, i, 0, 0)))
     scratch.append(_compat.tpu_vmem((Lo.SUBLANES, L), acc))
   n_q_diff = 0 if pos is None else pos.n_q_diff
-  for _ in range(n_q_diff):  # d(q residual): [B, H, Sqp, 128] lane-broadcast rows
-    out_shape.append(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, Lo.LANES), acc))
-    out_specs.append(_bs((None, None, g.bq, Lo.LANES), row_map))
+  lanes = Lo.rows_lane_major(g)
+  for _ in range(n_q_diff):  # d(q residual), laid out as the residual (`Lo.position_layouts`)
+    if lanes:
+      out_shape.append(jax.ShapeDtypeStruct((g.B, g.H, 1, g.Sqp), acc))
+      out_specs.append(_bs((None, None, 1, g.bq), lambda b, h, i, s, *_: (b, h, 0, i)))
+    else:
+      out_shape.append(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, Lo.LANES), acc))
+      out_specs.append(_bs((None, None, g.bq, Lo.LANES), row_map))
     scratch.append(_compat.tpu_vmem((g.bq, Lo.LANES), acc))
   may_mask = Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None)
   kernel = functools.partial(_dq_kernel, cfg=cfg, g=g, lists=lists, names=ins.names, meta=meta,
@@ -320,7 +321,7 @@ def _dq(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed, 
   dq, partials, dposq = outs[0], outs[1:1 + n_diff], outs[1 + n_diff:]
   dres = tuple(p_[:, :, :, 0, :size].sum(axis=2).reshape((g.B, g.H) + tuple(shape))
                for p_, size, shape in zip(partials, sizes, diff_shapes))
-  return dq, dres, tuple(d[..., 0] for d in dposq)
+  return dq, dres, tuple(d[:, :, 0, :] if lanes else d[..., 0] for d in dposq)
 
 
 # ---- dbias ----------------------------------------------------------------------------

@@ -92,22 +92,29 @@ def add_common(ins: C.KernelInputs, cfg, g: C.Geometry, index, *, bias_p, mask_p
 
 def add_positions(ins: C.KernelInputs, g: C.Geometry, index, layouts, prefix: str):
   """Per-position residuals in `_layout.position_layouts` (q ones, kv ones) as inputs
-  "{prefix}q{n}" / "{prefix}kv{n}": this step's [bq, 128] / [8, bk] blocks (`index` as
-  `add_common`'s)."""
+  "{prefix}q{n}" / "{prefix}kv{n}": this step's (1, bq) or (bq, 128) / (1, bk) blocks
+  (`index` as `add_common`'s)."""
   qs, kvs = layouts
 
   def q_pos_map(*a):
     b, h, i, _ = index(*a)
     return (b, h, i, 0)
 
+  def q_lane_map(*a):
+    b, h, i, _ = index(*a)
+    return (b, h, 0, i)
+
   def kv_pos_map(*a):
     b, h, _, j = index(*a)
     return (b, h, 0, j)
 
   for n, x in enumerate(qs):
-    ins.add(f"{prefix}q{n}", x, _bs((None, None, g.bq, Lo.LANES), q_pos_map))
+    if x.shape[2] == 1:  # lane-major [B, H, 1, Sqp]
+      ins.add(f"{prefix}q{n}", x, _bs((None, None, 1, g.bq), q_lane_map))
+    else:
+      ins.add(f"{prefix}q{n}", x, _bs((None, None, g.bq, Lo.LANES), q_pos_map))
   for n, x in enumerate(kvs):
-    ins.add(f"{prefix}kv{n}", x, _bs((None, None, Lo.SUBLANES, g.bk), kv_pos_map))
+    ins.add(f"{prefix}kv{n}", x, _bs((None, None, 1, g.bk), kv_pos_map))
 
 
 def load_mod_consts(r, mod_meta, b, h):
@@ -222,12 +229,8 @@ def _forward_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
     lse = jnp.where(empty, neg, m_s[:, 0:1] + jnp.log(jnp.where(empty, 1.0, l)))
     # cfg.max_logits: the running max over allowed entries is the row's max logit
     for name, x in (("lse", lse), ("row_max", jnp.where(empty, neg, m_s[:, 0:1]))):
-      if name not in r:
-        continue
-      x = jnp.broadcast_to(x, (g.bq, Lo.LANES))
-      if r[name].shape[0] == 1:  # lane-major (1, bq) block: a [bq, 128] -> [128, bq] transpose
-        x = jnp.transpose(x)[0:1, :]
-      r[name][...] = x.astype(r[name].dtype)
+      if name in r:
+        Lo.write_column(r[name], x)
 
 
 def positions(cfg: AttentionConfig, g: C.Geometry):

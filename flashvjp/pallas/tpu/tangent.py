@@ -101,10 +101,7 @@ def _tangent_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
     if "out" in r:  # without out: a (the caller subtracts mu * out, `_delta.tangent_out`)
       a = a - mu * r["out"][...].astype(acc)
     r["t_out"][...] = a.astype(r["t_out"].dtype)
-    t_lse = mu_s[...]
-    if r["t_lse"].shape[0] == 1:  # lane-major (1, bq) block: a [bq, 128] -> [128, bq] transpose
-      t_lse = jnp.transpose(t_lse)[0:1, :]
-    r["t_lse"][...] = t_lse.astype(r["t_lse"].dtype)
+    Lo.write_column(r["t_lse"], mu_s[:, 0:1])
 
 
 def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
@@ -164,7 +161,7 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   big = C.lse_pad_value(acc)
   lse_b = jnp.where(jnp.isfinite(lse), lse.astype(acc), big)
   lse_b = jnp.pad(lse_b, ((0, 0), (0, 0), (0, g.Sqp - g.Sq)), constant_values=big)
-  lanes = g.bq % Lo.LANES == 0 or g.nq == 1
+  lanes = Lo.rows_lane_major(g)
   if lanes:
     ins.add("lse", lse_b[:, :, None, :], F._bs((None, None, 1, g.bq),
                                                lambda b, h, i, s, *_: (b, h, 0, i)))
