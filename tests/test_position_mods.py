@@ -230,3 +230,15 @@ def test_document_causal_visits_the_blocks_segment_ids_visit():
                                 np.broadcast_to(np.asarray(seg_cls) != _mask.EMPTY,
                                                 np.shape(mod_lists)))
   assert visited(seg_cls) <= causal / 8 + nb, (visited(seg_cls), causal)
+
+
+def test_refusal_names_only_what_the_family_cannot_read():
+  """A mod with a kv bias (compiled) and a relative-position table (not yet): the refusal
+  names the table's class, not the bias'."""
+  q = jax.ShapeDtypeStruct((B, H, 256, 64), jnp.bfloat16)
+  bv, table = jnp.ones((B, 256)), jnp.ones((H, 9))
+  sm = lambda s, b, h, i, j: s + bv[b, j] + table[h, jnp.clip(j - i, -4, 4) + 4]
+  for impl in FAMILIES:
+    with pytest.raises(ValueError, match="by kv_idx - q_idx") as e:
+      flashvjp.explain(q, q, q, score_mod=sm, implementation=impl, interpret=False)
+    assert "by kv position" not in str(e.value), str(e.value)

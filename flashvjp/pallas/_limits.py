@@ -37,9 +37,15 @@ def all_eqns(jaxpr):
       yield e
 
 
-def _operands_note(fn, mod: str, consts) -> str:
-  """The position-indexed operands, named with how they are read (`flashvjp._indexing`)."""
-  ops = [o for o in _indexing.of_mod(fn, mod, consts) if o.how not in ("per (b, h)", "whole")]
+# Operand classes every family compiles, and those a family with per-position residuals adds.
+_COMPILED = ("per (b, h)", "whole")
+_BY_ONE_POSITION = ("by q position", "by kv position", "by q position and by kv position")
+
+
+def _operands_note(fn, mod: str, consts, positions: bool) -> str:
+  """The operands the family cannot read, named with how they are read (`flashvjp._indexing`)."""
+  ok = _COMPILED + (_BY_ONE_POSITION if positions else ())
+  ops = [o for o in _indexing.of_mod(fn, mod, consts) if o.how not in ok]
   return "".join(f"; {_indexing.compile_hint(o)}" for o in ops)
 
 
@@ -68,9 +74,10 @@ def score_mod_problem(score_mod, consts, acc_dtype, *, lowering, residual_proble
   _, _, res_avals, tile = _common.split_score_mod_jaxprs(fn, consts, acc_dtype, pos_avals)
   bad = sorted({e.primitive.name for e in all_eqns(tile.jaxpr)} - ELEMENTWISE_PRIMITIVES)
   if bad:
+    note = _operands_note(score_mod, "score_mod", consts, positions)
     return (f"score_mod uses {', '.join(bad)} on per-position values, which the {lowering}"
             " lowering cannot apply to a tile (e.g. indexing a table by the relative position"
-            " kv_idx - q_idx is a gather)" + _operands_note(score_mod, "score_mod", consts))
+            " kv_idx - q_idx is a gather)" + note)
   for a in res_avals:
     problem = residual_problem(a)
     if problem is not None:
@@ -89,10 +96,12 @@ def mask_mod_problem(mask_mod, consts, *, lowering, residual_problem, positions:
       mask_mod, tuple(consts), (1, 1, 1, 1) if positions else None)
   bad = sorted({e.primitive.name for e in all_eqns(tile.jaxpr)} - ELEMENTWISE_PRIMITIVES)
   if bad:
+    example = ("an array read at both positions at once, pairs[q_idx, kv_idx]" if positions
+               else "document_causal's doc_ids[b, q_idx]")
+    note = _operands_note(mask_mod, "mask_mod", consts, positions)
     return (f"mask_mod uses {', '.join(bad)} on per-position values, which the {lowering}"
-            " lowering cannot apply to a tile (e.g. reading an array at q_idx / kv_idx, as"
-            " document_causal's doc_ids[b, q_idx], is a gather); the blockwise path or"
-            " interpret mode run it" + _operands_note(mask_mod, "mask_mod", consts))
+            f" lowering cannot apply to a tile (e.g. {example}, a gather); the blockwise path"
+            " or interpret mode run it" + note)
   for a in res_avals:
     problem = residual_problem(a, "mask_mod")
     if problem is not None:
