@@ -225,7 +225,7 @@ def _est_correctness(smoke, dims):
 
 def plan_correctness(plan: Plan, smoke):
   for name in ("refusal: relative_position_bias score_mod (gather)",
-               "refusal: document_causal mask_mod (gather)"):
+               "refusal: pair-indexed mask_mod (gather)"):
     plan.rows.append(Row("correctness", f"correctness {name}", "explain() only, no kernel",
                          0.5, run_refusal_row, dict(name=name)))
   for name, dims, kw, pname in correctness_cases(smoke):
@@ -687,8 +687,9 @@ def run_refusal_row(run: Run, row: Row) -> dict:
   q = jax.ShapeDtypeStruct((1, 4, 64, 64), jnp.bfloat16)
   if "relative" in row.args["name"]:
     opts = dict(score_mod=flashvjp.relative_position_bias(jnp.zeros((4, 9), jnp.float32), 4))
-  else:
-    opts = dict(mask_mod=flashvjp.document_causal(jnp.zeros((1, 64), jnp.int32)), causal=True)
+  else:  # read at both positions at once (document_causal's ids, by one position, compile)
+    pairs = jnp.zeros((64, 64), jnp.bool_)
+    opts = dict(mask_mod=lambda b, h, i, j: pairs[i, j], causal=True)
   try:
     flashvjp.explain(q, q, q, implementation=BACKEND, interpret=False, **opts)
     refused, why = False, "accepted"
