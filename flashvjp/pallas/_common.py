@@ -223,9 +223,14 @@ class PosResiduals:
   n_q_diff: int = 0
   n_kv_diff: int = 0
 
-  @property
-  def n(self) -> int:
-    return len(self.q) + len(self.kv)
+
+def count_refs(r, stem: str) -> int:
+  """How many refs "{stem}0", "{stem}1", ... a kernel's ref dict `r` has (per-position
+  residuals and their tangents: "posq{n}", "mposkv{n}", ...)."""
+  n = 0
+  while f"{stem}{n}" in r:
+    n += 1
+  return n
 
 
 def _hoisted(fn, consts, acc, positions):

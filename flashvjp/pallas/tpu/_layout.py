@@ -265,14 +265,6 @@ def load_tile(r, b, h, i, j, mod=()) -> Tile:
   return t
 
 
-def count(r, stem: str) -> int:
-  """How many refs "{stem}0", "{stem}1", ... a kernel has."""
-  n = 0
-  while f"{stem}{n}" in r:
-    n += 1
-  return n
-
-
 def rows_lane_major(g: C.Geometry) -> bool:
   """Whether per-row vectors (lse, delta, q per-position residuals) travel lane-major
   [B, H, 1, Sqp] (block (1, bq), read as a [bq, 1] column): when bq is a multiple of 128
@@ -313,8 +305,8 @@ def write_column(ref, col):
 
 def load_positions(r, prefix: str) -> tuple:
   """The per-position residual tiles of this step's blocks (`position_layouts`)."""
-  return (tuple(read_column(r[f"{prefix}q{n}"]) for n in range(count(r, f"{prefix}q")))
-          + tuple(r[f"{prefix}kv{n}"][0:1, :] for n in range(count(r, f"{prefix}kv"))))
+  return (tuple(read_column(r[f"{prefix}q{n}"]) for n in range(C.count_refs(r, f"{prefix}q")))
+          + tuple(r[f"{prefix}kv{n}"][0:1, :] for n in range(C.count_refs(r, f"{prefix}kv"))))
 
 
 def scores(cfg: AttentionConfig, g: C.Geometry, q, k, t: Tile, consts, acc, masked,

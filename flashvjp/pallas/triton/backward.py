@@ -116,8 +116,8 @@ def _positions_gi(r, prefix, gi, rows, cols, transposed):
   ([1, bq] / [bk, 1] transposed)."""
   q_ax, kv_ax = ((None, slice(None)), (slice(None), None)) if transposed else (
       (slice(None), None), (None, slice(None)))
-  qs = [r[f"{prefix}q{n}"][gi, rows][q_ax] for n in range(F._count(r, f"{prefix}q"))]
-  kvs = [r[f"{prefix}kv{n}"][gi, cols][kv_ax] for n in range(F._count(r, f"{prefix}kv"))]
+  qs = [r[f"{prefix}q{n}"][gi, rows][q_ax] for n in range(C.count_refs(r, f"{prefix}q"))]
+  kvs = [r[f"{prefix}kv{n}"][gi, cols][kv_ax] for n in range(C.count_refs(r, f"{prefix}kv"))]
   return tuple(qs + kvs)
 
 
@@ -391,9 +391,9 @@ def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, bi
         t.q_seg, t.kv_seg = r["q_seg"][b, rows], r["kv_seg"][b, cols]
       for prefix in ("pos", "mpos"):  # per-position residuals: [bq, 1], then [1, bk]
         setattr(t, prefix, tuple(
-            [r[f"{prefix}q{n}"][b, h, rows][:, None] for n in range(F._count(r, f"{prefix}q"))]
+            [r[f"{prefix}q{n}"][b, h, rows][:, None] for n in range(C.count_refs(r, f"{prefix}q"))]
             + [r[f"{prefix}kv{n}"][b, h, cols][None, :]
-               for n in range(F._count(r, f"{prefix}kv"))]))
+               for n in range(C.count_refs(r, f"{prefix}kv"))]))
       _, ds, _ = _tile_grads(cfg, g, q, k, v, do, r["lse"][b, h, rows],
                              r["delta"][b, h, rows], t, consts, r.get("seed"), acc, masked, 0)
       if Sqb == 1:

@@ -100,17 +100,10 @@ def add_positions(ins, g: C.Geometry, pos, prefix):
 def load_positions(r, g: C.Geometry, j, prefix):
   """The per-position residual tiles of tile (i, j) for a (batch, head, q block) program:
   q ones [bq, 1], then kv ones [1, bk] (`add_positions`)."""
-  qs = [r[f"{prefix}q{n}"][...][:, None] for n in range(_count(r, f"{prefix}q"))]
+  qs = [r[f"{prefix}q{n}"][...][:, None] for n in range(C.count_refs(r, f"{prefix}q"))]
   kvs = [r[f"{prefix}kv{n}"][_compat.ds(j * g.bk, g.bk)][None, :]
-         for n in range(_count(r, f"{prefix}kv"))]
+         for n in range(C.count_refs(r, f"{prefix}kv"))]
   return tuple(qs + kvs)
-
-
-def _count(r, stem):
-  n = 0
-  while f"{stem}{n}" in r:
-    n += 1
-  return n
 
 
 def add_offsets(ins, offsets):
