@@ -171,6 +171,7 @@ def correctness_cases(smoke):
   drop = dict(dropout_rate=0.2, dropout_rng=jax.random.key(3), deterministic=False)
   prefix = jnp.asarray([S // 3, S // 2], jnp.int32)
   kv_bias = jnp.cos(jnp.arange(2 * S2, dtype=jnp.float32)).reshape(2, S2)  # read by kv position
+  rel_table = 0.5 * jnp.sin(jnp.arange(4 * 65, dtype=jnp.float32)).reshape(4, 65)  # by kv - q
   base = dict(B=2, H=4, Hkv=2, Sq=S, Skv=S2, D=64, Dv=64, dtype="bfloat16")
   f32 = dict(dtype="float32")
   combo = dict(causal=True, segment_ids=(jnp.asarray(seg_q), jnp.asarray(seg_kv)),
@@ -193,6 +194,8 @@ def correctness_cases(smoke):
        dict(causal=True, score_mod=lambda s, b, h, i, j: s + kv_bias[b, j])),
       ("mask_mod document_causal", dict(Skv=S),
        dict(mask_mod=flashvjp.document_causal(jnp.asarray(seg_q)))),
+      ("score_mod relative_position_bias (grad)", {},
+       dict(causal=True, score_mod=flashvjp.relative_position_bias(rel_table, 32))),
       ("sinks (grad)", {}, dict(causal=True, sinks=jnp.linspace(-1.0, 2.0, 4))),
       ("dropout", {}, drop),
       ("combo", {}, dict(combo, **drop)),
@@ -224,7 +227,7 @@ def _est_correctness(smoke, dims):
 
 
 def plan_correctness(plan: Plan, smoke):
-  for name in ("refusal: relative_position_bias score_mod (gather)",
+  for name in ("refusal: pair-indexed score_mod (gather)",
                "refusal: pair-indexed mask_mod (gather)"):
     plan.rows.append(Row("correctness", f"correctness {name}", "explain() only, no kernel",
                          0.5, run_refusal_row, dict(name=name)))
@@ -685,9 +688,11 @@ def run_refusal_row(run: Run, row: Row) -> dict:
   """The compiled Triton path refuses a gather in a score_mod / mask_mod, before any kernel;
   the default choice on this platform is then not Pallas-Triton."""
   q = jax.ShapeDtypeStruct((1, 4, 64, 64), jnp.bfloat16)
-  if "relative" in row.args["name"]:
-    opts = dict(score_mod=flashvjp.relative_position_bias(jnp.zeros((4, 9), jnp.float32), 4))
-  else:  # read at both positions at once (document_causal's ids, by one position, compile)
+  # read at both positions at once (by one position, or by kv_idx - q_idx, compiles)
+  if "score_mod" in row.args["name"]:
+    table = jnp.zeros((64, 64), jnp.float32)
+    opts = dict(score_mod=lambda s, b, h, i, j: s + table[i, j])
+  else:
     pairs = jnp.zeros((64, 64), jnp.bool_)
     opts = dict(mask_mod=lambda b, h, i, j: pairs[i, j], causal=True)
   try:

@@ -92,6 +92,7 @@ class Case:
   softcap: float | None = None
   alibi: bool = False  # score_mod closing over differentiated slopes
   mask_mod: str | None = None  # "prefix_lm" (per-batch lengths, a traced input) | "chunked"
+  rel_bias: bool = False  # relative_position_bias(table [H, 129], 64): a row read by kv - q
   return_lse: bool = False
   precision: str | None = None  # jax.default_matmul_precision for the export
   baseline: str | None = None  # "jax_mha": jax.experimental.pallas.ops.gpu.attention.mha
@@ -141,6 +142,10 @@ def matrix() -> list[Case]:
       F("bf16_d128_mask_mod_prefix_lm", B=2, mask_mod="prefix_lm"),
       F("bf16_d64_mask_mod_prefix_lm", D=64, B=2, mask_mod="prefix_lm"),
       F("bf16_d128_mask_mod_chunked", mask_mod="chunked"),
+      # a table read by kv_idx - q_idx: gather loads of a per-(b, h) row; its gradient's
+      # kernel over the block diagonals (flashvjp_bwd_drel)
+      F("bf16_d128_rel_bias_causal", causal=True, rel_bias=True),
+      F("bf16_d64_rel_bias", D=64, rel_bias=True),
   ]
   for D in (64, 128):
     for causal in (True, False):
@@ -197,6 +202,8 @@ def export_case(case: Case) -> str:
       specs["bias"] = S((1, H, 1, Skv), dt)
     if case.alibi:
       specs["slopes"] = S((H,), jnp.float32)
+    if case.rel_bias:
+      specs["rel_table"] = S((H, 129), jnp.float32)
     if case.mask == "dense":
       nondiff["mask"] = S((B, 1, Sq, Skv), jnp.bool_)
     elif case.mask == "key_padding":
@@ -209,10 +216,12 @@ def export_case(case: Case) -> str:
 
     def loss(a, nd):
       score_mod = None
-      if case.alibi and case.softcap:
+      if case.alibi + bool(case.softcap) + case.rel_bias > 1:
         raise ValueError("one score_mod per case")
       if case.alibi:
         score_mod = flashvjp.alibi(a["slopes"])
+      elif case.rel_bias:
+        score_mod = flashvjp.relative_position_bias(a["rel_table"], 64)
       elif case.softcap:
         score_mod = flashvjp.softcap(case.softcap)
       mask_mod = None

@@ -137,6 +137,7 @@ def _features(B, H, Sq) -> list[tuple]:
   seg = np.repeat(np.arange(Sq)[None] // 23, B, 0).astype(np.int32)
   bias = jax.random.normal(jax.random.key(1), (1, H, Sq, Sq), jnp.float64)
   kv_bias = jnp.asarray(rng.standard_normal((B, Sq)))
+  rel_table = jnp.asarray(rng.standard_normal((H, 17)))
   return [
       ("plain", {}),
       ("causal", dict(causal=True)),
@@ -152,13 +153,16 @@ def _features(B, H, Sq) -> list[tuple]:
       # arrays read by one position (per-position residuals in the kernels)
       ("score_mod kv bias", dict(score_mod=lambda s, b, h, i, j: s + kv_bias[b, j], causal=True)),
       ("mask_mod document_causal", dict(mask_mod=flashvjp.document_causal(jnp.asarray(seg)))),
+      # read by kv_idx - q_idx (a row of differences per (b, h) in the Triton kernels)
+      ("score_mod relative_position_bias", dict(
+          score_mod=_score_mod.relative_position_bias(rel_table, 8), causal=True)),
       ("sinks", dict(sinks=jnp.linspace(-1.0, 2.0, H), causal=True)),
   ]
 
 
 FEATURES = ("plain", "causal", "window(8,4)", "segment_ids", "mask+empty row", "bias", "softcap",
             "alibi", "dropout 0.2", "mask_mod prefix_lm", "score_mod kv bias",
-            "mask_mod document_causal", "sinks")
+            "mask_mod document_causal", "score_mod relative_position_bias", "sinks")
 
 
 def run(implementations, dtype=jnp.float32, B=1, H=4, Hkv=2, S=70, D=32,

@@ -139,6 +139,10 @@ def _features(mesh, dtype, B, H, S):
       "q_temperature": (lambda t: dict(causal=True, score_mod=lambda s, b, h, i, j: s * t[i]),
                         (_aot.sds(mesh, (S,), jnp.float32),)),
       "document_causal": (lambda d: dict(mask_mod=flashvjp.document_causal(d)), (seg,)),
+      # read by kv_idx - q_idx (a row per (b, h) over the differences; Triton only so far)
+      "relative_position_bias": (
+          lambda tb: dict(causal=True, score_mod=flashvjp.relative_position_bias(tb, 64)),
+          (_aot.sds(mesh, (H, 129), jnp.float32),)),
   }
 
 
@@ -195,14 +199,19 @@ POSITION_FEATURES = ["kv_bias", "q_temperature", "document_causal"]
 
 @_aot.needs_cuda
 @pytest.mark.parametrize("mode", ["grad", "jvp"])
-@pytest.mark.parametrize("feature", POSITION_FEATURES)
+@pytest.mark.parametrize("feature", POSITION_FEATURES + ["relative_position_bias"])
 def test_gpu_compiles_mods_indexing_arrays_by_position(feature, mode):
-  """Issue 32: what a mod reads by q or kv position travels as per-position residuals, so
-  the Triton kernels compile it (before: refused, a gather on the tile)."""
+  """Issue 32: what a mod reads by q or kv position travels as per-position residuals, and
+  what it reads by kv_idx - q_idx as a row over the differences, so the Triton kernels
+  compile it (before: refused, a gather on the tile). The relative table's gradient adds a
+  kernel over the block diagonals ("flashvjp_bwd_drel")."""
   decision, compiled = _compile(_aot.gpu_mesh("h100"), feature, mode, jnp.bfloat16)
   _assert_compiled_kernels(decision, compiled, "pallas_triton", _aot.TRITON_CALL, mode)
   hows = {o.how for o in decision.operands}
-  assert hows & {"by q position", "by kv position", "by q position and by kv position"}, hows
+  assert hows & {"by q position", "by kv position", "by q position and by kv position",
+                 "by kv_idx - q_idx"}, hows
+  if feature == "relative_position_bias" and mode == "grad":
+    assert compiled.as_text().count(_aot.TRITON_CALL) >= 4  # fwd, dK/dV, dQ, drel
 
 
 @_aot.needs_tpu

@@ -324,11 +324,15 @@ def test_limits_score_mod_against_triton_rules():
   # (also with 12 heads, a non-power-of-2 slope vector).
   fn, consts, _ = _score_mod.convert(flashvjp.alibi(flashvjp.alibi_slopes(12)), jnp.float32)
   assert _supports(has_score_mod=True, score_mod=fn, score_mod_consts=consts)[0]
-  # A table indexed by kv_idx - q_idx is a per-position gather: refused, with the reason.
+  # A table indexed by kv_idx - q_idx is a row of differences per (b, h): it lowers.
   table = jnp.zeros((4, 9), jnp.float32)
   fn, consts, _ = _score_mod.convert(flashvjp.relative_position_bias(table, 4), jnp.float32)
+  assert _supports(has_score_mod=True, score_mod=fn, score_mod_consts=consts)[0]
+  # One indexed by both positions at once is a gather on the tile: refused, with the reason.
+  pairs = jnp.zeros((16, 16), jnp.float32)
+  fn, consts, _ = _score_mod.convert(lambda s, b, h, i, j: s + pairs[i, j], jnp.float32)
   ok, why = _supports(has_score_mod=True, score_mod=fn, score_mod_consts=consts)
-  assert not ok and "dynamic_slice" in why
+  assert not ok and "gather" in why and "otherwise" in why, why
 
 
 def test_pallas_on_cpu_without_interpret_is_a_clear_error():

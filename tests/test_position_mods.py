@@ -186,7 +186,7 @@ def test_residuals_are_the_arrays_at_each_position():
   fn, consts, _ = _score_mod.convert(_both(bv, t), jnp.float32)
   h = _positions.hoist(fn, consts, jnp.float32)
   bs, hs = _common.global_batch_heads(B, H)
-  q_res, kv_res = _common._position_arrays(h, consts, bs, hs, (SQ, 20, 48, 32), (0, 0, 0, 7))
+  q_res, kv_res, _ = _common._position_arrays(h, consts, bs, hs, (SQ, 20, 48, 32), (0, 0, 0, 7))
   ti = np.minimum(np.arange(48), SQ - 1)
   np.testing.assert_array_equal(np.asarray(q_res[0]), np.broadcast_to(np.asarray(t)[ti], (B, H, 48)))
   kvi = np.minimum(np.arange(32), 19) + 7
@@ -233,12 +233,179 @@ def test_document_causal_visits_the_blocks_segment_ids_visit():
 
 
 def test_refusal_names_only_what_the_family_cannot_read():
-  """A mod with a kv bias (compiled) and a relative-position table (not yet): the refusal
-  names the table's class, not the bias'."""
+  """A mod with a kv bias (compiled by both) and a relative-position table (compiled by the
+  Triton family, not yet by Mosaic-TPU): the TPU refusal names the table's class, not the
+  bias'; a pair table read at both positions at once is refused by both, named "otherwise"."""
   q = jax.ShapeDtypeStruct((B, H, 256, 64), jnp.bfloat16)
-  bv, table = jnp.ones((B, 256)), jnp.ones((H, 9))
+  bv, table, pairs = jnp.ones((B, 256)), jnp.ones((H, 9)), jnp.ones((256, 256))
   sm = lambda s, b, h, i, j: s + bv[b, j] + table[h, jnp.clip(j - i, -4, 4) + 4]
+  with pytest.raises(ValueError, match="by kv_idx - q_idx") as e:
+    flashvjp.explain(q, q, q, score_mod=sm, implementation="pallas_tpu", interpret=False)
+  assert "by kv position" not in str(e.value), str(e.value)
+  assert flashvjp.explain(q, q, q, score_mod=sm, implementation="pallas_triton",
+                          interpret=False).implementation == "pallas_triton"
+  sm2 = lambda s, b, h, i, j: s + bv[b, j] + table[h, jnp.clip(j - i, -4, 4) + 4] + pairs[i, j]
   for impl in FAMILIES:
-    with pytest.raises(ValueError, match="by kv_idx - q_idx") as e:
-      flashvjp.explain(q, q, q, score_mod=sm, implementation=impl, interpret=False)
+    with pytest.raises(ValueError, match="otherwise") as e:
+      flashvjp.explain(q, q, q, score_mod=sm2, implementation=impl, interpret=False)
     assert "by kv position" not in str(e.value), str(e.value)
+
+
+# ---- the kv_idx - q_idx class (relative positions) in the Triton kernels -----------------
+
+def _t5_bucket(rel, num_buckets=8, max_distance=24):
+  """T5's bidirectional bucket of a relative position kv_idx - q_idx (log-spaced far out)."""
+  half = num_buckets // 2
+  exact = half // 2
+  n = jnp.abs(rel)
+  far = exact + (jnp.log(n.astype(jnp.float32) / exact + 1e-6) / np.log(max_distance / exact)
+                 * (half - exact)).astype(jnp.int32)
+  return (rel > 0).astype(jnp.int32) * half + jnp.where(n < exact, n, jnp.minimum(far, half - 1))
+
+
+REL_MODS = {
+    # the built-in (the README's headline score_mod)
+    "relative_position_bias": lambda tb: flashvjp.relative_position_bias(tb[0], 4),
+    # T5's bucketed table, user-written
+    "t5": lambda tb: (lambda s, b, h, i, j: s + tb[1][h, _t5_bucket(j - i)]),
+    # q_idx - kv_idx per batch, times a per-query temperature: a rel and a q residual
+    "per_batch_times_q": lambda tb: (
+        lambda s, b, h, i, j: s * tb[3][i] + tb[2][b, jnp.clip(i - j, 0, 11)]),
+}
+REL_USES = {"relative_position_bias": (0,), "t5": (1,), "per_batch_times_q": (2, 3)}
+
+
+def _rel_tables(dtype=jnp.float32):
+  rng = np.random.default_rng(3)
+  return tuple(jnp.asarray(a, jnp.float64).astype(dtype) for a in (
+      rng.standard_normal((H, 9)), rng.standard_normal((H, 8)), rng.standard_normal((B, 12)),
+      1.0 + 0.3 * rng.standard_normal((SQ,))))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("name", sorted(REL_MODS))
+def test_rel_grads_to_q_k_v_bias_and_tables(name, causal):
+  """Forward, gradients to q, k, v, a bias and the tables (the drel kernel over block
+  diagonals and the strip reduction), against float64 autodiff of naive attention."""
+  q, k, v, bias, _ = _inputs("kv_bias")
+  tables = _rel_tables()
+  w = jax.random.normal(jax.random.key(3), (B, H, SQ, D), jnp.float64)
+
+  def loss(impl, q, k, v, bias, tables):
+    extra = {} if impl == "naive" else BLOCKS
+    out = flashvjp.flash_attention(q, k, v, bias=bias, causal=causal,
+                                   score_mod=REL_MODS[name](tables), implementation=impl,
+                                   **extra)
+    return jnp.sum(out.astype(jnp.float64) * w), out
+
+  args = (q, k, v, bias, tables)
+  (_, got_out), got = jax.value_and_grad(
+      lambda *a: loss("pallas_triton", *a), (0, 1, 2, 3, 4), has_aux=True)(*args)
+  (_, ref_out), ref = jax.value_and_grad(
+      lambda *a: loss("naive", *a), (0, 1, 2, 3, 4), has_aux=True)(*_util.as64(args))
+  _util.assert_close(got_out, ref_out, jnp.float32, f"{name} out", impl="pallas_triton")
+  for what, g, r in zip(("dq", "dk", "dv", "dbias", "dtables"), got, ref):
+    _util.assert_close(g, r, jnp.float32, f"{name} {what}", impl="pallas_triton")
+  for n in REL_USES[name]:  # the tables the mod reads get gradients
+    assert float(jnp.abs(got[4][n]).max()) > 0, n
+
+
+@pytest.mark.parametrize("name", sorted(REL_MODS))
+def test_rel_tangent_with_table_tangents(name):
+  q, k, v, _, _ = _inputs("kv_bias")
+  tables = _rel_tables()
+  primals = (q, k, v, tables)
+  keys = jax.random.split(jax.random.key(6), 4)
+  tangents = jax.tree_util.tree_map(
+      lambda x, kk: jax.random.normal(kk, x.shape, jnp.float32), primals,
+      (keys[0], keys[1], keys[2], (keys[3],) * len(tables)))
+
+  def run(impl, primals, tangents):
+    extra = {} if impl == "naive" else BLOCKS
+    f = lambda q, k, v, tb: flashvjp.flash_attention(
+        q, k, v, causal=True, score_mod=REL_MODS[name](tb), implementation=impl,
+        return_lse=True, **extra)
+    return jax.jvp(f, primals, tangents)
+
+  got = run("pallas_triton", primals, tangents)
+  ref = run("naive", _util.as64(primals), _util.as64(tangents))
+  _util.assert_close(got, ref, jnp.float32, f"{name} jvp", impl="pallas_triton")
+
+
+def test_rel_is_hoisted_only_for_a_family_that_reads_it():
+  from flashvjp.pallas import _common
+  tb = _rel_tables()
+  fn, consts, _ = _score_mod.convert(REL_MODS["per_batch_times_q"](tb), jnp.float32)
+  assert _positions.hoist(fn, consts, jnp.float32).rel_avals == ()  # q only (TPU today)
+  h = _positions.hoist(fn, consts, jnp.float32, rel=True)
+  assert (len(h.q_avals), len(h.kv_avals), len(h.rel_avals)) == (1, 0, 1) and h.problem is None
+  # ALiBi's slope * (kv - q) is elementwise: it stays in the tile
+  fn, consts, _ = _score_mod.convert(flashvjp.alibi(jnp.ones(H)), jnp.float32)
+  assert _positions.hoist(fn, consts, jnp.float32, rel=True) is None
+  # the row: element e is the difference e - (Sqp - 1), clamped, plus kv0 - q0 (a ring chunk)
+  fn, consts, _ = _score_mod.convert(REL_MODS["relative_position_bias"](tb), jnp.float32)
+  h = _positions.hoist(fn, consts, jnp.float32, rel=True)
+  bs, hs = _common.global_batch_heads(B, H)
+  sq, skv, Sqp, Skvp, q0, kv0 = 5, 7, 8, 16, 10, 13
+  _, _, (row,) = _common._position_arrays(h, consts, bs, hs, (sq, skv, Sqp, Skvp),
+                                          (0, 0, q0, kv0))
+  d = np.clip(np.arange(Sqp + Skvp) - (Sqp - 1), 1 - sq, skv - 1) + kv0 - q0
+  want = np.asarray(tb[0])[:, np.clip(d, -4, 4) + 4]
+  np.testing.assert_allclose(np.asarray(row), np.broadcast_to(want, (B, H, Sqp + Skvp)))
+
+
+def test_rel_strips_are_the_diagonal_sums():
+  """`_rel_strips`: tile t of the block diagonals adds its diagonal sums at t * n + c."""
+  import importlib
+
+  from flashvjp.pallas import _common
+  backward = importlib.import_module("flashvjp.pallas.triton.backward")  # not the function
+  n, nq, nk = 4, 2, 3
+  g = _common.Geometry(B=1, H=1, Hkv=1, Sq=nq * n, Skv=nk * n, D=16, Dv=16, bq=n, bk=n, Dp=16,
+                       Dvp=16)
+  tiles = np.random.default_rng(0).standard_normal((1, 1, nq + nk - 1, n, n))
+  want = np.zeros((nq + nk) * n)
+  for t in range(nq + nk - 1):
+    for i in range(n):
+      for j in range(n):
+        want[t * n + j - i + n - 1] += tiles[0, 0, t, i, j]
+  np.testing.assert_allclose(np.asarray(backward._rel_strips(jnp.asarray(tiles), g))[0, 0], want)
+
+
+def test_triton_compiles_rel_and_explain_names_the_class():
+  q = jax.ShapeDtypeStruct((B, H, 256, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((B, HKV, 256, 64), jnp.bfloat16)
+  for name in sorted(REL_MODS):
+    tb = (jnp.ones((H, 9)), jnp.ones((H, 8)), jnp.ones((B, 12)), jnp.ones((256,)))
+    d = flashvjp.explain(q, k, k, implementation="pallas_triton", interpret=False,
+                         score_mod=REL_MODS[name](tb))
+    assert d.implementation == "pallas_triton" and not d.interpret, d
+    assert "by kv_idx - q_idx" in {o.how for o in d.operands}, d.operands
+
+
+def test_rel_mask_mod_grads_and_tangent():
+  """A mask_mod reading a table by kv_idx - q_idx (a banded pattern with holes): its row
+  travels like a score_mod's, for the forward, every backward kernel and the tangent."""
+  keep = jnp.asarray(np.random.default_rng(2).random(33) < 0.7).at[16].set(True)
+  mm = lambda b, h, i, j: keep[jnp.clip(j - i, -16, 16) + 16]
+  q, k, v = _util.random_qkv(4, B, H, HKV, SQ, SKV, D)
+  bias = jax.random.normal(jax.random.key(8), (1, H, SQ, SKV), jnp.float32)
+  w = jax.random.normal(jax.random.key(1), (B, H, SQ, D), jnp.float64)
+
+  def f(impl, q, k, v, bias=None):
+    extra = {} if impl == "naive" else BLOCKS
+    return flashvjp.flash_attention(q, k, v, bias=bias, mask_mod=mm, implementation=impl,
+                                    **extra)
+
+  loss = lambda impl, *a: jnp.sum(f(impl, *a).astype(jnp.float64) * w)
+  got = jax.value_and_grad(lambda *a: loss("pallas_triton", *a), (0, 1, 2, 3))(q, k, v, bias)
+  ref = jax.value_and_grad(lambda *a: loss("naive", *a), (0, 1, 2, 3))(
+      *_util.as64((q, k, v, bias)))
+  _util.assert_close(got, ref, jnp.float32, "rel mask_mod grad", impl="pallas_triton")
+  t = _util.random_qkv(9, B, H, HKV, SQ, SKV, D)
+  got = jax.jvp(lambda *a: f("pallas_triton", *a), (q, k, v), t)
+  ref = jax.jvp(lambda *a: f("naive", *a), _util.as64((q, k, v)), _util.as64(t))
+  _util.assert_close(got, ref, jnp.float32, "rel mask_mod jvp", impl="pallas_triton")
+  qs = jax.ShapeDtypeStruct((B, H, 256, 64), jnp.bfloat16)
+  d = flashvjp.explain(qs, qs, qs, mask_mod=mm, implementation="pallas_triton", interpret=False)
+  assert [o.how for o in d.operands] == ["by kv_idx - q_idx"], d.operands

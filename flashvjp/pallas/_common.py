@@ -12,6 +12,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
+from typing import NamedTuple
 from typing import Protocol
 
 import jax
@@ -210,18 +211,42 @@ class HeadSplit:
   pos: PosResiduals | None = None
 
 
+class Positions(NamedTuple):
+  """What a family needs hoisted per position (`split_per_head(positions=...)`): the real
+  and padded sequence lengths (the largest padding of the kernels that read the residuals)
+  and whether its kernels look up rows by kv_idx - q_idx (`rel`)."""
+
+  seq_q: int
+  seq_kv: int
+  Sqp: int
+  Skvp: int
+  rel: bool = False
+
+
 @dataclasses.dataclass
 class PosResiduals:
   """Per-position residuals of a mod (`_positions`): [B, H, Sqp] arrays read per q position,
-  [B, H, Skvp] per kv position (padding reads the last real position). The tile part takes
-  them after the per-(b, h) residuals, q ones first. Floats first within each; the first
-  n_q_diff / n_kv_diff carry gradients (`HeadSplit.to_consts` then takes
-  (d per-head residuals, d q residuals [B, H, Sqp], d kv residuals [B, H, Skvp]))."""
+  [B, H, Skvp] per kv position (padding reads the last real position), and [B, H, Sqp + Skvp]
+  rows read by kv_idx - q_idx (`rel`: element e holds local difference e - (Sqp - 1), so a
+  kernel with padded lengths (Sqp', Skvp') slices `rel_slice`). The tile part takes them
+  after the per-(b, h) residuals, q ones first, then kv, then rel. Floats first within each;
+  the first n_q_diff / n_kv_diff / n_rel_diff carry gradients (`HeadSplit.to_consts` then
+  takes (d per-head residuals, d q residuals [B, H, Sqp], d kv residuals [B, H, Skvp],
+  d rel residuals [B, H, Sqp + Skvp]))."""
 
   q: tuple = ()
   kv: tuple = ()
   n_q_diff: int = 0
   n_kv_diff: int = 0
+  rel: tuple = ()
+  n_rel_diff: int = 0
+  rel_sqp: int = 0  # the Sqp of the rel rows' layout
+
+  def rel_slice(self, Sqp: int, Skvp: int) -> slice:
+    """The part of a rel row a kernel with padded lengths (Sqp, Skvp) reads: element
+    kv - q + Sqp - 1 of the slice is the difference kv - q (0 <= q < Sqp, 0 <= kv < Skvp)."""
+    start = self.rel_sqp - Sqp
+    return slice(start, start + Sqp + Skvp)
 
 
 def count_refs(r, stem: str) -> int:
@@ -239,10 +264,10 @@ def _hoisted(fn, consts, acc, positions):
   function casts them back."""
   if positions is None:
     return None
-  h = _positions.hoist(fn, consts, acc)
+  h = _positions.hoist(fn, consts, acc, rel=getattr(positions, "rel", False))
   if h is None or h.problem is not None:
     return None
-  avals = h.q_avals + h.kv_avals
+  avals = h.q_avals + h.kv_avals + h.rel_avals
   tile = h.tile
 
   def cast_tile(s_, b, hh, q, kv, *args):
@@ -256,16 +281,23 @@ def _hoisted(fn, consts, acc, positions):
 
 
 def _position_arrays(h, consts, bs, hs, positions, offsets):
-  """The q and kv residual arrays of `_positions.Hoist` h at the padded positions, clamped
-  into the real sequences, made global with `offsets`."""
-  seq_q, seq_kv, Sqp, Skvp = positions
+  """The q, kv and rel residual arrays of `_positions.Hoist` h at the padded positions,
+  clamped into the real sequences, made global with `offsets` (rel: at the differences
+  e - (Sqp - 1), e < Sqp + Skvp, clamped into [1 - seq_q, seq_kv - 1], plus kv0 - q0)."""
+  seq_q, seq_kv, Sqp, Skvp = tuple(positions)[:4]
   q0, kv0 = (0, 0) if offsets is None else tuple(offsets)[2:]
-  qp = jnp.minimum(jnp.arange(Sqp, dtype=jnp.int32), seq_q - 1) + jnp.asarray(q0, jnp.int32)
-  kp = jnp.minimum(jnp.arange(Skvp, dtype=jnp.int32), seq_kv - 1) + jnp.asarray(kv0, jnp.int32)
-  q_res, kv_res = _positions.arrays(h, consts, bs, hs, qp, kp)
+  q0, kv0 = jnp.asarray(q0, jnp.int32), jnp.asarray(kv0, jnp.int32)
+  qp = jnp.minimum(jnp.arange(Sqp, dtype=jnp.int32), seq_q - 1) + q0
+  kp = jnp.minimum(jnp.arange(Skvp, dtype=jnp.int32), seq_kv - 1) + kv0
+  rp = None
+  if h.rel_avals:
+    # an iota, not a numpy constant: custom_partitioning's traced bodies take no consts
+    d = jnp.arange(Sqp + Skvp, dtype=jnp.int32) - (Sqp - 1)
+    rp = jnp.clip(d, 1 - seq_q, seq_kv - 1) + (kv0 - q0)
+  q_res, kv_res, rel_res = _positions.arrays(h, consts, bs, hs, qp, kp, rp)
   to32 = lambda xs: tuple(x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.int32)
                           for x in xs)
-  return to32(q_res), to32(kv_res)
+  return to32(q_res), to32(kv_res), to32(rel_res)
 
 
 def split_score_mod_jaxprs(fn, consts, acc, pos_avals=()):
@@ -327,28 +359,30 @@ def split_per_head(cfg: AttentionConfig, consts, acc, B: int, H: int, grads: boo
 
   def per_position(diff_):
     if hoisted is None:
-      return (), ()
+      return (), (), ()
     return _position_arrays(hoisted[0], tuple(diff_) + fixed, bs, hs, positions, offsets)
 
   n_float = sum(1 for a in res_avals if jnp.issubdtype(a.dtype, jnp.inexact))
   n_diff = n_float if (n_user and grads) else 0
   res = tuple(per_head(diff))
-  q_res, kv_res = per_position(diff)
+  q_res, kv_res, rel_res = per_position(diff)
   floats = lambda xs: sum(1 for x in xs if jnp.issubdtype(x.dtype, jnp.inexact))
-  n_qd, n_kvd = (floats(q_res), floats(kv_res)) if (n_user and grads) else (0, 0)
+  n_qd, n_kvd, n_reld = ((floats(q_res), floats(kv_res), floats(rel_res))
+                         if (n_user and grads) else (0, 0, 0))
   to_consts = None
-  if n_diff or n_qd or n_kvd:
+  if n_diff or n_qd or n_kvd or n_reld:
     def grads_of(d):
-      qr, kr = per_position(d)
-      return tuple(per_head(d)[:n_diff]), qr[:n_qd], kr[:n_kvd]
+      qr, kr, rr = per_position(d)
+      return tuple(per_head(d)[:n_diff]), qr[:n_qd], kr[:n_kvd], rr[:n_reld]
     _, vjp = jax.vjp(grads_of, tuple(diff))
     like = lambda ds, xs: tuple(x.astype(r.dtype) for x, r in zip(ds, xs))
-    to_consts = lambda dres, dq=(), dkv=(): vjp(
-        (like(dres, res), like(dq, q_res), like(dkv, kv_res)))[0]
+    to_consts = lambda dres, dq=(), dkv=(), drel=(): vjp(
+        (like(dres, res), like(dq, q_res), like(dkv, kv_res), like(drel, rel_res)))[0]
   scalar = tuple(r.ndim == 2 for r in res)
   arrays = tuple(r[..., None] if sc else r for r, sc in zip(res, scalar))
   new_cfg = dataclasses.replace(cfg, score_mod=tile_fn, num_diff_consts=n_diff)
-  pos = None if hoisted is None else PosResiduals(q_res, kv_res, n_qd, n_kvd)
+  pos = None if hoisted is None else PosResiduals(q_res, kv_res, n_qd, n_kvd, rel_res, n_reld,
+                                                  positions[2])
   return HeadSplit(new_cfg, arrays, scalar, n_diff, to_consts, pos)
 
 
@@ -372,13 +406,14 @@ def residual_tangents(cfg: AttentionConfig, consts, tconsts, acc, B: int, H: int
     sp = split_per_head(cfg, tuple(d) + fixed, acc, B, H, grads=False, offsets=offsets,
                         positions=positions)
     p = sp.pos
-    return sp.arrays[:n_float], (() if p is None else floats(p.q) + floats(p.kv))
+    return sp.arrays[:n_float], (() if p is None else floats(p.q) + floats(p.kv) + floats(p.rel))
 
   _, (res_t, pos_t) = jax.jvp(residuals, (diff,), (tdiff,))
   if split.pos is None:
     return tuple(res_t), None
-  nq = len(floats(split.pos.q))  # q ones then kv ones
-  return tuple(res_t), PosResiduals(tuple(pos_t[:nq]), tuple(pos_t[nq:]))
+  nq, nkv = len(floats(split.pos.q)), len(floats(split.pos.kv))  # q ones, kv ones, rel ones
+  return tuple(res_t), PosResiduals(tuple(pos_t[:nq]), tuple(pos_t[nq:nq + nkv]),
+                                    rel=tuple(pos_t[nq + nkv:]), rel_sqp=split.pos.rel_sqp)
 
 
 @dataclasses.dataclass
@@ -493,7 +528,8 @@ def split_mask_mod(cfg: AttentionConfig, mod, B: int, H: int, offsets=None,
   arrays = tuple(r[..., None] if sc else r for r, sc in zip(res, scalar))
   pos = None
   if hoisted is not None:
-    pos = PosResiduals(*_position_arrays(hoisted[0], consts, bs, hs, positions, offsets))
+    q_res, kv_res, rel_res = _position_arrays(hoisted[0], consts, bs, hs, positions, offsets)
+    pos = PosResiduals(q_res, kv_res, rel=rel_res, rel_sqp=positions[2])
   return ModSplit(dataclasses.replace(cfg, mask_mod=tile_fn), arrays, scalar, tuple(res_avals),
                   pos)
 

@@ -40,41 +40,44 @@ def all_eqns(jaxpr):
 # Operand classes every family compiles, and those a family with per-position residuals adds.
 _COMPILED = ("per (b, h)", "whole")
 _BY_ONE_POSITION = ("by q position", "by kv position", "by q position and by kv position")
+_BY_DIFFERENCE = ("by kv_idx - q_idx",)
 
 
-def _operands_note(fn, mod: str, consts, positions: bool) -> str:
+def _operands_note(fn, mod: str, consts, positions: bool, rel: bool = False) -> str:
   """The operands the family cannot read, named with how they are read (`flashvjp._indexing`)."""
-  ok = _COMPILED + (_BY_ONE_POSITION if positions else ())
+  ok = _COMPILED + (_BY_ONE_POSITION if positions else ()) + (_BY_DIFFERENCE if rel else ())
   ops = [o for o in _indexing.of_mod(fn, mod, consts) if o.how not in ok]
   return "".join(f"; {_indexing.compile_hint(o)}" for o in ops)
 
 
-def _position_split(fn, consts, acc, positions: bool):
+def _position_split(fn, consts, acc, positions: bool, rel: bool = False):
   """(fn, per-position residual avals) as the kernels split it: with `positions` (a family
   whose kernels read per-position residuals) what fn reads by one position is hoisted
-  (`flashvjp.pallas._positions`)."""
+  (`flashvjp.pallas._positions`), with `rel` also what it reads by kv_idx - q_idx."""
   if not positions:
     return fn, ()
-  hoisted = _common._hoisted(fn, consts, acc, (1, 1, 1, 1))  # pylint: disable=protected-access
+  hoisted = _common._hoisted(  # pylint: disable=protected-access
+      fn, consts, acc, _common.Positions(1, 1, 1, 1, rel=rel))
   return (fn, ()) if hoisted is None else (hoisted[1], hoisted[2])
 
 
 def score_mod_problem(score_mod, consts, acc_dtype, *, lowering, residual_problem,
-                      positions: bool = False):
+                      positions: bool = False, rel: bool = False):
   """Why a (closure-converted, scalar) score_mod's per-tile part cannot lower, or None.
 
   The per-(b, h) part is precomputed by XLA (`_common.split_per_head`), and with
   `positions` (the family's kernels read per-position residuals) so is what the score_mod
-  reads by one position; the tile part must use `ELEMENTWISE_PRIMITIVES`, and
+  reads by one position (and with `rel` by kv_idx - q_idx); the tile part must use
+  `ELEMENTWISE_PRIMITIVES`, and
   `residual_problem(aval)` (a message or None) says whether the family can read each
   per-head residual inside its kernels.
   """
   fn, consts = _common.hoist_constants(score_mod, consts, acc_dtype)
-  fn, pos_avals = _position_split(fn, consts, acc_dtype, positions)
+  fn, pos_avals = _position_split(fn, consts, acc_dtype, positions, rel)
   _, _, res_avals, tile = _common.split_score_mod_jaxprs(fn, consts, acc_dtype, pos_avals)
   bad = sorted({e.primitive.name for e in all_eqns(tile.jaxpr)} - ELEMENTWISE_PRIMITIVES)
   if bad:
-    note = _operands_note(score_mod, "score_mod", consts, positions)
+    note = _operands_note(score_mod, "score_mod", consts, positions, rel)
     return (f"score_mod uses {', '.join(bad)} on per-position values, which the {lowering}"
             " lowering cannot apply to a tile (e.g. indexing a table by the relative position"
             " kv_idx - q_idx is a gather)" + note)
@@ -85,7 +88,8 @@ def score_mod_problem(score_mod, consts, acc_dtype, *, lowering, residual_proble
   return None
 
 
-def mask_mod_problem(mask_mod, consts, *, lowering, residual_problem, positions: bool = False):
+def mask_mod_problem(mask_mod, consts, *, lowering, residual_problem, positions: bool = False,
+                     rel: bool = False):
   """Why a (scalar, `_mask_mod.ScalarMaskMod`) mask_mod's per-tile part cannot lower, or None.
 
   As `score_mod_problem`: the per-(b, h) part (``prefix_lengths[b]``) is precomputed by
@@ -93,12 +97,12 @@ def mask_mod_problem(mask_mod, consts, *, lowering, residual_problem, positions:
   `residual_problem(aval, "mask_mod")` must accept each per-head residual.
   """
   _, _, res_avals, tile, _, _ = _common.split_mask_mod_jaxprs(
-      mask_mod, tuple(consts), (1, 1, 1, 1) if positions else None)
+      mask_mod, tuple(consts), _common.Positions(1, 1, 1, 1, rel=rel) if positions else None)
   bad = sorted({e.primitive.name for e in all_eqns(tile.jaxpr)} - ELEMENTWISE_PRIMITIVES)
   if bad:
     example = ("an array read at both positions at once, pairs[q_idx, kv_idx]" if positions
                else "document_causal's doc_ids[b, q_idx]")
-    note = _operands_note(mask_mod, "mask_mod", consts, positions)
+    note = _operands_note(mask_mod, "mask_mod", consts, positions, rel)
     return (f"mask_mod uses {', '.join(bad)} on per-position values, which the {lowering}"
             f" lowering cannot apply to a tile (e.g. {example}, a gather); the blockwise path"
             " or interpret mode run it" + note)

@@ -54,10 +54,12 @@ class Hoist:
   q_avals: tuple
   kv_avals: tuple
   problem: str | None = None
+  rel_fn: Callable | None = None
+  rel_avals: tuple = ()
 
   @property
   def n_pos(self) -> int:
-    return len(self.q_avals) + len(self.kv_avals)
+    return len(self.q_avals) + len(self.kv_avals) + len(self.rel_avals)
 
 
 def _is_literal(v) -> bool:
@@ -76,12 +78,15 @@ def _eval(jaxpr, env: dict, eqns):
   return read
 
 
-def hoist(fn, consts, acc) -> Hoist | None:
+def hoist(fn, consts, acc, rel: bool = False) -> Hoist | None:
   """Split the scalar mod `fn` (see the module doc), or None when nothing is read by one
   position through an indexing primitive (the mod is then left as it is).
 
   `fn`: a score_mod ``fn(s, b, h, q, kv, *consts)``; a mask_mod is passed in the same form
-  (`_common._mask_mod_as_score_mod`).
+  (`_common._mask_mod_as_score_mod`). `rel` (a family whose kernels look up a per-(b, h) row
+  by kv_idx - q_idx): values depending on the positions through ``kv_idx - q_idx`` only
+  (``table[h, bucket(kv_idx - q_idx)]``) are hoisted too, as functions of that difference
+  (`Hoist.rel_fn`, evaluated by XLA at every difference).
   """
   consts = tuple(consts)
   s = jax.ShapeDtypeStruct((), acc)
@@ -94,14 +99,19 @@ def hoist(fn, consts, acc) -> Hoist | None:
   deps.update({v: frozenset() for v in jaxpr.invars})
   deps[S], deps[Q], deps[KV] = frozenset("s"), frozenset({"q"}), frozenset({"kv"})
   hoisted: dict = {}  # var -> whether it needs an indexing primitive (one-position vars)
+  sources: dict = {}  # (rel) var -> +1 for kv_idx - q_idx, -1 for q_idx - kv_idx
   get = lambda v: frozenset() if _is_literal(v) else deps[v]
+  classes = (frozenset({"q"}), frozenset({"kv"})) + ((frozenset({"d"}),) if rel else ())
   for e in jaxpr.eqns:
     d = frozenset().union(*(get(v) for v in e.invars))
     idx = (e.primitive.name in _INDEXING
            or any(hoisted.get(v, False) for v in e.invars if not _is_literal(v)))
+    if rel and e.primitive.name == "sub" and tuple(e.invars) in ((KV, Q), (Q, KV)):
+      sources[e.outvars[0]] = 1 if e.invars[0] is KV else -1
+      d = frozenset({"d"})
     for v in e.outvars:
       deps[v] = d
-      if d in (frozenset({"q"}), frozenset({"kv"})):
+      if d in classes:
         hoisted[v] = idx
   hoist_eqn = lambda e: any(hoisted.get(v, False) for v in e.outvars)
   tile_eqns = [e for e in jaxpr.eqns if not hoist_eqn(e)]
@@ -116,11 +126,12 @@ def hoist(fn, consts, acc) -> Hoist | None:
     return None
   q_vars = [v for v in frontier if deps[v] == frozenset({"q"})]
   kv_vars = [v for v in frontier if deps[v] == frozenset({"kv"})]
+  rel_vars = [v for v in frontier if deps[v] == frozenset({"d"})]
   float_first = lambda vs: ([v for v in vs if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
                             + [v for v in vs if not jnp.issubdtype(v.aval.dtype, jnp.inexact)])
-  q_vars, kv_vars = float_first(q_vars), float_first(kv_vars)
+  q_vars, kv_vars, rel_vars = float_first(q_vars), float_first(kv_vars), float_first(rel_vars)
   problem = None
-  for v in q_vars + kv_vars:
+  for v in q_vars + kv_vars + rel_vars:
     if v.aval.shape != ():
       problem = (f"a value read by one position has shape {tuple(v.aval.shape)} (per position"
                  " the kernels take scalars)")
@@ -132,7 +143,7 @@ def hoist(fn, consts, acc) -> Hoist | None:
     want = set(targets)
     out = []
     for e in reversed(jaxpr.eqns):
-      if any(v in want for v in e.outvars):
+      if any(v in want for v in e.outvars) and e.outvars[0] not in sources:
         out.append(e)
         want.update(v for v in e.invars if not _is_literal(v))
     return out[::-1]
@@ -143,13 +154,17 @@ def hoist(fn, consts, acc) -> Hoist | None:
     def f(b, h, p, *cs_):
       env = dict(zip(jaxpr.constvars, closed.consts))
       env.update(zip(consts_vars, cs_))
-      env.update({B: b, Hh: h, pos_var: p})
+      env.update({B: b, Hh: h})
+      if pos_var is None:  # p = kv_idx - q_idx: bind each difference the mod computes
+        env.update({v: p if sign > 0 else -p for v, sign in sources.items()})
+      else:
+        env[pos_var] = p
       read = _eval(jaxpr, env, eqns)
       return tuple(read(v) for v in targets)
 
     return f
 
-  n_q = len(q_vars)
+  n_q, n_kv = len(q_vars), len(kv_vars)
 
   def tile(s_, b, h, q, kv, *args):
     cs_, pos = args[:len(consts_vars)], args[len(consts_vars):]
@@ -157,19 +172,22 @@ def hoist(fn, consts, acc) -> Hoist | None:
     env.update(zip(consts_vars, cs_))
     env.update({S: s_, B: b, Hh: h, Q: q, KV: kv})
     env.update(zip(q_vars, pos[:n_q]))
-    env.update(zip(kv_vars, pos[n_q:]))
+    env.update(zip(kv_vars, pos[n_q:n_q + n_kv]))
+    env.update(zip(rel_vars, pos[n_q + n_kv:]))
     read = _eval(jaxpr, env, tile_eqns)
     (out,) = [read(v) for v in jaxpr.outvars]
     return out
 
   aval = lambda v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
   return Hoist(tile, position_fn(q_vars, Q), position_fn(kv_vars, KV),
-               tuple(aval(v) for v in q_vars), tuple(aval(v) for v in kv_vars), problem)
+               tuple(aval(v) for v in q_vars), tuple(aval(v) for v in kv_vars), problem,
+               position_fn(rel_vars, None), tuple(aval(v) for v in rel_vars))
 
 
-def arrays(h: Hoist, consts, bs, hs, q_pos, kv_pos):
-  """(q residuals, kv residuals): tuples of [B, H, len(q_pos)] / [B, H, len(kv_pos)] arrays,
-  `h.q_fn` / `h.kv_fn` at every (b in bs, h in hs, position) (int32 index vectors)."""
+def arrays(h: Hoist, consts, bs, hs, q_pos, kv_pos, rel_pos=None):
+  """(q residuals, kv residuals, rel residuals): tuples of [B, H, len(q_pos)] /
+  [B, H, len(kv_pos)] / [B, H, len(rel_pos)] arrays, `h.q_fn` / `h.kv_fn` / `h.rel_fn` at
+  every (b in bs, h in hs, position or difference) (int32 index vectors)."""
   consts = tuple(consts)
 
   def table(fn, pos, n):
@@ -180,7 +198,9 @@ def arrays(h: Hoist, consts, bs, hs, q_pos, kv_pos):
     f = jax.vmap(f, (None, 0, None))
     return tuple(jax.vmap(f, (0, None, None))(bs, hs, pos))
 
-  return table(h.q_fn, q_pos, len(h.q_avals)), table(h.kv_fn, kv_pos, len(h.kv_avals))
+  rel_res = () if rel_pos is None else table(h.rel_fn, rel_pos, len(h.rel_avals))
+  return (table(h.q_fn, q_pos, len(h.q_avals)), table(h.kv_fn, kv_pos, len(h.kv_avals)),
+          rel_res)
 
 
 def apply(fn, consts, pos, scores, b, h, q_idx, kv_idx):

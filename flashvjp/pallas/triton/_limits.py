@@ -37,7 +37,8 @@ def score_mod_lowering_problem(score_mod, consts, acc_dtype=np.float32):
   the closed-over arrays alone (ALiBi's ``slopes[h]``) is precomputed per head by
   XLA (`flashvjp.pallas._common.split_per_head`), and so is what it reads from an array by
   one position (``bias_vec[kv_idx]``: per-position residuals, `flashvjp.pallas._positions`,
-  sliced per tile like segment ids). So only the per-tile part must
+  sliced per tile like segment ids) or by kv_idx - q_idx (``table[h, bucket(kv_idx - q_idx)]``:
+  a row per (b, h) over the differences, read by a gather load). So only the per-tile part must
   use primitives the Triton lowering can apply to a tile, and the per-head values it
   reads must have power-of-2 sizes.
 
@@ -46,7 +47,7 @@ def score_mod_lowering_problem(score_mod, consts, acc_dtype=np.float32):
     consts: the arrays it takes after the indices.
   """
   return shared.score_mod_problem(score_mod, consts, acc_dtype, lowering="Pallas Triton",
-                                  residual_problem=_residual_problem, positions=True)
+                                  residual_problem=_residual_problem, positions=True, rel=True)
 
 
 def mask_mod_lowering_problem(mask_mod, consts):
@@ -55,10 +56,11 @@ def mask_mod_lowering_problem(mask_mod, consts):
   As for a score_mod: what depends on (b, h) and the closed-over arrays alone (prefix_lm's
   ``prefix_lengths[b]``) is precomputed per head by XLA (`_common.split_mask_mod`); the
   per-tile part must be elementwise. document_causal's ``doc_ids[b, q_idx]`` and
-  ``doc_ids[b, kv_idx]`` are per-position residuals (`flashvjp.pallas._positions`).
+  ``doc_ids[b, kv_idx]`` are per-position residuals (`flashvjp.pallas._positions`), and
+  what it reads by kv_idx - q_idx a row of differences.
   """
   return shared.mask_mod_problem(mask_mod, consts, lowering="Pallas Triton",
-                                 residual_problem=_residual_problem, positions=True)
+                                 residual_problem=_residual_problem, positions=True, rel=True)
 
 
 def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,

@@ -110,15 +110,19 @@ def _group5(x, g: C.Geometry):
   return x.reshape((x.shape[0], g.Hkv, g.G) + x.shape[2:])
 
 
-def _positions_gi(r, prefix, gi, rows, cols, transposed):
+def _positions_gi(r, prefix, gi, g: C.Geometry, i, j):
   """The per-position residual tiles of head gi for the dK/dV kernel: q ones [bq] (rows of
   the whole [G, Sqp]), kv ones [bk] (this program's block), as [bq, 1] / [1, bk] tiles
-  ([1, bq] / [bk, 1] transposed)."""
-  q_ax, kv_ax = ((None, slice(None)), (slice(None), None)) if transposed else (
+  ([1, bq] / [bk, 1] transposed), rel ones [bq, bk] ([bk, bq]) from the whole [G, L] rows."""
+  q_ax, kv_ax = ((None, slice(None)), (slice(None), None)) if g.transposed else (
       (slice(None), None), (None, slice(None)))
+  rows = _compat.ds(i * g.bq, g.bq)
   qs = [r[f"{prefix}q{n}"][gi, rows][q_ax] for n in range(C.count_refs(r, f"{prefix}q"))]
-  kvs = [r[f"{prefix}kv{n}"][gi, cols][kv_ax] for n in range(C.count_refs(r, f"{prefix}kv"))]
-  return tuple(qs + kvs)
+  kvs = [r[f"{prefix}kv{n}"][gi, :][kv_ax] for n in range(C.count_refs(r, f"{prefix}kv"))]
+  n_rel = C.count_refs(r, f"{prefix}rel")
+  e = F.rel_index(g, i, j, g.transposed) if n_rel else None
+  rels = [r[f"{prefix}rel{n}"][gi, e] for n in range(n_rel)]
+  return tuple(qs + kvs + rels)
 
 
 def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, mod_scalar=(),
@@ -147,8 +151,8 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, mod
       rows = _compat.ds(i * g.bq, g.bq)
       q, do = r["q"][gi, rows, :], r["do"][gi, rows, :]
       t = C.TileInputs(b=b, h=h, i=i, j=j, kv_seg=kv_seg, mod=mconsts, off=off)
-      t.pos = _positions_gi(r, "pos", gi, rows, slice(None), g.transposed)
-      t.mpos = _positions_gi(r, "mpos", gi, rows, slice(None), g.transposed)
+      t.pos = _positions_gi(r, "pos", gi, g, i, j)
+      t.mpos = _positions_gi(r, "mpos", gi, g, i, j)
       for name in ("bias", "mask"):  # [bq|1, bk|1] tiles (used transposed when g.transposed)
         if name in r:
           x = C.pair_tile(r[name], lead(name, gi), i, j, g, full_q=True, full_kv=False)
@@ -193,9 +197,14 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, mod
 
 def _add_positions_grouped(ins, g: C.Geometry, pos, prefix):
   """Per-position residuals for the dK/dV kernel's (batch, kv head, kv block) grid: q ones
-  [B, Hkv, G, Sqp] whole, kv ones [B, Hkv, G, bk] this program's block."""
+  [B, Hkv, G, Sqp] whole, kv ones [B, Hkv, G, bk] this program's block, rel rows
+  [B, Hkv, G, Sqp + Skvp] whole."""
   if pos is None:
     return
+  L = g.Sqp + g.Skvp
+  for n, x in enumerate(pos.rel):
+    ins.add(f"{prefix}rel{n}", x[..., pos.rel_slice(g.Sqp, g.Skvp)].reshape(g.B, g.Hkv, g.G, L),
+            _compat.block_spec((None, None, g.G, L), lambda b, h, j: (b, h, 0, 0)))
   for n, x in enumerate(pos.q):
     ins.add(f"{prefix}q{n}", x[..., : g.Sqp].reshape(g.B, g.Hkv, g.G, g.Sqp), _compat.block_spec(
         (None, None, g.G, g.Sqp), lambda b, h, j: (b, h, 0, 0)))
@@ -357,6 +366,31 @@ def _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop, l
 
 # ---- dbias ----------------------------------------------------------------------
 
+def _add_positions_whole(ins, g: C.Geometry, pos, msplit):
+  """Per-position residuals of the score_mod ("pos") and the mask_mod ("mpos") as whole
+  [B, H, ...] inputs (the dbias and drel kernels index them by (b, h) themselves)."""
+  for prefix, p in (("pos", pos), ("mpos", None if msplit is None else msplit.pos)):
+    if p is None:
+      continue
+    for kind, xs, cut in (("q", p.q, slice(0, g.Sqp)), ("kv", p.kv, slice(0, g.Skvp)),
+                          ("rel", p.rel, p.rel_slice(g.Sqp, g.Skvp))):
+      for n, x in enumerate(xs):
+        x = x[..., cut]
+        ins.add(f"{prefix}{kind}{n}", x, F._full_spec(x))
+
+
+def _positions_bh(r, prefix, b, h, g: C.Geometry, i, j):
+  """The per-position residual tiles of tile (i, j) of (b, h) from whole inputs
+  (`_add_positions_whole`): [bq, 1], then [1, bk], then [bq, bk]."""
+  rows, cols = _compat.ds(i * g.bq, g.bq), _compat.ds(j * g.bk, g.bk)
+  n_rel = C.count_refs(r, f"{prefix}rel")
+  e = F.rel_index(g, i, j) if n_rel else None
+  return tuple(
+      [r[f"{prefix}q{n}"][b, h, rows][:, None] for n in range(C.count_refs(r, f"{prefix}q"))]
+      + [r[f"{prefix}kv{n}"][b, h, cols][None, :] for n in range(C.count_refs(r, f"{prefix}kv"))]
+      + [r[f"{prefix}rel{n}"][b, h, e] for n in range(n_rel)])
+
+
 def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, bias_shape,
                   mod_scalar=()):
   r = dict(zip(names + ["dbias"], refs))
@@ -389,11 +423,8 @@ def _dbias_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, masked, bi
                              i, j, g, full_q=True, full_kv=True)
       if "q_seg" in r:
         t.q_seg, t.kv_seg = r["q_seg"][b, rows], r["kv_seg"][b, cols]
-      for prefix in ("pos", "mpos"):  # per-position residuals: [bq, 1], then [1, bk]
-        setattr(t, prefix, tuple(
-            [r[f"{prefix}q{n}"][b, h, rows][:, None] for n in range(C.count_refs(r, f"{prefix}q"))]
-            + [r[f"{prefix}kv{n}"][b, h, cols][None, :]
-               for n in range(C.count_refs(r, f"{prefix}kv"))]))
+      for prefix in ("pos", "mpos"):
+        setattr(t, prefix, _positions_bh(r, prefix, b, h, g, i, j))
       _, ds, _ = _tile_grads(cfg, g, q, k, v, do, r["lse"][b, h, rows],
                              r["delta"][b, h, rows], t, consts, r.get("seed"), acc, masked, 0)
       if Sqb == 1:
@@ -458,12 +489,7 @@ def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_
     ins.add(f"const{n}", c, F._full_spec(c))
   for n, c in enumerate(() if msplit is None else msplit.arrays):
     ins.add(f"mconst{n}", c, F._full_spec(c))
-  for prefix, p in (("pos", pos), ("mpos", None if msplit is None else msplit.pos)):
-    for kind, xs, n_pad in (("q", () if p is None else p.q, g.Sqp),
-                            ("kv", () if p is None else p.kv, g.Skvp)):
-      for n, x in enumerate(xs):
-        x = x[..., :n_pad]
-        ins.add(f"{prefix}{kind}{n}", x, F._full_spec(x))
+  _add_positions_whole(ins, g, pos, msplit)
   kernel = functools.partial(_dbias_kernel, cfg=cfg, g=g, names=ins.names, n_consts=len(consts),
                              scalar=scalar, masked=masked, bias_shape=bias_p.shape,
                              mod_scalar=() if msplit is None else msplit.scalar)
@@ -475,6 +501,116 @@ def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_
       interpret=cfg.interpret, name="flashvjp_bwd_dbias",
       num_warps=gb.num_warps, num_stages=gb.num_stages,
   )(*ins.arrays)
+
+
+# ---- d(rel residuals): rows read by kv_idx - q_idx ----------------------------------
+
+def _drel_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, mod_scalar, n_fixed_pos,
+                 n_rel_diff):
+  """Program (b, h, t): the tiles of block diagonal t (kv block - q block = t - (nq - 1)),
+  whose elements all map to the same 2 * block - 1 differences: their d(rel residual)
+  tiles summed elementwise, in order (deterministic); `_rel_strips` reduces the diagonals."""
+  r = dict(zip(names + [f"drel{n}" for n in range(n_rel_diff)], refs))
+  acc = C.acc_dtype(r["q"].dtype)
+  b, h, t_diag = _compat.program_id(0), _compat.program_id(1), _compat.program_id(2)
+  consts = C.load_head_consts([r[f"const{n}"] for n in range(n_consts)], scalar, (b, h))
+  mconsts = F.load_mod_consts(r, mod_scalar, (b, h))
+  off = C.load_offsets(r.get("offsets"))
+  spec = C.mask_spec(cfg)
+  shift = t_diag - (g.nq - 1)  # kv block - q block
+  diff_pos = tuple(range(n_fixed_pos, n_fixed_pos + n_rel_diff))
+
+  def tile(i, accum):
+    j = i + shift
+    rows, cols = _compat.ds(i * g.bq, g.bq), _compat.ds(j * g.bk, g.bk)
+    hkv = h // g.G
+    t = C.TileInputs(b=b, h=h, i=i, j=j, mod=mconsts, off=off)
+    for name in ("bias", "mask"):
+      if name in r:
+        x = r[name]
+        lead = (0 if x.shape[0] == 1 else b, 0 if x.shape[1] == 1 else h)
+        setattr(t, name, C.pair_tile(x, lead, i, j, g, full_q=True, full_kv=True))
+    if "q_seg" in r:
+      t.q_seg, t.kv_seg = r["q_seg"][b, rows], r["kv_seg"][b, cols]
+    t.pos = _positions_bh(r, "pos", b, h, g, i, j)
+    t.mpos = _positions_bh(r, "mpos", b, h, g, i, j)
+    _, _, dc = _tile_grads(cfg, g, r["q"][b, h, rows, :], r["k"][b, hkv, cols, :],
+                           r["v"][b, hkv, cols, :], r["do"][b, h, rows, :],
+                           r["lse"][b, h, rows], r["delta"][b, h, rows], t, consts,
+                           r.get("seed"), acc, True, 0, diff_pos=diff_pos)
+    return tuple(a + c.astype(a.dtype) for a, c in zip(accum, dc))
+
+  # The diagonal's tiles hold kv - q in [shift * n - (n - 1), shift * n + (n - 1)]: outside
+  # the causal / window band the whole diagonal is empty (no loop; no branch inside the loop,
+  # so Triton pipelines its loads). Padding, segments, masks: the elementwise mask.
+  n = g.bq
+  i_lo, i_hi = jnp.maximum(0, -shift), jnp.minimum(g.nq, g.nk - shift)
+  live = jnp.asarray(True)
+  if spec.right is not None:
+    live = live & (shift * n - (n - 1) <= spec.right)
+  if spec.left is not None:
+    live = live & (shift * n + (n - 1) >= -spec.left)
+  i_hi = jnp.where(live, i_hi, i_lo)
+  init = tuple(jnp.zeros((g.bq, g.bk), acc) for _ in range(n_rel_diff))
+  out = lax.fori_loop(_i32(i_lo), _i32(i_hi), tile, init)
+  for n, d in enumerate(out):
+    r[f"drel{n}"][...] = d
+
+
+def _rel_strips(tiles, g: C.Geometry):
+  """[B, H, n_diag, n, n] summed tiles of the block diagonals -> d(rel row) [B, H, Sqp + Skvp]
+  (local layout: element kv - q + Sqp - 1). Static pads and reshapes: diagonal sums by the
+  row-skew of a padded flatten, then the strips overlap-added (strip t starts at t * n)."""
+  B, H, nd, n, _ = tiles.shape
+  x = tiles[..., ::-1, :]  # anti-diagonals of the row-reversed tile = the tile's diagonals
+  x = jnp.pad(x, [(0, 0)] * 4 + [(0, n)]).reshape(B, H, nd, 2 * n * n)
+  strips = x[..., : n * (2 * n - 1)].reshape(B, H, nd, n, 2 * n - 1).sum(axis=3)
+  first = jnp.pad(strips[..., :n], [(0, 0), (0, 0), (0, 1), (0, 0)])
+  second = jnp.pad(strips[..., n:], [(0, 0), (0, 0), (1, 0), (0, 1)])
+  return (first + second).reshape(B, H, (nd + 1) * n)
+
+
+def _drel(cfg, g, q, k, v, dout, out, lse, dlse, bias, mask, q_seg, kv_seg, seed, consts,
+          scalar, msplit, pos, offsets, acc):
+  """d(rel residuals) [B, H, rel_sqp + Skvp'] of the float rel residuals (`PosResiduals.rel`),
+  by a kernel over the block diagonals (grid (B, H, nq + nk - 1), square blocks)."""
+  ins = C.KernelInputs()
+  delta_p, lse_p = _preprocess(out, lse, dout, dlse, g, acc)
+  mask_p = C.pad_pair(mask, g)
+  q_seg_p, kv_seg_p = C.pad_segments(q_seg, kv_seg, g)
+  for name, x in (("q", C.pad_operand(cfg, q, g.Sqp, g.Dp)), ("k", C.pad_operand(cfg, k, g.Skvp, g.Dp)),
+                  ("v", C.pad_operand(cfg, v, g.Skvp, g.Dvp)),
+                  ("do", C.pad_operand(cfg, dout, g.Sqp, g.Dvp)), ("lse", lse_p), ("delta", delta_p),
+                  ("bias", C.pad_pair(bias, g)),
+                  ("mask", None if mask_p is None else mask_p.astype(jnp.int8)),
+                  ("q_seg", q_seg_p), ("kv_seg", kv_seg_p)):
+    if x is not None:
+      ins.add(name, x, F._full_spec(x))
+  if cfg.dropout_active:
+    ins.add("seed", seed, F._full_spec(seed))
+  F.add_offsets(ins, offsets)
+  for n, c in enumerate(consts):
+    ins.add(f"const{n}", c, F._full_spec(c))
+  for n, c in enumerate(() if msplit is None else msplit.arrays):
+    ins.add(f"mconst{n}", c, F._full_spec(c))
+  _add_positions_whole(ins, g, pos, msplit)
+  n_rel = pos.n_rel_diff
+  kernel = functools.partial(_drel_kernel, cfg=cfg, g=g, names=ins.names, n_consts=len(consts),
+                             scalar=scalar, mod_scalar=() if msplit is None else msplit.scalar,
+                             n_fixed_pos=len(pos.q) + len(pos.kv), n_rel_diff=n_rel)
+  n_diag = g.nq + g.nk - 1
+  tiles = _compat.pallas_call(
+      kernel, out_shape=(jax.ShapeDtypeStruct((g.B, g.H, n_diag, g.bq, g.bk), acc),) * n_rel,
+      grid=(g.B, g.H, n_diag), in_specs=ins.specs,
+      out_specs=(_compat.block_spec((None, None, None, g.bq, g.bk),
+                                    lambda b, h, t: (b, h, t, 0, 0)),) * n_rel,
+      interpret=cfg.interpret, name="flashvjp_bwd_drel",
+      num_warps=g.num_warps, num_stages=g.num_stages,
+  )(*ins.arrays)
+  full = pos.rel[0].shape[-1]
+  cut = pos.rel_slice(g.Sqp, g.Skvp)
+  return tuple(jnp.pad(_rel_strips(x, g), [(0, 0), (0, 0), (cut.start, full - cut.stop)])
+               for x in tiles)
 
 
 # ---- entry point ------------------------------------------------------------------
@@ -504,7 +640,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   g = C.geometry(cfg, q.shape, k.shape, v.shape, bq_dkv, bk_dkv, role="dkdv", dtype=q.dtype)
   g_dq = C.geometry(cfg, q.shape, k.shape, v.shape, bq_dq, bk_dq, role="dq", dtype=q.dtype)
   # per-position residuals cover both kernels' padded lengths (each slices its own)
-  positions = (cfg.seq_q, cfg.seq_kv, max(g.Sqp, g_dq.Sqp), max(g.Skvp, g_dq.Skvp))
+  positions = C.Positions(cfg.seq_q, cfg.seq_kv, max(g.Sqp, g_dq.Sqp), max(g.Skvp, g_dq.Skvp),
+                          rel=True)
   split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), acc, q.shape[0],
                            q.shape[1], grads=True, offsets=offsets, positions=positions)
   consts, scalar, n_diff, pos = split.arrays, split.scalar, split.n_diff, split.pos
@@ -541,12 +678,19 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   dq, dres, dposq = _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop,
                         lse_p, delta_p, masked, acc, n_diff, mod, msplit, offsets, pos)
   dq = dq[:, :, : g.Sq, : g.D].astype(q.dtype)
+  drel = ()
+  if pos is not None and pos.n_rel_diff:  # square blocks: a block diagonal's tiles align
+    blk = min(g_dq.bq, g_dq.bk)
+    g_rel = C.geometry(cfg, q.shape, k.shape, v.shape, blk, blk, role="dq", dtype=q.dtype)
+    assert g_rel.bq == g_rel.bk, (g_rel.bq, g_rel.bk)
+    drel = _drel(cfg, g_rel, q, k, v, dout, out, lse, dlse, bias, mask, q_seg, kv_seg, seed,
+                 consts, scalar, msplit, pos, offsets, acc)
   if split.to_consts is not None:  # grads to the arrays, through per-head / -position residuals
     dres = tuple(d[..., 0] if sc else d for d, sc in zip(dres, scalar))
     fit = lambda ds, xs: tuple(C.pad_to(d, 2, x.shape[2]) for d, x in zip(ds, xs))
     assert pos is not None or not (dposq or dposkv)
     dconsts = tuple(split.to_consts(dres, *(() if pos is None else (
-        fit(dposq, pos.q), fit(dposkv, pos.kv)))))
+        fit(dposq, pos.q), fit(dposkv, pos.kv), drel))))
   else:  # differentiable consts that the scores do not depend on
     dconsts = tuple(jnp.zeros(jnp.shape(c), jnp.result_type(c)) for c in user_consts[:n_user_diff])
   dconsts = tuple(d.astype(jnp.result_type(c)) for d, c in zip(dconsts, user_consts[:n_user_diff]))

@@ -86,7 +86,8 @@ def kernel_inputs(cfg: AttentionConfig, g: C.Geometry, q, k, v, bias, mask, q_se
 
 def add_positions(ins, g: C.Geometry, pos, prefix):
   """Per-position residuals (`_common.PosResiduals`) for a (batch, head, q block) grid:
-  "{prefix}q{n}" this program's [bq] rows, "{prefix}kv{n}" the whole [Skvp] row."""
+  "{prefix}q{n}" this program's [bq] rows, "{prefix}kv{n}" the whole [Skvp] row,
+  "{prefix}rel{n}" the whole [Sqp + Skvp] row of differences (`rel_tile`)."""
   if pos is None:
     return
   for n, x in enumerate(pos.q):
@@ -95,15 +96,29 @@ def add_positions(ins, g: C.Geometry, pos, prefix):
   for n, x in enumerate(pos.kv):
     ins.add(f"{prefix}kv{n}", x[..., : g.Skvp],
             _compat.block_spec((None, None, g.Skvp), lambda b, h, i: (b, h, 0)))
+  for n, x in enumerate(pos.rel):
+    ins.add(f"{prefix}rel{n}", x[..., pos.rel_slice(g.Sqp, g.Skvp)],
+            _compat.block_spec((None, None, g.Sqp + g.Skvp), lambda b, h, i: (b, h, 0)))
 
 
-def load_positions(r, g: C.Geometry, j, prefix):
+def rel_index(g: C.Geometry, i, j, transposed: bool = False):
+  """Where tile (i, j) reads a rel row (`_common.PosResiduals.rel_slice`): kv - q + Sqp - 1,
+  int32 [bq, bk] ([bk, bq] transposed). A gather load of a row Triton lowers as pointer
+  arithmetic; its [bq + bk - 1] distinct elements stay in L1."""
+  qi, ki = C.tile_indices(g, i, j, transposed)
+  return ki - qi + (g.Sqp - 1)
+
+
+def load_positions(r, g: C.Geometry, i, j, prefix):
   """The per-position residual tiles of tile (i, j) for a (batch, head, q block) program:
-  q ones [bq, 1], then kv ones [1, bk] (`add_positions`)."""
+  q ones [bq, 1], then kv ones [1, bk], then rel ones [bq, bk] (`add_positions`)."""
   qs = [r[f"{prefix}q{n}"][...][:, None] for n in range(C.count_refs(r, f"{prefix}q"))]
   kvs = [r[f"{prefix}kv{n}"][_compat.ds(j * g.bk, g.bk)][None, :]
          for n in range(C.count_refs(r, f"{prefix}kv"))]
-  return tuple(qs + kvs)
+  n_rel = C.count_refs(r, f"{prefix}rel")
+  e = rel_index(g, i, j) if n_rel else None
+  rels = [r[f"{prefix}rel{n}"][e] for n in range(n_rel)]
+  return tuple(qs + kvs + rels)
 
 
 def add_offsets(ins, offsets):
@@ -162,13 +177,14 @@ def load_tile_inputs(r, g: C.Geometry, b, h, i, j, mod=(), off=None):
   if "q_seg" in r:
     t.q_seg = r["q_seg"][...]
     t.kv_seg = r["kv_seg"][_compat.ds(j * g.bk, g.bk)]
-  t.pos, t.mpos = load_positions(r, g, j, "pos"), load_positions(r, g, j, "mpos")
+  t.pos, t.mpos = load_positions(r, g, i, j, "pos"), load_positions(r, g, i, j, "mpos")
   return t
 
 
 def positions(cfg: AttentionConfig, g: C.Geometry):
-  """What `_common.split_per_head` needs to hoist per-position residuals for geometry g."""
-  return (cfg.seq_q, cfg.seq_kv, g.Sqp, g.Skvp)
+  """What `_common.split_per_head` needs to hoist per-position residuals for geometry g
+  (these kernels look rows up by kv_idx - q_idx too)."""
+  return C.Positions(cfg.seq_q, cfg.seq_kv, g.Sqp, g.Skvp, rel=True)
 
 
 def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts, scalar, masked,

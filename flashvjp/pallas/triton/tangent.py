@@ -73,7 +73,7 @@ def _tangent_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
       ts = ts + C.pair_tile(r["tbias"], (), i, j, g, full_q=False, full_kv=True).astype(acc)
     if cfg.score_mod is not None:
       s, ts = C.modded_jvp(cfg, s, ts, t, qi, ki, consts, n_float, tuple(tconsts),
-                           F.load_positions(r, g, j, "tpos"))
+                           F.load_positions(r, g, i, j, "tpos"))
     neg = C.mask_value(acc)
     if masked:
       q_seg = None if t.q_seg is None else t.q_seg[:, None]
