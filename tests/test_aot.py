@@ -139,7 +139,7 @@ def _features(mesh, dtype, B, H, S):
       "q_temperature": (lambda t: dict(causal=True, score_mod=lambda s, b, h, i, j: s * t[i]),
                         (_aot.sds(mesh, (S,), jnp.float32),)),
       "document_causal": (lambda d: dict(mask_mod=flashvjp.document_causal(d)), (seg,)),
-      # read by kv_idx - q_idx (a row per (b, h) over the differences; Triton only so far)
+      # read by kv_idx - q_idx (a row per (b, h) over the differences)
       "relative_position_bias": (
           lambda tb: dict(causal=True, score_mod=flashvjp.relative_position_bias(tb, 64)),
           (_aot.sds(mesh, (H, 129), jnp.float32),)),
@@ -194,12 +194,12 @@ def test_gpu_compile_matrix(gpu, feature, mode, dtype):
   _assert_compiled_kernels(decision, compiled, "pallas_triton", _aot.TRITON_CALL, mode)
 
 
-POSITION_FEATURES = ["kv_bias", "q_temperature", "document_causal"]
+POSITION_FEATURES = ["kv_bias", "q_temperature", "document_causal", "relative_position_bias"]
 
 
 @_aot.needs_cuda
 @pytest.mark.parametrize("mode", ["grad", "jvp"])
-@pytest.mark.parametrize("feature", POSITION_FEATURES + ["relative_position_bias"])
+@pytest.mark.parametrize("feature", POSITION_FEATURES)
 def test_gpu_compiles_mods_indexing_arrays_by_position(feature, mode):
   """Issue 32: what a mod reads by q or kv position travels as per-position residuals, and
   what it reads by kv_idx - q_idx as a row over the differences, so the Triton kernels
@@ -223,6 +223,8 @@ def test_tpu_compile_matrix_of_mods_indexing_arrays_by_position(feature, mode):
   does not take the "v5e:1x1" topology name.)"""
   decision, compiled = _compile(_aot.tpu_mesh("v5e"), feature, mode, jnp.bfloat16)
   _assert_compiled_kernels(decision, compiled, "pallas_tpu", _aot.TPU_CALL, mode)
+  if feature == "relative_position_bias" and mode == "grad":  # Toeplitz tiles by lane rolls
+    assert compiled.as_text().count(_aot.TPU_CALL) >= 4  # fwd, dK/dV, dQ, drel
 
 
 @_aot.needs_tpu

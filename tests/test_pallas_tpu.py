@@ -252,11 +252,13 @@ def test_limits():
                            key_shape=(1, 1, 8, 64), value_shape=(1, 1, 8, 64),
                            dtype=jnp.float64)
   assert ok
-  # A table lookup by relative position is a gather: refused when compiled, with the reason.
-  table = jnp.zeros((4, 13), jnp.float32)
+  # A table lookup by relative position is a row of differences per (b, h): it lowers. One
+  # indexed by both positions at once is a gather on the tile: refused, with the reason.
+  table, pairs = jnp.zeros((4, 13), jnp.float32), jnp.zeros((8, 8), jnp.float32)
   sm = lambda s, b, h, q, kv, t: s + t[h, jnp.clip(kv - q, -6, 6) + 6]
-  why = _limits.score_mod_lowering_problem(sm, (table,))
-  assert "gather" in why and "score_mod[0] float32[4,13]: by kv_idx - q_idx" in why
+  assert _limits.score_mod_lowering_problem(sm, (table,)) is None
+  why = _limits.score_mod_lowering_problem(lambda s, b, h, q, kv, p: s + p[q, kv], (pairs,))
+  assert "gather" in why and "score_mod[0] float32[8,8]: otherwise" in why, why
   assert _limits.score_mod_lowering_problem(
       lambda s, b, h, q, kv, sl: s + sl[h] * (kv - q), (jnp.ones(4),)) is None
 

@@ -233,25 +233,23 @@ def test_document_causal_visits_the_blocks_segment_ids_visit():
 
 
 def test_refusal_names_only_what_the_family_cannot_read():
-  """A mod with a kv bias (compiled by both) and a relative-position table (compiled by the
-  Triton family, not yet by Mosaic-TPU): the TPU refusal names the table's class, not the
-  bias'; a pair table read at both positions at once is refused by both, named "otherwise"."""
+  """A mod with a kv bias and a relative-position table (both compiled) and a pair table read
+  at both positions at once (refused): the refusal names the pair table ("otherwise"), not
+  the others."""
   q = jax.ShapeDtypeStruct((B, H, 256, 64), jnp.bfloat16)
   bv, table, pairs = jnp.ones((B, 256)), jnp.ones((H, 9)), jnp.ones((256, 256))
   sm = lambda s, b, h, i, j: s + bv[b, j] + table[h, jnp.clip(j - i, -4, 4) + 4]
-  with pytest.raises(ValueError, match="by kv_idx - q_idx") as e:
-    flashvjp.explain(q, q, q, score_mod=sm, implementation="pallas_tpu", interpret=False)
-  assert "by kv position" not in str(e.value), str(e.value)
-  assert flashvjp.explain(q, q, q, score_mod=sm, implementation="pallas_triton",
-                          interpret=False).implementation == "pallas_triton"
-  sm2 = lambda s, b, h, i, j: s + bv[b, j] + table[h, jnp.clip(j - i, -4, 4) + 4] + pairs[i, j]
+  sm2 = lambda s, b, h, i, j: sm(s, b, h, i, j) + pairs[i, j]
   for impl in FAMILIES:
+    assert flashvjp.explain(q, q, q, score_mod=sm, implementation=impl,
+                            interpret=False).implementation == impl
     with pytest.raises(ValueError, match="otherwise") as e:
       flashvjp.explain(q, q, q, score_mod=sm2, implementation=impl, interpret=False)
-    assert "by kv position" not in str(e.value), str(e.value)
+    assert "score_mod[2]" in str(e.value), str(e.value)  # the pair table, not the others
+    assert "score_mod[0]" not in str(e.value) and "score_mod[1]" not in str(e.value)
 
 
-# ---- the kv_idx - q_idx class (relative positions) in the Triton kernels -----------------
+# ---- the kv_idx - q_idx class (relative positions) in both families -----------------------
 
 def _t5_bucket(rel, num_buckets=8, max_distance=24):
   """T5's bidirectional bucket of a relative position kv_idx - q_idx (log-spaced far out)."""
@@ -282,9 +280,10 @@ def _rel_tables(dtype=jnp.float32):
       1.0 + 0.3 * rng.standard_normal((SQ,))))
 
 
+@pytest.mark.parametrize("impl", FAMILIES)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("name", sorted(REL_MODS))
-def test_rel_grads_to_q_k_v_bias_and_tables(name, causal):
+def test_rel_grads_to_q_k_v_bias_and_tables(name, causal, impl):
   """Forward, gradients to q, k, v, a bias and the tables (the drel kernel over block
   diagonals and the strip reduction), against float64 autodiff of naive attention."""
   q, k, v, bias, _ = _inputs("kv_bias")
@@ -300,18 +299,19 @@ def test_rel_grads_to_q_k_v_bias_and_tables(name, causal):
 
   args = (q, k, v, bias, tables)
   (_, got_out), got = jax.value_and_grad(
-      lambda *a: loss("pallas_triton", *a), (0, 1, 2, 3, 4), has_aux=True)(*args)
+      lambda *a: loss(impl, *a), (0, 1, 2, 3, 4), has_aux=True)(*args)
   (_, ref_out), ref = jax.value_and_grad(
       lambda *a: loss("naive", *a), (0, 1, 2, 3, 4), has_aux=True)(*_util.as64(args))
-  _util.assert_close(got_out, ref_out, jnp.float32, f"{name} out", impl="pallas_triton")
+  _util.assert_close(got_out, ref_out, jnp.float32, f"{name} out", impl=impl)
   for what, g, r in zip(("dq", "dk", "dv", "dbias", "dtables"), got, ref):
-    _util.assert_close(g, r, jnp.float32, f"{name} {what}", impl="pallas_triton")
+    _util.assert_close(g, r, jnp.float32, f"{name} {what}", impl=impl)
   for n in REL_USES[name]:  # the tables the mod reads get gradients
     assert float(jnp.abs(got[4][n]).max()) > 0, n
 
 
+@pytest.mark.parametrize("impl", FAMILIES)
 @pytest.mark.parametrize("name", sorted(REL_MODS))
-def test_rel_tangent_with_table_tangents(name):
+def test_rel_tangent_with_table_tangents(name, impl):
   q, k, v, _, _ = _inputs("kv_bias")
   tables = _rel_tables()
   primals = (q, k, v, tables)
@@ -327,16 +327,16 @@ def test_rel_tangent_with_table_tangents(name):
         return_lse=True, **extra)
     return jax.jvp(f, primals, tangents)
 
-  got = run("pallas_triton", primals, tangents)
+  got = run(impl, primals, tangents)
   ref = run("naive", _util.as64(primals), _util.as64(tangents))
-  _util.assert_close(got, ref, jnp.float32, f"{name} jvp", impl="pallas_triton")
+  _util.assert_close(got, ref, jnp.float32, f"{name} jvp", impl=impl)
 
 
 def test_rel_is_hoisted_only_for_a_family_that_reads_it():
   from flashvjp.pallas import _common
   tb = _rel_tables()
   fn, consts, _ = _score_mod.convert(REL_MODS["per_batch_times_q"](tb), jnp.float32)
-  assert _positions.hoist(fn, consts, jnp.float32).rel_avals == ()  # q only (TPU today)
+  assert _positions.hoist(fn, consts, jnp.float32).rel_avals == ()  # q only (no rel reader)
   h = _positions.hoist(fn, consts, jnp.float32, rel=True)
   assert (len(h.q_avals), len(h.kv_avals), len(h.rel_avals)) == (1, 0, 1) and h.problem is None
   # ALiBi's slope * (kv - q) is elementwise: it stays in the tile
@@ -355,35 +355,32 @@ def test_rel_is_hoisted_only_for_a_family_that_reads_it():
 
 
 def test_rel_strips_are_the_diagonal_sums():
-  """`_rel_strips`: tile t of the block diagonals adds its diagonal sums at t * n + c."""
-  import importlib
-
+  """`rel_strips`: tile t of the block diagonals adds its diagonal sums at t * n + c."""
   from flashvjp.pallas import _common
-  backward = importlib.import_module("flashvjp.pallas.triton.backward")  # not the function
   n, nq, nk = 4, 2, 3
-  g = _common.Geometry(B=1, H=1, Hkv=1, Sq=nq * n, Skv=nk * n, D=16, Dv=16, bq=n, bk=n, Dp=16,
-                       Dvp=16)
   tiles = np.random.default_rng(0).standard_normal((1, 1, nq + nk - 1, n, n))
   want = np.zeros((nq + nk) * n)
   for t in range(nq + nk - 1):
     for i in range(n):
       for j in range(n):
         want[t * n + j - i + n - 1] += tiles[0, 0, t, i, j]
-  np.testing.assert_allclose(np.asarray(backward._rel_strips(jnp.asarray(tiles), g))[0, 0], want)
+  np.testing.assert_allclose(np.asarray(_common.rel_strips(jnp.asarray(tiles)))[0, 0], want)
 
 
-def test_triton_compiles_rel_and_explain_names_the_class():
+@pytest.mark.parametrize("impl", FAMILIES)
+def test_families_compile_rel_and_explain_names_the_class(impl):
   q = jax.ShapeDtypeStruct((B, H, 256, 64), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((B, HKV, 256, 64), jnp.bfloat16)
   for name in sorted(REL_MODS):
     tb = (jnp.ones((H, 9)), jnp.ones((H, 8)), jnp.ones((B, 12)), jnp.ones((256,)))
-    d = flashvjp.explain(q, k, k, implementation="pallas_triton", interpret=False,
+    d = flashvjp.explain(q, k, k, implementation=impl, interpret=False,
                          score_mod=REL_MODS[name](tb))
-    assert d.implementation == "pallas_triton" and not d.interpret, d
+    assert d.implementation == impl and not d.interpret, d
     assert "by kv_idx - q_idx" in {o.how for o in d.operands}, d.operands
 
 
-def test_rel_mask_mod_grads_and_tangent():
+@pytest.mark.parametrize("impl", FAMILIES)
+def test_rel_mask_mod_grads_and_tangent(impl):
   """A mask_mod reading a table by kv_idx - q_idx (a banded pattern with holes): its row
   travels like a score_mod's, for the forward, every backward kernel and the tangent."""
   keep = jnp.asarray(np.random.default_rng(2).random(33) < 0.7).at[16].set(True)
@@ -398,14 +395,14 @@ def test_rel_mask_mod_grads_and_tangent():
                                     **extra)
 
   loss = lambda impl, *a: jnp.sum(f(impl, *a).astype(jnp.float64) * w)
-  got = jax.value_and_grad(lambda *a: loss("pallas_triton", *a), (0, 1, 2, 3))(q, k, v, bias)
+  got = jax.value_and_grad(lambda *a: loss(impl, *a), (0, 1, 2, 3))(q, k, v, bias)
   ref = jax.value_and_grad(lambda *a: loss("naive", *a), (0, 1, 2, 3))(
       *_util.as64((q, k, v, bias)))
-  _util.assert_close(got, ref, jnp.float32, "rel mask_mod grad", impl="pallas_triton")
+  _util.assert_close(got, ref, jnp.float32, "rel mask_mod grad", impl=impl)
   t = _util.random_qkv(9, B, H, HKV, SQ, SKV, D)
-  got = jax.jvp(lambda *a: f("pallas_triton", *a), (q, k, v), t)
+  got = jax.jvp(lambda *a: f(impl, *a), (q, k, v), t)
   ref = jax.jvp(lambda *a: f("naive", *a), _util.as64((q, k, v)), _util.as64(t))
-  _util.assert_close(got, ref, jnp.float32, "rel mask_mod jvp", impl="pallas_triton")
+  _util.assert_close(got, ref, jnp.float32, "rel mask_mod jvp", impl=impl)
   qs = jax.ShapeDtypeStruct((B, H, 256, 64), jnp.bfloat16)
-  d = flashvjp.explain(qs, qs, qs, mask_mod=mm, implementation="pallas_triton", interpret=False)
+  d = flashvjp.explain(qs, qs, qs, mask_mod=mm, implementation=impl, interpret=False)
   assert [o.how for o in d.operands] == ["by kv_idx - q_idx"], d.operands

@@ -270,13 +270,12 @@ _PALLAS_OFFSET_FEATURES = {
         lambda: (jnp.linspace(-1.0, 1.0, 64)[None], 1.0 + 0.5 * jnp.cos(jnp.arange(64.0)))),
     "document_causal": (lambda: dict(mask_mod=flashvjp.document_causal(
         jnp.asarray([[0] * 20 + [1] * 30 + [2] * 14], jnp.int32))), tuple),
-    # a table read by the global kv_idx - q_idx, with its gradient (the Triton family's row
-    # of differences per pair: offsets kv0 - q0 shift it)
+    # a table read by the global kv_idx - q_idx, with its gradient (a row of differences
+    # per pair: offsets kv0 - q0 shift it)
     "relative_position_bias": (
         lambda tb: dict(score_mod=flashvjp.relative_position_bias(tb, 24), causal=True),
         lambda: (jnp.sin(jnp.arange(2 * 49.0)).reshape(2, 49),)),
 }
-_TRITON_ONLY = ("relative_position_bias",)  # Mosaic-TPU does not read it yet
 
 
 def _pallas_small_inputs():
@@ -286,9 +285,8 @@ def _pallas_small_inputs():
               w_out=r(3, (1, 2, 64, 16)), w_lse=r(4, (1, 2, 64)))
 
 
-@pytest.mark.parametrize("family,feature", [
-    (fam, feat) for feat in _PALLAS_OFFSET_FEATURES for fam in ("pallas_triton", "pallas_tpu")
-    if not (fam == "pallas_tpu" and feat in _TRITON_ONLY)])
+@pytest.mark.parametrize("family", ["pallas_triton", "pallas_tpu"])
+@pytest.mark.parametrize("feature", list(_PALLAS_OFFSET_FEATURES))
 def test_pallas_pairs_take_global_offsets(family, feature):
   """score_mod / mask_mod / dropout with Pallas pairs (interpret mode): out, lse and every
   gradient == the one-device call of the same family, at the family's tolerance. Small

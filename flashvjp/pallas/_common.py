@@ -249,6 +249,29 @@ class PosResiduals:
     return slice(start, start + Sqp + Skvp)
 
 
+def rel_strips(tiles):
+  """[B, H, n_diag, n, n] summed tiles of the block diagonals -> d(rel row) [B, H, (n_diag + 1)
+  * n] in a kernel's local layout (element kv - q + Sqp - 1; strip t starts at t * n). Static
+  pads and reshapes: the diagonals of a tile are the anti-diagonals of its row reversal, read
+  by the row skew of a padded flatten; then the strips are overlap-added."""
+  B, H, nd, n, _ = tiles.shape
+  x = tiles[..., ::-1, :]
+  x = jnp.pad(x, [(0, 0)] * 4 + [(0, n)]).reshape(B, H, nd, 2 * n * n)
+  strips = x[..., : n * (2 * n - 1)].reshape(B, H, nd, n, 2 * n - 1).sum(axis=3)
+  first = jnp.pad(strips[..., :n], [(0, 0), (0, 0), (0, 1), (0, 0)])
+  second = jnp.pad(strips[..., n:], [(0, 0), (0, 0), (1, 0), (0, 1)])
+  return (first + second).reshape(B, H, (nd + 1) * n)
+
+
+def rel_grad_rows(tiles, pos: PosResiduals, g: Geometry):
+  """d(rel residual) rows [B, H, rel_sqp + Skvp'] (`PosResiduals.rel`'s layout) from a drel
+  kernel's summed diagonal tiles at square blocks g.bq == g.bk (`rel_strips`)."""
+  assert g.bq == g.bk and (g.nq + g.nk) * g.bq == g.Sqp + g.Skvp, g
+  full = pos.rel[0].shape[-1]
+  cut = pos.rel_slice(g.Sqp, g.Skvp)
+  return jnp.pad(rel_strips(tiles), [(0, 0), (0, 0), (cut.start, full - cut.stop)])
+
+
 def count_refs(r, stem: str) -> int:
   """How many refs "{stem}0", "{stem}1", ... a kernel's ref dict `r` has (per-position
   residuals and their tangents: "posq{n}", "mposkv{n}", ...)."""

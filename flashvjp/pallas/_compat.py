@@ -128,6 +128,13 @@ def tpu_compiler_params(dimension_semantics):
   return cls(dimension_semantics=tuple(dimension_semantics))
 
 
+def tpu_roll(x, shift, axis: int, *, stride: int | None = None, stride_axis: int | None = None):
+  """pltpu.roll: jnp.roll's direction (out[c] = x[c - shift]); with a stride, slice n along
+  `stride_axis` rolls by shift + n * stride (a static shift then: Mosaic has no strided
+  dynamic rotation)."""
+  return _pltpu.roll(x, shift, axis, stride=stride, stride_axis=stride_axis)
+
+
 def tpu_vmem(shape, dtype):
   """A VMEM scratch buffer of `shape` / `dtype`."""
   return _pltpu.VMEM(tuple(shape), dtype)

@@ -78,9 +78,10 @@ def score_mod_problem(score_mod, consts, acc_dtype, *, lowering, residual_proble
   bad = sorted({e.primitive.name for e in all_eqns(tile.jaxpr)} - ELEMENTWISE_PRIMITIVES)
   if bad:
     note = _operands_note(score_mod, "score_mod", consts, positions, rel)
+    example = ("an array read at both positions at once, pairs[q_idx, kv_idx]" if rel
+               else "indexing a table by the relative position kv_idx - q_idx")
     return (f"score_mod uses {', '.join(bad)} on per-position values, which the {lowering}"
-            " lowering cannot apply to a tile (e.g. indexing a table by the relative position"
-            " kv_idx - q_idx is a gather)" + note)
+            f" lowering cannot apply to a tile (e.g. {example}, a gather)" + note)
   for a in res_avals:
     problem = residual_problem(a)
     if problem is not None:

@@ -30,11 +30,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
 
 from flashvjp import _mask
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
+from flashvjp.pallas import _compat
 
 LANES = 128
 SUBLANES = 8
@@ -250,9 +253,10 @@ class Tile:
   mpos: tuple = ()  # the mask_mod's
 
 
-def load_tile(r, b, h, i, j, mod=()) -> Tile:
+def load_tile(r, b, h, i, j, mod=(), g: C.Geometry | None = None) -> Tile:
   """Tile inputs from the refs of a kernel whose blocks are this tile's (`mod`: the loaded
-  mask_mod residuals; the global offsets from the SMEM ref "offsets", if any)."""
+  mask_mod residuals; the global offsets from the SMEM ref "offsets", if any; `g`: the
+  geometry, for rel rows)."""
   t = Tile(b=b, h=h, i=i, j=j, mod=tuple(mod), off=C.load_offsets(r.get("offsets")))
   if "bias" in r:
     t.bias = r["bias"][...]
@@ -261,7 +265,7 @@ def load_tile(r, b, h, i, j, mod=()) -> Tile:
   if "q_seg" in r:
     t.q_seg = r["q_seg"][:, 0:1]
     t.kv_seg = r["kv_seg"][0:1, :]
-  t.pos, t.mpos = load_positions(r, "pos"), load_positions(r, "mpos")
+  t.pos, t.mpos = load_positions(r, "pos", i, j, g), load_positions(r, "mpos", i, j, g)
   return t
 
 
@@ -272,20 +276,29 @@ def rows_lane_major(g: C.Geometry) -> bool:
   return g.bq % LANES == 0 or g.nq == 1
 
 
+def rel_window(g: C.Geometry) -> int:
+  """Lanes of the aligned window a tile reads from a rel row (`rel_tile`)."""
+  return round_up(g.bq + g.bk - 1 + LANES - 1, LANES)
+
+
 def position_layouts(pos, g: C.Geometry):
   """Per-position residuals (`_common.PosResiduals`, or None) as kernel arrays: q ones
   lane-major [B, H, 1, Sqp] (or lane-broadcast [B, H, Sqp, 128], `rows_lane_major`), read as
-  a [bq, 1] column; kv ones [B, H, 1, Skvp], read as a [1, bk] row. Floats keep their dtype
-  (the tile part's jaxpr takes them so), other dtypes travel as int32."""
+  a [bq, 1] column; kv ones [B, H, 1, Skvp], read as a [1, bk] row; rel rows (by kv_idx -
+  q_idx) [B, H, 1, L], element kv - q + Sqp - 1, zero-padded by a window (`rel_tile`). Floats
+  keep their dtype (the tile part's jaxpr takes them so), other dtypes travel as int32."""
   if pos is None:
-    return (), ()
+    return (), (), ()
   cast = lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.int32)
   if rows_lane_major(g):
     qs = tuple(cast(x[..., : g.Sqp])[:, :, None, :] for x in pos.q)
   else:
     qs = tuple(lane_rows(cast(x[..., : g.Sqp]), g.Sqp) for x in pos.q)
   kvs = tuple(cast(x[..., : g.Skvp])[:, :, None, :] for x in pos.kv)
-  return qs, kvs
+  L = round_up(g.Sqp + g.Skvp, LANES) + rel_window(g)
+  rels = tuple(C.pad_to(cast(x[..., pos.rel_slice(g.Sqp, g.Skvp)]), 2, L)[:, :, None, :]
+               for x in pos.rel)
+  return qs, kvs, rels
 
 
 def read_column(ref):
@@ -303,10 +316,35 @@ def write_column(ref, col):
   ref[...] = x.astype(ref.dtype)
 
 
-def load_positions(r, prefix: str) -> tuple:
-  """The per-position residual tiles of this step's blocks (`position_layouts`)."""
+def rel_tile(ref, g: C.Geometry, i, j):
+  """Tile (i, j) of a rel row (a [1, L] block, `position_layouts`): [bq, bk], element (r, c)
+  = row[j * bk + c - (i * bq + r) + Sqp - 1], a Toeplitz tile. No gather (Mosaic has no
+  lane gather from memory): a 128-aligned window load, a uniform dynamic lane roll that
+  left-aligns it, a broadcast to bq rows and one static strided roll (row r by r more)."""
+  Lw = rel_window(g)
+  i, j = jnp.asarray(i, jnp.int32), jnp.asarray(j, jnp.int32)  # int32 shifts under x64 too
+  w0 = j * g.bk - (i + 1) * g.bq + g.Sqp  # the element of difference j*bk - (i*bq + bq - 1)
+  base = div(w0, LANES) * LANES
+  off = w0 - base
+  w = ref[:, pl.ds(pl.multiple_of(base, LANES), Lw)]  # [1, Lw]
+  w = _compat.tpu_roll(w, rem(Lw - off, Lw), 1)  # w[c] = row[w0 + c]
+  x = jnp.broadcast_to(w, (g.bq, Lw))
+  # x[r, c] = w[c + bq - 1 - r]; an int32 shift (a Python int would be i64 under x64)
+  x = _compat.tpu_roll(x, np.int32(Lw - (g.bq - 1)), 1, stride=1, stride_axis=0)
+  return x[:, : g.bk]
+
+
+def load_positions(r, prefix: str, i, j, g: C.Geometry | None = None) -> tuple:
+  """The per-position residual tiles of this step's blocks (`position_layouts`): [bq, 1]
+  columns, [1, bk] rows, then [bq, bk] rel tiles (which need the geometry `g`)."""
+  rels: tuple = ()
+  if C.count_refs(r, f"{prefix}rel"):
+    assert g is not None, "rel rows need the geometry"
+    rels = tuple(rel_tile(r[f"{prefix}rel{n}"], g, i, j)
+                 for n in range(C.count_refs(r, f"{prefix}rel")))
   return (tuple(read_column(r[f"{prefix}q{n}"]) for n in range(C.count_refs(r, f"{prefix}q")))
-          + tuple(r[f"{prefix}kv{n}"][0:1, :] for n in range(C.count_refs(r, f"{prefix}kv"))))
+          + tuple(r[f"{prefix}kv{n}"][0:1, :] for n in range(C.count_refs(r, f"{prefix}kv")))
+          + rels)
 
 
 def scores(cfg: AttentionConfig, g: C.Geometry, q, k, t: Tile, consts, acc, masked,

@@ -32,7 +32,7 @@ def _residual_problem(aval, what="score_mod"):
 def score_mod_lowering_problem(score_mod, consts, acc_dtype=jnp.float32):
   """Why a (closure-converted, scalar) score_mod cannot lower to Mosaic-TPU, or None."""
   return shared.score_mod_problem(score_mod, consts, acc_dtype, lowering="Mosaic-TPU",
-                                  residual_problem=_residual_problem, positions=True)
+                                  residual_problem=_residual_problem, positions=True, rel=True)
 
 
 def mask_mod_lowering_problem(mask_mod, consts):
@@ -44,7 +44,7 @@ def mask_mod_lowering_problem(mask_mod, consts):
   it runs in interpret mode and on the blockwise path only).
   """
   return shared.mask_mod_problem(mask_mod, consts, lowering="Mosaic-TPU",
-                                 residual_problem=_residual_problem, positions=True)
+                                 residual_problem=_residual_problem, positions=True, rel=True)
 
 
 def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,

@@ -29,6 +29,7 @@ bitwise deterministic.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -138,7 +139,7 @@ def _dkdv_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, n
 
   def compute(masked):
     consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
-    t = Lo.load_tile(r, b, h, i, j, F.load_mod_consts(r, mod_meta, b, h))
+    t = Lo.load_tile(r, b, h, i, j, F.load_mod_consts(r, mod_meta, b, h), g)
     q, do = r["q"][...], r["do"][...]
     pd, ds, dc = tile_grads(cfg, g, q, r["k"][...], r["v"][...], do, read_rows(r["lse"]),
                             read_rows(r["delta"]), t, consts, r.get("seed"), acc, masked, 0,
@@ -243,7 +244,7 @@ def _dq_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists, nam
 
   def compute(masked):
     consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
-    t = Lo.load_tile(r, b, h, i, j, F.load_mod_consts(r, mod_meta, b, h))
+    t = Lo.load_tile(r, b, h, i, j, F.load_mod_consts(r, mod_meta, b, h), g)
     k = r["k"][...]
     _, ds, dc = tile_grads(cfg, g, r["q"][...], k, r["v"][...], r["do"][...], read_rows(r["lse"]),
                            read_rows(r["delta"]), t, consts, r.get("seed"), acc, masked, n_diff,
@@ -342,7 +343,7 @@ def _dbias_kernel(cls_ref, *refs, cfg, g: C.Geometry, names, meta, may_mask, bia
 
   def compute(masked):
     consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
-    t = Lo.load_tile(r, b, h, i, j, F.load_mod_consts(r, mod_meta, b, h))
+    t = Lo.load_tile(r, b, h, i, j, F.load_mod_consts(r, mod_meta, b, h), g)
     _, ds, _ = tile_grads(cfg, g, r["q"][...], r["k"][...], r["v"][...], r["do"][...],
                           read_rows(r["lse"]), read_rows(r["delta"]), t, consts, r.get("seed"), acc,
                           masked, 0)
@@ -428,6 +429,109 @@ def _dbias(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, see
   )(cls, *ins.arrays)
 
 
+# ---- d(rel residuals): rows read by kv_idx - q_idx -------------------------------------
+
+def _diag_step(g: C.Geometry, t, s):
+  """(q block, kv block, active) of step s along block diagonal t (kv block - q block =
+  t - (nq - 1)); steps past the diagonal's length repeat its last tile (no DMA)."""
+  shift = t - (g.nq - 1)
+  i0 = jnp.maximum(0, -shift)
+  count = jnp.minimum(g.nq, g.nk - shift) - i0
+  i = i0 + jnp.minimum(s, count - 1)
+  return i, i + shift, s < count
+
+
+def _drel_kernel(cls_ref, *refs, cfg, g: C.Geometry, names, meta, may_mask, Bl, Hl,
+                 mod_meta=None, n_fixed_pos=0, n_rel_diff=1):
+  """Program (b, h, t): the tiles of block diagonal t, whose elements all map to the same
+  2 * block - 1 differences: their d(rel residual) tiles summed elementwise in VMEM, in
+  order (deterministic); `_common.rel_grad_rows` reduces the diagonals. Empty blocks (the
+  class table: causal, window, segments, masks, a mask_mod's classes) are skipped."""
+  r = dict(zip(names + [f"drel{n}" for n in range(n_rel_diff)]
+               + [f"drel_s{n}" for n in range(n_rel_diff)], refs))
+  acc = r["drel_s0"].dtype
+  b, h, t_, s = (_compat.program_id(a) for a in range(4))
+  i, j, in_diag = _diag_step(g, t_, s)
+  c = cls_ref[(((b if Bl != 1 else 0) * Hl + (h if Hl != 1 else 0)) * g.nq + i) * g.nk + j]
+  c = c.astype(jnp.int32)
+  diff_pos = tuple(range(n_fixed_pos, n_fixed_pos + n_rel_diff))
+
+  @pl.when(s == 0)
+  def _init():
+    for n in range(n_rel_diff):
+      r[f"drel_s{n}"][...] = jnp.zeros(r[f"drel_s{n}"].shape, acc)
+
+  def compute(masked):
+    consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
+    t = Lo.load_tile(r, b, h, i, j, F.load_mod_consts(r, mod_meta, b, h), g)
+    _, _, dc = tile_grads(cfg, g, r["q"][...], r["k"][...], r["v"][...], r["do"][...],
+                          read_rows(r["lse"]), read_rows(r["delta"]), t, consts, r.get("seed"),
+                          acc, masked, 0, diff_pos)
+    for n, d in enumerate(dc):
+      r[f"drel_s{n}"][...] += d.astype(acc)
+
+  F.when_active(in_diag & (c != 0), c == 1, may_mask, compute)
+
+  @pl.when(s == min(g.nq, g.nk) - 1)
+  def _finish():
+    for n in range(n_rel_diff):
+      r[f"drel{n}"][...] = r[f"drel_s{n}"][...]
+
+
+def _drel(cfg, g, q, k, v, dout, out, lse, dlse, bias, mask, q_seg, kv_seg, seed, carrays, meta,
+          acc, mod=None, marrays=(), mmeta=None, offsets=None, pos=None, mpos=None):
+  """d(rel residuals) rows of the float rel residuals (`PosResiduals.rel`): grid (B, H,
+  nq + nk - 1 block diagonals, steps along one), square blocks."""
+  delta_l, lse_l = preprocess(out, lse, dout, dlse, g.Sqp, acc)
+  q_seg_p, kv_seg_p, q_l, k_l = Lo.segments(q_seg, kv_seg, g)
+  mask_p = None if mask is None else C.pad_pair(mask, g)
+  Bl, Hl, cls = Lo.block_class_table(cfg, g, q_seg_p, kv_seg_p, mask_p, C.mod_classes(cfg, g, mod))
+  G = g.G
+
+  def index(b, h, t, s, *_):
+    i, j, _ = _diag_step(g, t, s)
+    return b, h, i, j
+
+  ins = C.KernelInputs()
+  ins.add("q", C.pad_seq_head(q, g.Sqp, g.Dp),
+          _bs((None, None, g.bq, g.Dp), lambda *a: index(*a)[:3] + (0,)))
+  ins.add("do", C.pad_seq_head(dout, g.Sqp, g.Dvp),
+          _bs((None, None, g.bq, g.Dvp), lambda *a: index(*a)[:3] + (0,)))
+  add_rows(ins, g, delta_l, lse_l, lambda *a: index(*a)[:3])
+  ins.add("k", C.pad_seq_head(k, g.Skvp, g.Dp),
+          _bs((None, None, g.bk, g.Dp), lambda *a: (a[0], Lo.div(a[1], G), index(*a)[3], 0)))
+  ins.add("v", C.pad_seq_head(v, g.Skvp, g.Dvp),
+          _bs((None, None, g.bk, g.Dvp), lambda *a: (a[0], Lo.div(a[1], G), index(*a)[3], 0)))
+  F.add_common(ins, cfg, g, index, bias_p=C.pad_pair(bias, g),
+               mask_p=None if mask_p is None else mask_p.astype(jnp.int8),
+               seg_l=(q_l, k_l), seed=seed, const_arrays=carrays, meta=meta,
+               mod_arrays=marrays, mod_meta=mmeta, offsets=offsets,
+               pos=Lo.position_layouts(pos, g), mpos=Lo.position_layouts(mpos, g))
+  n_rel = pos.n_rel_diff
+  kernel = functools.partial(
+      _drel_kernel, cfg=cfg, g=g, names=ins.names, meta=meta,
+      may_mask=Lo.maybe_partial(cfg, g, q_seg is not None, mask is not None), Bl=Bl, Hl=Hl,
+      mod_meta=mmeta, n_fixed_pos=len(pos.q) + len(pos.kv), n_rel_diff=n_rel)
+  n_diag = g.nq + g.nk - 1
+  own = lambda b, h, t, s, *_: (b, h, t, 0, 0)
+  tiles = _compat.tpu_pallas_call(
+      kernel, out_shape=(jax.ShapeDtypeStruct((g.B, g.H, n_diag, g.bq, g.bk), acc),) * n_rel,
+      grid=(g.B, g.H, n_diag, min(g.nq, g.nk)), in_specs=ins.specs,
+      out_specs=(_bs((None, None, None, g.bq, g.bk), own),) * n_rel,
+      scratch_shapes=[_compat.tpu_vmem((g.bq, g.bk), acc)] * n_rel, num_scalar_prefetch=1,
+      dimension_semantics=(PARALLEL, PARALLEL, PARALLEL, ARBITRARY),
+      interpret=F.interpret_arg(cfg), name="flashvjp_tpu_bwd_drel",
+  )(cls, *ins.arrays)
+  return tuple(C.rel_grad_rows(x, pos, g) for x in tiles)
+
+
+def rel_geometry(q_shape, k_shape, v_shape) -> C.Geometry:
+  """Square 128 x 128 blocks for `_drel` (a block diagonal's tiles then share their
+  differences; q padded to whole 128-row blocks)."""
+  g = Lo.geometry(q_shape, k_shape, v_shape, Lo.LANES, Lo.LANES)
+  return dataclasses.replace(g, bq=g.bk)
+
+
 # ---- entry point ------------------------------------------------------------------------
 
 def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
@@ -445,8 +549,10 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   B, H = q.shape[0], q.shape[1]
   g = Lo.geometry(q.shape, k.shape, v.shape, *cfg.blocks.dkv)
   g2 = Lo.geometry(q.shape, k.shape, v.shape, *cfg.blocks.dq)
-  # per-position residuals cover both kernels' padded lengths (each slices its own)
-  positions = (cfg.seq_q, cfg.seq_kv, max(g.Sqp, g2.Sqp), max(g.Skvp, g2.Skvp))
+  g_rel = rel_geometry(q.shape, k.shape, v.shape)
+  # per-position residuals cover every kernel's padded lengths (each slices its own)
+  positions = C.Positions(cfg.seq_q, cfg.seq_kv, max(g.Sqp, g2.Sqp, g_rel.Sqp),
+                          max(g.Skvp, g2.Skvp, g_rel.Skvp), rel=True)
   cfg, split, carrays, meta = F.split_consts(cfg, consts, acc, B, H, grads=True, offsets=offsets,
                                              positions=positions)
   cfg, marrays, mmeta, mpos = F.split_mod(cfg, mod, acc, B, H, offsets, positions)
@@ -473,10 +579,14 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   dq, dres, dposq = _dq(cfg, g2, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg,
                         seed, carrays, meta, acc, n_diff, diff_shapes, **mod_kw)
   dq = dq[:, :, : g2.Sq, : g2.D]
+  drel = ()
+  if pos is not None and pos.n_rel_diff:
+    drel = _drel(cfg, g_rel, q, k, v, dout, out, lse, dlse, bias, mask, q_seg, kv_seg, seed,
+                 carrays, meta, acc, **mod_kw)
   if split.to_consts is not None:  # grads to the arrays, through per-head / -position residuals
     fit = lambda ds, xs: tuple(C.pad_to(d, 2, x.shape[2]) for d, x in zip(ds, xs))
     dconsts = tuple(split.to_consts(dres, *(() if pos is None else (
-        fit(dposq, pos.q), fit(dposkv, pos.kv)))))
+        fit(dposq, pos.q), fit(dposkv, pos.kv), drel))))
   else:  # differentiable consts that the scores do not depend on
     dconsts = tuple(jnp.zeros(jnp.shape(c), jnp.result_type(c)) for c in user_consts[:n_user_diff])
   dconsts = tuple(d.astype(jnp.result_type(c)) for d, c in zip(dconsts, user_consts[:n_user_diff]))

@@ -49,7 +49,7 @@ def pair_spec(x, g: C.Geometry, index):
 
 def add_common(ins: C.KernelInputs, cfg, g: C.Geometry, index, *, bias_p, mask_p, seg_l, seed,
                const_arrays, meta: Lo.ConstMeta, mod_arrays=(), mod_meta=None, offsets=None,
-               pos=((), ()), mpos=((), ())):
+               pos=((), (), ()), mpos=((), (), ())):
   """Bias, mask, segment ids, seed, global offsets and score_mod / mask_mod residuals for
   any (b, h, i, j) grid (mask_mod residuals: "mconst{n}", described by `mod_meta`; the
   offsets: int32 [4] "offsets" in SMEM, `_common.offset_operand`).
@@ -91,10 +91,10 @@ def add_common(ins: C.KernelInputs, cfg, g: C.Geometry, index, *, bias_p, mask_p
 
 
 def add_positions(ins: C.KernelInputs, g: C.Geometry, index, layouts, prefix: str):
-  """Per-position residuals in `_layout.position_layouts` (q ones, kv ones) as inputs
-  "{prefix}q{n}" / "{prefix}kv{n}": this step's (1, bq) or (bq, 128) / (1, bk) blocks
-  (`index` as `add_common`'s)."""
-  qs, kvs = layouts
+  """Per-position residuals in `_layout.position_layouts` (q ones, kv ones, rel rows) as
+  inputs "{prefix}q{n}" / "{prefix}kv{n}" / "{prefix}rel{n}": this step's (1, bq) or
+  (bq, 128) / (1, bk) blocks, the (b, h) row (`index` as `add_common`'s)."""
+  qs, kvs, rels = layouts
 
   def q_pos_map(*a):
     b, h, i, _ = index(*a)
@@ -116,6 +116,13 @@ def add_positions(ins: C.KernelInputs, g: C.Geometry, index, layouts, prefix: st
   for n, x in enumerate(kvs):
     ins.add(f"{prefix}kv{n}", x, _bs((None, None, 1, g.bk), kv_pos_map))
 
+  def row_map(*a):
+    b, h, _, _ = index(*a)
+    return (b, h, 0, 0)
+
+  for n, x in enumerate(rels):
+    ins.add(f"{prefix}rel{n}", x, _bs((None, None, 1, x.shape[-1]), row_map))
+
 
 def load_mod_consts(r, mod_meta, b, h):
   """The mask_mod residuals of (b, h) (refs "mconst{n}"; () without a mask_mod)."""
@@ -126,7 +133,7 @@ def load_mod_consts(r, mod_meta, b, h):
 
 def row_inputs(cfg: AttentionConfig, g: C.Geometry, lists: Lo.Lists, q, k, v, bias, mask,
                q_seg, kv_seg, seed, const_arrays, meta, mod_arrays=(), mod_meta=None,
-               offsets=None, pos=((), ()), mpos=((), ())):
+               offsets=None, pos=((), (), ()), mpos=((), (), ())):
   """Inputs for a (batch, head, q block, step) grid (the forward and dQ kernels)."""
   G = g.G
 
@@ -196,7 +203,7 @@ def _forward_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
 
   def compute(masked):
     consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
-    t = Lo.load_tile(r, b, h, i, j, load_mod_consts(r, mod_meta, b, h))
+    t = Lo.load_tile(r, b, h, i, j, load_mod_consts(r, mod_meta, b, h), g)
     sc, ok, _ = Lo.scores(cfg, g, r["q"][...], r["k"][...], t, consts, acc, masked)
     m_prev, l_prev = m_s[:, 0:1], l_s[:, 0:1]
     if ok is None:
@@ -234,8 +241,9 @@ def _forward_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
 
 
 def positions(cfg: AttentionConfig, g: C.Geometry):
-  """What `_common.split_per_head` needs to hoist per-position residuals for geometry g."""
-  return (cfg.seq_q, cfg.seq_kv, g.Sqp, g.Skvp)
+  """What `_common.split_per_head` needs to hoist per-position residuals for geometry g
+  (these kernels read rows by kv_idx - q_idx too: `_layout.rel_tile`)."""
+  return C.Positions(cfg.seq_q, cfg.seq_kv, g.Sqp, g.Skvp, rel=True)
 
 
 def split_mod(cfg, mod, acc, B, H, offsets=None, positions=None):

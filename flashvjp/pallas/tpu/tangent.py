@@ -50,7 +50,7 @@ def _tangent_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
   def compute(masked):
     consts = Lo.load_consts([r[f"const{n}"] for n in range(len(meta.scalar))], meta, b, h)
     tconsts = Lo.load_consts([r[f"tconst{n}"] for n in range(len(tmeta.scalar))], tmeta, b, h)
-    t = Lo.load_tile(r, b, h, i, j, F.load_mod_consts(r, mod_meta, b, h))
+    t = Lo.load_tile(r, b, h, i, j, F.load_mod_consts(r, mod_meta, b, h), g)
     q, k = r["q"][...], r["k"][...]
     qi, ki = C.tile_indices(g, t.i, t.j)
     scale = jnp.asarray(cfg.scale, acc)
@@ -68,7 +68,7 @@ def _tangent_kernel(cnt_ref, ent_ref, *refs, cfg, g: C.Geometry, lists: Lo.Lists
       ts = ts + r["tbias"][...].astype(acc)
     if cfg.score_mod is not None:
       sc, ts = C.modded_jvp(cfg, sc, ts, t, qi, ki, consts, n_float, tuple(tconsts),
-                            Lo.load_positions(r, "tpos"))
+                            Lo.load_positions(r, "tpos", i, j, g))
     lse = BW.read_rows(r["lse"])
     if masked:
       dense = None if t.mask is None else (t.mask.astype(jnp.int32) != 0)

@@ -509,7 +509,8 @@ def _drel_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, mod_scalar,
                  n_rel_diff):
   """Program (b, h, t): the tiles of block diagonal t (kv block - q block = t - (nq - 1)),
   whose elements all map to the same 2 * block - 1 differences: their d(rel residual)
-  tiles summed elementwise, in order (deterministic); `_rel_strips` reduces the diagonals."""
+  tiles summed elementwise, in order (deterministic); `_common.rel_grad_rows` reduces the
+  diagonals."""
   r = dict(zip(names + [f"drel{n}" for n in range(n_rel_diff)], refs))
   acc = C.acc_dtype(r["q"].dtype)
   b, h, t_diag = _compat.program_id(0), _compat.program_id(1), _compat.program_id(2)
@@ -557,19 +558,6 @@ def _drel_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, mod_scalar,
     r[f"drel{n}"][...] = d
 
 
-def _rel_strips(tiles, g: C.Geometry):
-  """[B, H, n_diag, n, n] summed tiles of the block diagonals -> d(rel row) [B, H, Sqp + Skvp]
-  (local layout: element kv - q + Sqp - 1). Static pads and reshapes: diagonal sums by the
-  row-skew of a padded flatten, then the strips overlap-added (strip t starts at t * n)."""
-  B, H, nd, n, _ = tiles.shape
-  x = tiles[..., ::-1, :]  # anti-diagonals of the row-reversed tile = the tile's diagonals
-  x = jnp.pad(x, [(0, 0)] * 4 + [(0, n)]).reshape(B, H, nd, 2 * n * n)
-  strips = x[..., : n * (2 * n - 1)].reshape(B, H, nd, n, 2 * n - 1).sum(axis=3)
-  first = jnp.pad(strips[..., :n], [(0, 0), (0, 0), (0, 1), (0, 0)])
-  second = jnp.pad(strips[..., n:], [(0, 0), (0, 0), (1, 0), (0, 1)])
-  return (first + second).reshape(B, H, (nd + 1) * n)
-
-
 def _drel(cfg, g, q, k, v, dout, out, lse, dlse, bias, mask, q_seg, kv_seg, seed, consts,
           scalar, msplit, pos, offsets, acc):
   """d(rel residuals) [B, H, rel_sqp + Skvp'] of the float rel residuals (`PosResiduals.rel`),
@@ -607,10 +595,7 @@ def _drel(cfg, g, q, k, v, dout, out, lse, dlse, bias, mask, q_seg, kv_seg, seed
       interpret=cfg.interpret, name="flashvjp_bwd_drel",
       num_warps=g.num_warps, num_stages=g.num_stages,
   )(*ins.arrays)
-  full = pos.rel[0].shape[-1]
-  cut = pos.rel_slice(g.Sqp, g.Skvp)
-  return tuple(jnp.pad(_rel_strips(x, g), [(0, 0), (0, 0), (cut.start, full - cut.stop)])
-               for x in tiles)
+  return tuple(C.rel_grad_rows(x, pos, g) for x in tiles)
 
 
 # ---- entry point ------------------------------------------------------------------
