@@ -2,7 +2,8 @@
 
 Issue 32. For FlexAttention's canonical mods (a per-key bias `bias[b, kv_idx]`, a per-query
 temperature `t[q_idx]`, `document_causal` over 8 equal documents, the built-in
-`relative_position_bias`), `jit(grad)` of causal attention with no `implementation` argument,
+`relative_position_bias`, a user-written T5 bucketed table `table[h, bucket(kv_idx - q_idx)]`),
+`jit(grad)` of causal attention with no `implementation` argument,
 compiled without the hardware for one H100 (XLA's GPU compiler from the CUDA plugin) and one
 TPU v5e (libtpu), B=1 H=8/2 S=8192 D=128 bf16. Counts, from the compiled program: the
 attention kernels (custom calls) and the blockwise fallback's loops; and the (q block,
@@ -38,6 +39,16 @@ TARGETS = {"h100": "__gpu$xla.gpu.triton", "v5e": "tpu_custom_call"}
 DOCS = np.repeat(np.arange(8), S // 8)[None].astype(np.int32)
 
 
+def t5_bucket(rel, num_buckets=32, max_distance=128):
+  """T5's bidirectional bucket of kv_idx - q_idx (exact near, log-spaced far)."""
+  half = num_buckets // 2
+  exact = half // 2
+  n = jnp.abs(rel)
+  far = exact + (jnp.log(n.astype(jnp.float32) / exact + 1e-6) / np.log(max_distance / exact)
+                 * (half - exact)).astype(jnp.int32)
+  return (rel > 0).astype(jnp.int32) * half + jnp.where(n < exact, n, jnp.minimum(far, half - 1))
+
+
 def _mods():
   """name -> (kwargs(*arrays), arrays as (shape, dtype))."""
   return {
@@ -50,6 +61,9 @@ def _mods():
       "relative_position_bias(d=64)": (
           lambda t: dict(score_mod=flashvjp.relative_position_bias(t, 64)),
           [((H, 129), jnp.float32)]),
+      "T5 buckets `s + table[h, bucket(kv - q)]`": (
+          lambda t: dict(score_mod=lambda s, b, h, i, j: s + t[h, t5_bucket(j - i)]),
+          [((H, 32), jnp.float32)]),
   }
 
 
@@ -123,7 +137,11 @@ def main():
           " (batch, head) (the blockwise fallback skips the same empty blocks; only the kernels"
           " run them on the tensor cores). Before issue 32 every row ran blockwise on both"
           " targets (the kernels refused each mod: a gather on the tile). document_causal's"
-          " tiles equal `segment_ids`' with causal (tests/test_position_mods.py).\n\n" + "\n".join(lines) + "\n")
+          " tiles equal `segment_ids`' with causal (tests/test_position_mods.py). A table read"
+          " by kv_idx - q_idx adds a fourth kernel to the backward (d(table) over the block"
+          " diagonals: it visits the forward's tiles again, 2080 here, recomputing P and dS)"
+          " and O(seq) rows per (b, h); the blockwise fallback's loops are what it replaces."
+          "\n\n" + "\n".join(lines) + "\n")
   out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "position_mods.md")
   with open(out, "w") as fh:
     fh.write(text)

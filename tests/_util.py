@@ -30,6 +30,17 @@ def assert_close(got, ref, dtype, what="", impl="naive"):
   assert report.passed, "\n" + str(report)
 
 
+def t5_bucket(rel, num_buckets=8, max_distance=24):
+  """T5's bidirectional bucket of a relative position kv_idx - q_idx (exact near, log-spaced
+  far): a user-written score_mod's index, `table[h, t5_bucket(kv_idx - q_idx)]`."""
+  half = num_buckets // 2
+  exact = half // 2
+  n = jnp.abs(rel)
+  far = exact + (jnp.log(n.astype(jnp.float32) / exact + 1e-6) / np.log(max_distance / exact)
+                 * (half - exact)).astype(jnp.int32)
+  return (rel > 0).astype(jnp.int32) * half + jnp.where(n < exact, n, jnp.minimum(far, half - 1))
+
+
 def random_qkv(seed, B, H, Hkv, Sq, Skv, D, Dv=None, dtype=jnp.float32):
   """float64 draws rounded to `dtype` (so the reference sees exactly the same values)."""
   Dv = D if Dv is None else Dv

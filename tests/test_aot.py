@@ -24,6 +24,7 @@ import flashvjp
 from flashvjp import _api
 from flashvjp import _target
 from tests import _aot
+from tests import _util
 
 SEQ = P(None, None, "sp", None)
 
@@ -143,6 +144,8 @@ def _features(mesh, dtype, B, H, S):
       "relative_position_bias": (
           lambda tb: dict(causal=True, score_mod=flashvjp.relative_position_bias(tb, 64)),
           (_aot.sds(mesh, (H, 129), jnp.float32),)),
+      "t5_buckets": (lambda tb: dict(causal=True, score_mod=lambda s, b, h, i, j: s + tb[
+          h, _util.t5_bucket(j - i, 32, 128)]), (_aot.sds(mesh, (H, 32), jnp.float32),)),
   }
 
 
@@ -194,7 +197,8 @@ def test_gpu_compile_matrix(gpu, feature, mode, dtype):
   _assert_compiled_kernels(decision, compiled, "pallas_triton", _aot.TRITON_CALL, mode)
 
 
-POSITION_FEATURES = ["kv_bias", "q_temperature", "document_causal", "relative_position_bias"]
+POSITION_FEATURES = ["kv_bias", "q_temperature", "document_causal", "relative_position_bias",
+                     "t5_buckets"]
 
 
 @_aot.needs_cuda
@@ -210,7 +214,7 @@ def test_gpu_compiles_mods_indexing_arrays_by_position(feature, mode):
   hows = {o.how for o in decision.operands}
   assert hows & {"by q position", "by kv position", "by q position and by kv position",
                  "by kv_idx - q_idx"}, hows
-  if feature == "relative_position_bias" and mode == "grad":
+  if feature in ("relative_position_bias", "t5_buckets") and mode == "grad":
     assert compiled.as_text().count(_aot.TRITON_CALL) >= 4  # fwd, dK/dV, dQ, drel
 
 
@@ -223,7 +227,7 @@ def test_tpu_compile_matrix_of_mods_indexing_arrays_by_position(feature, mode):
   does not take the "v5e:1x1" topology name.)"""
   decision, compiled = _compile(_aot.tpu_mesh("v5e"), feature, mode, jnp.bfloat16)
   _assert_compiled_kernels(decision, compiled, "pallas_tpu", _aot.TPU_CALL, mode)
-  if feature == "relative_position_bias" and mode == "grad":  # Toeplitz tiles by lane rolls
+  if feature in ("relative_position_bias", "t5_buckets") and mode == "grad":  # Toeplitz tiles
     assert compiled.as_text().count(_aot.TPU_CALL) >= 4  # fwd, dK/dV, dQ, drel
 
 

@@ -251,21 +251,11 @@ def test_refusal_names_only_what_the_family_cannot_read():
 
 # ---- the kv_idx - q_idx class (relative positions) in both families -----------------------
 
-def _t5_bucket(rel, num_buckets=8, max_distance=24):
-  """T5's bidirectional bucket of a relative position kv_idx - q_idx (log-spaced far out)."""
-  half = num_buckets // 2
-  exact = half // 2
-  n = jnp.abs(rel)
-  far = exact + (jnp.log(n.astype(jnp.float32) / exact + 1e-6) / np.log(max_distance / exact)
-                 * (half - exact)).astype(jnp.int32)
-  return (rel > 0).astype(jnp.int32) * half + jnp.where(n < exact, n, jnp.minimum(far, half - 1))
-
-
 REL_MODS = {
     # the built-in (the README's headline score_mod)
     "relative_position_bias": lambda tb: flashvjp.relative_position_bias(tb[0], 4),
     # T5's bucketed table, user-written
-    "t5": lambda tb: (lambda s, b, h, i, j: s + tb[1][h, _t5_bucket(j - i)]),
+    "t5": lambda tb: (lambda s, b, h, i, j: s + tb[1][h, _util.t5_bucket(j - i)]),
     # q_idx - kv_idx per batch, times a per-query temperature: a rel and a q residual
     "per_batch_times_q": lambda tb: (
         lambda s, b, h, i, j: s * tb[3][i] + tb[2][b, jnp.clip(i - j, 0, 11)]),
