@@ -219,5 +219,5 @@ def compile_hint(op: Operand) -> str:
   if op.how == "otherwise":
     return (f"{op}: make each read depend on one position (q_idx or kv_idx), on"
             " kv_idx - q_idx, or on (b, h) only")
-  return (f"{op}: the kernels do not read arrays indexed this way yet (the classes have"
-          " no compiled form in this version)")
+  return (f"{op}: this family's kernels do not read arrays indexed this way yet (the"
+          " Pallas-Triton and Mosaic-TPU kernels do)")

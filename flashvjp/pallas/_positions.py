@@ -1,5 +1,6 @@
-"""Per-position residuals: a mod's reads of arrays by q position or by kv position, hoisted
-out of the tile into [B, H, seq] arrays that the kernels slice like segment ids (issue 32).
+"""Per-position residuals: a mod's reads of arrays by q position, by kv position or by
+kv_idx - q_idx, hoisted out of the tile into [B, H, seq] arrays that the kernels slice like
+segment ids, or rows over the differences that they read as Toeplitz tiles (issue 32).
 
 Room: Pallas kernels (shared part). `doc[b, q_idx]`, `bias_vec[kv_idx]`, `temp[q_idx]` read
 an array at one position: a gather on a tile, which neither Triton nor Mosaic lowers, but
@@ -14,10 +15,20 @@ mod into
 * `tile(s, b, h, q, kv, *consts, *q_res, *kv_res)` -> the mod's output, with the hoisted
   values as trailing, elementwise arguments.
 
+With `rel` (a family that reads them), values depending on the positions only through
+``kv_idx - q_idx`` (``table[h, clip(kv_idx - q_idx, -d, d) + d]``, T5 buckets; the
+subtraction of the raw indices is the source, either way round) are hoisted too, as
+`rel_fn(b, h, kv_idx - q_idx, *consts)`: XLA evaluates it at every difference of the padded
+tile grid ([B, H, Sqp + Skvp] rows, `_common.PosResiduals.rel`), and a tile (i, j) reads the
+[block_q, block_kv] Toeplitz tile of its 2 * block - 1 differences (Triton: a gather load;
+Mosaic-TPU: lane rolls).
+
 The per-(b, h) split (`_common.split_score_mod_jaxprs`) then runs on `tile` with the
 position residuals marked as varying, like s, q and kv. Gradients to the arrays go through
 the residuals: the kernels return d(residual) per position (the dQ kernel's rows, the
-dK/dV kernel's columns), and `jax.vjp` of `q_fn` / `kv_fn` maps them to the arrays.
+dK/dV kernel's columns; for rel rows a kernel over the block diagonals, whose tiles share
+their differences, summed then reduced along the diagonals), and `jax.vjp` of `q_fn` /
+`kv_fn` / `rel_fn` maps them to the arrays.
 """
 from __future__ import annotations
 
