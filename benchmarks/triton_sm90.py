@@ -146,6 +146,7 @@ def matrix() -> list[Case]:
       # kernel over the block diagonals (flashvjp_bwd_drel)
       F("bf16_d128_rel_bias_causal", causal=True, rel_bias=True),
       F("bf16_d64_rel_bias", D=64, rel_bias=True),
+      F("bf16_d128_rel_bias_segments", causal=True, rel_bias=True, segments=True),
   ]
   for D in (64, 128):
     for causal in (True, False):

@@ -396,3 +396,30 @@ def test_rel_mask_mod_grads_and_tangent(impl):
   qs = jax.ShapeDtypeStruct((B, H, 256, 64), jnp.bfloat16)
   d = flashvjp.explain(qs, qs, qs, mask_mod=mm, implementation=impl, interpret=False)
   assert [o.how for o in d.operands] == ["by kv_idx - q_idx"], d.operands
+
+
+@pytest.mark.parametrize("impl", FAMILIES)
+def test_rel_with_segments_dense_mask_and_documents(impl):
+  """A relative-position table with segment ids and a dense mask, and with document_causal:
+  the drel kernels then walk only each block diagonal's non-empty tiles (Triton: diagonal
+  lists; Mosaic-TPU: the class table), masked where PARTIAL."""
+  q, k, v = _util.random_qkv(12, B, H, HKV, SQ, SQ, D)
+  tb = _rel_tables()
+  seg = jnp.sort(_docs(3), axis=1)
+  dense = jnp.asarray(np.random.default_rng(4).random((B, 1, SQ, SQ)) > 0.2)
+  w = jax.random.normal(jax.random.key(2), (B, H, SQ, D), jnp.float64)
+  cases = (dict(segment_ids=seg, mask=dense), dict(mask_mod=flashvjp.document_causal(seg)))
+  for kw in cases:
+    def loss(impl, q, k, v, table, kw=kw):
+      extra = {} if impl == "naive" else BLOCKS
+      out = flashvjp.flash_attention(q, k, v, score_mod=flashvjp.relative_position_bias(table, 4),
+                                     implementation=impl, **kw, **extra)
+      return jnp.sum(out.astype(jnp.float64) * w), out
+
+    (_, got_out), got = jax.value_and_grad(lambda *a: loss(impl, *a), (0, 1, 2, 3),
+                                           has_aux=True)(q, k, v, tb[0])
+    (_, ref_out), ref = jax.value_and_grad(lambda *a: loss("naive", *a), (0, 1, 2, 3),
+                                           has_aux=True)(*_util.as64((q, k, v, tb[0])))
+    _util.assert_close((got_out, got), (ref_out, ref), jnp.float32, f"rel {sorted(kw)}",
+                       impl=impl)
+    assert float(jnp.abs(got[3]).max()) > 0

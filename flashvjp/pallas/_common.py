@@ -691,6 +691,29 @@ def block_lists(cfg: AttentionConfig, g: Geometry, q_seg_p, kv_seg_p, mask_p, by
   return counts, lists
 
 
+def diagonal_lists(cfg: AttentionConfig, g: Geometry, q_seg_p, kv_seg_p, mask_p, mod_cls=None):
+  """`block_lists` along the block diagonals (square blocks; the drel kernels): (counts int32
+  [B', H', 2, n_diag], lists int32 [B', H', n_diag, 2, nq]) of the q blocks i whose tile
+  (i, i + t - (nq - 1)) is PARTIAL (index 0) or FULL (1); None without segment ids, a dense
+  mask or a mask_mod (the static causal / window band then bounds the loop)."""
+  if q_seg_p is None and mask_p is None and mod_cls is None:
+    return None
+  cls = _mask.block_classes(mask_spec(cfg), q_seg_p, kv_seg_p, mask_p, g.bq, g.bk, g.nq, g.nk,
+                            mod_cls)
+  cls = jnp.broadcast_to(cls, cls.shape[:2] + (g.nq, g.nk))
+  n_diag = g.nq + g.nk - 1
+  # iotas, not numpy constants: custom_partitioning's traced bodies take no consts
+  i = jnp.arange(g.nq, dtype=jnp.int32)[None, :]
+  j = i + jnp.arange(n_diag, dtype=jnp.int32)[:, None] - (g.nq - 1)  # [n_diag, nq]
+  valid = (j >= 0) & (j < g.nk)
+  diag = jnp.where(valid, cls[:, :, i, jnp.clip(j, 0, g.nk - 1)], _mask.EMPTY)
+  num_partial, partial = _mask._compact(diag == _mask.PARTIAL)
+  num_full, full = _mask._compact(diag == _mask.FULL)
+  counts = jnp.stack([num_partial, num_full], axis=-2).astype(jnp.int32)
+  lists = jnp.stack([partial, full], axis=-2).astype(jnp.int32)
+  return counts, lists
+
+
 def list_loops(counts, block_at, body, carry):
   """`body(block, masked, carry)` over the PARTIAL list (masked) then the FULL list (unmasked).
 

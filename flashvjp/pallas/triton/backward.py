@@ -510,7 +510,8 @@ def _drel_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, mod_scalar,
   """Program (b, h, t): the tiles of block diagonal t (kv block - q block = t - (nq - 1)),
   whose elements all map to the same 2 * block - 1 differences: their d(rel residual)
   tiles summed elementwise, in order (deterministic); `_common.rel_grad_rows` reduces the
-  diagonals."""
+  diagonals. With segment ids / a dense mask / a mask_mod, only the diagonal's non-empty
+  tiles (`_common.diagonal_lists`: PARTIAL ones masked, FULL ones not)."""
   r = dict(zip(names + [f"drel{n}" for n in range(n_rel_diff)], refs))
   acc = C.acc_dtype(r["q"].dtype)
   b, h, t_diag = _compat.program_id(0), _compat.program_id(1), _compat.program_id(2)
@@ -521,7 +522,7 @@ def _drel_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, mod_scalar,
   shift = t_diag - (g.nq - 1)  # kv block - q block
   diff_pos = tuple(range(n_fixed_pos, n_fixed_pos + n_rel_diff))
 
-  def tile(i, accum):
+  def tile(i, masked, accum):
     j = i + shift
     rows, cols = _compat.ds(i * g.bq, g.bq), _compat.ds(j * g.bk, g.bk)
     hkv = h // g.G
@@ -538,12 +539,21 @@ def _drel_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, mod_scalar,
     _, _, dc = _tile_grads(cfg, g, r["q"][b, h, rows, :], r["k"][b, hkv, cols, :],
                            r["v"][b, hkv, cols, :], r["do"][b, h, rows, :],
                            r["lse"][b, h, rows], r["delta"][b, h, rows], t, consts,
-                           r.get("seed"), acc, True, 0, diff_pos=diff_pos)
+                           r.get("seed"), acc, masked, 0, diff_pos=diff_pos)
     return tuple(a + c.astype(a.dtype) for a, c in zip(accum, dc))
 
+  init = tuple(jnp.zeros((g.bq, g.bk), acc) for _ in range(n_rel_diff))
+  if "dlists" in r:  # segment ids / dense mask / mask_mod: this diagonal's non-empty tiles
+    x = r["dlists"]
+    lb = (0 if x.shape[0] == 1 else b, 0 if x.shape[1] == 1 else h)
+    counts = (r["dcounts"][lb + (0, t_diag)], r["dcounts"][lb + (1, t_diag)])
+    out = C.list_loops(counts, lambda kind, n: x[lb + (t_diag, kind, n)], tile, init)
+    for n, d in enumerate(out):
+      r[f"drel{n}"][...] = d
+    return
   # The diagonal's tiles hold kv - q in [shift * n - (n - 1), shift * n + (n - 1)]: outside
   # the causal / window band the whole diagonal is empty (no loop; no branch inside the loop,
-  # so Triton pipelines its loads). Padding, segments, masks: the elementwise mask.
+  # so Triton pipelines its loads). Padding: the elementwise mask.
   n = g.bq
   i_lo, i_hi = jnp.maximum(0, -shift), jnp.minimum(g.nq, g.nk - shift)
   live = jnp.asarray(True)
@@ -552,14 +562,13 @@ def _drel_kernel(*refs, cfg, g: C.Geometry, names, n_consts, scalar, mod_scalar,
   if spec.left is not None:
     live = live & (shift * n + (n - 1) >= -spec.left)
   i_hi = jnp.where(live, i_hi, i_lo)
-  init = tuple(jnp.zeros((g.bq, g.bk), acc) for _ in range(n_rel_diff))
-  out = lax.fori_loop(_i32(i_lo), _i32(i_hi), tile, init)
+  out = lax.fori_loop(_i32(i_lo), _i32(i_hi), lambda i, a: tile(i, True, a), init)
   for n, d in enumerate(out):
     r[f"drel{n}"][...] = d
 
 
 def _drel(cfg, g, q, k, v, dout, out, lse, dlse, bias, mask, q_seg, kv_seg, seed, consts,
-          scalar, msplit, pos, offsets, acc):
+          scalar, msplit, pos, offsets, acc, mod=None):
   """d(rel residuals) [B, H, rel_sqp + Skvp'] of the float rel residuals (`PosResiduals.rel`),
   by a kernel over the block diagonals (grid (B, H, nq + nk - 1), square blocks)."""
   ins = C.KernelInputs()
@@ -574,6 +583,10 @@ def _drel(cfg, g, q, k, v, dout, out, lse, dlse, bias, mask, q_seg, kv_seg, seed
                   ("q_seg", q_seg_p), ("kv_seg", kv_seg_p)):
     if x is not None:
       ins.add(name, x, F._full_spec(x))
+  lists = C.diagonal_lists(cfg, g, q_seg_p, kv_seg_p, mask_p, C.mod_classes(cfg, g, mod))
+  if lists is not None:
+    ins.add("dcounts", lists[0], F._full_spec(lists[0]))
+    ins.add("dlists", lists[1], F._full_spec(lists[1]))
   if cfg.dropout_active:
     ins.add("seed", seed, F._full_spec(seed))
   F.add_offsets(ins, offsets)
@@ -669,7 +682,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     g_rel = C.geometry(cfg, q.shape, k.shape, v.shape, blk, blk, role="dq", dtype=q.dtype)
     assert g_rel.bq == g_rel.bk, (g_rel.bq, g_rel.bk)
     drel = _drel(cfg, g_rel, q, k, v, dout, out, lse, dlse, bias, mask, q_seg, kv_seg, seed,
-                 consts, scalar, msplit, pos, offsets, acc)
+                 consts, scalar, msplit, pos, offsets, acc, mod)
   if split.to_consts is not None:  # grads to the arrays, through per-head / -position residuals
     dres = tuple(d[..., 0] if sc else d for d, sc in zip(dres, scalar))
     fit = lambda ds, xs: tuple(C.pad_to(d, 2, x.shape[2]) for d, x in zip(ds, xs))
