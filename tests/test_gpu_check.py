@@ -46,6 +46,9 @@ def test_plan_uses_current_names_and_precisions():
   assert len(f32) == len(set(f32)) * (len(f32) // len(set(f32)))
   keys = [r.key for r in plan.rows]
   assert len(keys) == len(set(keys))
+  # every feature's first row before the float32 rows at the other precisions
+  first_extra = min(n for n, k in enumerate(keys) if "(precision high" in k)
+  assert keys.index("correctness score_mod relative_position_bias (grad)") < first_extra
   assert any(r.args.get("mode") == "jvp" for r in plan.rows if r.part == "timing")
 
 

@@ -382,3 +382,24 @@ def test_heads_that_do_not_divide_are_a_visible_gather(caplog):
   assert "attention gathers the heads on every device" in caplog.text
   ref = flashvjp.flash_attention(q, kv, kv, causal=True)
   _check("out", out, ref)
+
+
+@pytest.mark.parametrize("impl,cp", [("pallas_triton", None), ("pallas_tpu", "ulysses")])
+def test_pallas_families_seq_sharded_tables_by_position(impl, cp):
+  """Plain-jit sequence sharding (the ring; Ulysses) of the Pallas families with a
+  relative-position table (read by kv_idx - q_idx) and a per-key bias (by kv position):
+  each device evaluates them at its global positions; out, lse and the gradients to q, k, v
+  and both arrays equal the one-device program's."""
+  seq = 128
+  h = 8 if cp == "ulysses" else H
+  table = jnp.sin(jnp.arange(h * 33.0)).reshape(h, 33)
+  kv_bias = jnp.cos(jnp.arange(B * seq, dtype=jnp.float32)).reshape(B, seq)
+  extra = {} if cp is None else dict(context_parallel=cp)
+
+  def kw(tb, bv):
+    rel = flashvjp.relative_position_bias(tb, 16)
+    return dict(causal=True, implementation=impl, **extra,
+                score_mod=lambda s, b, hh, i, j: rel(s, b, hh, i, j) + bv[b, j])
+
+  with jax.default_matmul_precision("highest"):
+    _no_gather(kw, diff=(table, kv_bias), h=h, hkv=h if h == 8 else HKV, s=seq)
