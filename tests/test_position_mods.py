@@ -134,10 +134,16 @@ def _docs(n_docs, S=SQ, batch=B):
 @pytest.mark.parametrize("impl", FAMILIES)
 def test_document_causal_grads_and_tangent(impl):
   """With a bias too: the dbias kernels read the mask_mod's per-position values as well."""
-  q, k, v = _util.random_qkv(2, B, H, HKV, SQ, SQ, D)
-  mm = flashvjp.document_causal(jnp.sort(_docs(5), axis=1))
+  _check_mask_mod_grad_and_jvp(impl, flashvjp.document_causal(jnp.sort(_docs(5), axis=1)),
+                               SQ, seed=2, bias_key=4, what="document_causal")
+
+
+def _check_mask_mod_grad_and_jvp(impl, mm, skv, seed, bias_key, what):
+  """value_and_grad (to q, k, v and a full bias) and jvp (along q, k, v) of attention with
+  the mask_mod `mm`, `impl` against float64 naive attention."""
+  q, k, v = _util.random_qkv(seed, B, H, HKV, SQ, skv, D)
   w = jax.random.normal(jax.random.key(1), (B, H, SQ, D), jnp.float64)
-  bias = jax.random.normal(jax.random.key(4), (1, H, SQ, SQ), jnp.float32)
+  bias = jax.random.normal(jax.random.key(bias_key), (1, H, SQ, skv), jnp.float32)
 
   def f(impl, q, k, v, bias=None):
     extra = {} if impl == "naive" else BLOCKS
@@ -148,11 +154,11 @@ def test_document_causal_grads_and_tangent(impl):
   got = jax.value_and_grad(lambda *a: loss(impl, *a), (0, 1, 2, 3))(q, k, v, bias)
   ref = jax.value_and_grad(lambda *a: loss("naive", *a), (0, 1, 2, 3))(
       *_util.as64((q, k, v, bias)))
-  _util.assert_close(got, ref, jnp.float32, "document_causal grad", impl=impl)
-  t = _util.random_qkv(9, B, H, HKV, SQ, SQ, D)
+  _util.assert_close(got, ref, jnp.float32, f"{what} grad", impl=impl)
+  t = _util.random_qkv(9, B, H, HKV, SQ, skv, D)
   got = jax.jvp(lambda *a: f(impl, *a), (q, k, v), t)
   ref = jax.jvp(lambda *a: f("naive", *a), _util.as64((q, k, v)), _util.as64(t))
-  _util.assert_close(got, ref, jnp.float32, "document_causal jvp", impl=impl)
+  _util.assert_close(got, ref, jnp.float32, f"{what} jvp", impl=impl)
 
 
 # ---- the split itself -----------------------------------------------------------------
@@ -375,24 +381,7 @@ def test_rel_mask_mod_grads_and_tangent(impl):
   travels like a score_mod's, for the forward, every backward kernel and the tangent."""
   keep = jnp.asarray(np.random.default_rng(2).random(33) < 0.7).at[16].set(True)
   mm = lambda b, h, i, j: keep[jnp.clip(j - i, -16, 16) + 16]
-  q, k, v = _util.random_qkv(4, B, H, HKV, SQ, SKV, D)
-  bias = jax.random.normal(jax.random.key(8), (1, H, SQ, SKV), jnp.float32)
-  w = jax.random.normal(jax.random.key(1), (B, H, SQ, D), jnp.float64)
-
-  def f(impl, q, k, v, bias=None):
-    extra = {} if impl == "naive" else BLOCKS
-    return flashvjp.flash_attention(q, k, v, bias=bias, mask_mod=mm, implementation=impl,
-                                    **extra)
-
-  loss = lambda impl, *a: jnp.sum(f(impl, *a).astype(jnp.float64) * w)
-  got = jax.value_and_grad(lambda *a: loss(impl, *a), (0, 1, 2, 3))(q, k, v, bias)
-  ref = jax.value_and_grad(lambda *a: loss("naive", *a), (0, 1, 2, 3))(
-      *_util.as64((q, k, v, bias)))
-  _util.assert_close(got, ref, jnp.float32, "rel mask_mod grad", impl=impl)
-  t = _util.random_qkv(9, B, H, HKV, SQ, SKV, D)
-  got = jax.jvp(lambda *a: f(impl, *a), (q, k, v), t)
-  ref = jax.jvp(lambda *a: f("naive", *a), _util.as64((q, k, v)), _util.as64(t))
-  _util.assert_close(got, ref, jnp.float32, "rel mask_mod jvp", impl=impl)
+  _check_mask_mod_grad_and_jvp(impl, mm, SKV, seed=4, bias_key=8, what="rel mask_mod")
   qs = jax.ShapeDtypeStruct((B, H, 256, 64), jnp.bfloat16)
   d = flashvjp.explain(qs, qs, qs, mask_mod=mm, implementation=impl, interpret=False)
   assert [o.how for o in d.operands] == ["by kv_idx - q_idx"], d.operands

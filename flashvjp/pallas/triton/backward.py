@@ -366,9 +366,17 @@ def _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop, l
 
 # ---- dbias ----------------------------------------------------------------------
 
-def _add_positions_whole(ins, g: C.Geometry, pos, msplit):
-  """Per-position residuals of the score_mod ("pos") and the mask_mod ("mpos") as whole
-  [B, H, ...] inputs (the dbias and drel kernels index them by (b, h) themselves)."""
+def _add_whole_rest(ins, cfg, g: C.Geometry, seed, offsets, consts, msplit, pos):
+  """The seed, global offsets, score_mod / mask_mod residuals and the per-position residuals
+  of the score_mod ("pos") and the mask_mod ("mpos") as whole [B, H, ...] inputs (the dbias
+  and drel kernels index them by (b, h) themselves)."""
+  if cfg.dropout_active:
+    ins.add("seed", seed, F._full_spec(seed))
+  F.add_offsets(ins, offsets)
+  for n, c in enumerate(consts):
+    ins.add(f"const{n}", c, F._full_spec(c))
+  for n, c in enumerate(() if msplit is None else msplit.arrays):
+    ins.add(f"mconst{n}", c, F._full_spec(c))
   for prefix, p in (("pos", pos), ("mpos", None if msplit is None else msplit.pos)):
     if p is None:
       continue
@@ -381,7 +389,7 @@ def _add_positions_whole(ins, g: C.Geometry, pos, msplit):
 
 def _positions_bh(r, prefix, b, h, g: C.Geometry, i, j):
   """The per-position residual tiles of tile (i, j) of (b, h) from whole inputs
-  (`_add_positions_whole`): [bq, 1], then [1, bk], then [bq, bk]."""
+  (`_add_whole_rest`): [bq, 1], then [1, bk], then [bq, bk]."""
   rows, cols = _compat.ds(i * g.bq, g.bq), _compat.ds(j * g.bk, g.bk)
   n_rel = C.count_refs(r, f"{prefix}rel")
   e = F.rel_index(g, i, j) if n_rel else None
@@ -482,14 +490,7 @@ def _dbias(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_
     if x is not None:
       ins.add(name, x, F._full_spec(x))
   ins.add("bias", bias_p, _compat.block_spec((None, None, bq, bk), lambda b, h, i, j: (b, h, i, j)))
-  if cfg.dropout_active:
-    ins.add("seed", seed, F._full_spec(seed))
-  F.add_offsets(ins, offsets)
-  for n, c in enumerate(consts):
-    ins.add(f"const{n}", c, F._full_spec(c))
-  for n, c in enumerate(() if msplit is None else msplit.arrays):
-    ins.add(f"mconst{n}", c, F._full_spec(c))
-  _add_positions_whole(ins, g, pos, msplit)
+  _add_whole_rest(ins, cfg, g, seed, offsets, consts, msplit, pos)
   kernel = functools.partial(_dbias_kernel, cfg=cfg, g=g, names=ins.names, n_consts=len(consts),
                              scalar=scalar, masked=masked, bias_shape=bias_p.shape,
                              mod_scalar=() if msplit is None else msplit.scalar)
@@ -587,14 +588,7 @@ def _drel(cfg, g, q, k, v, dout, out, lse, dlse, bias, mask, q_seg, kv_seg, seed
   if lists is not None:
     ins.add("dcounts", lists[0], F._full_spec(lists[0]))
     ins.add("dlists", lists[1], F._full_spec(lists[1]))
-  if cfg.dropout_active:
-    ins.add("seed", seed, F._full_spec(seed))
-  F.add_offsets(ins, offsets)
-  for n, c in enumerate(consts):
-    ins.add(f"const{n}", c, F._full_spec(c))
-  for n, c in enumerate(() if msplit is None else msplit.arrays):
-    ins.add(f"mconst{n}", c, F._full_spec(c))
-  _add_positions_whole(ins, g, pos, msplit)
+  _add_whole_rest(ins, cfg, g, seed, offsets, consts, msplit, pos)
   n_rel = pos.n_rel_diff
   kernel = functools.partial(_drel_kernel, cfg=cfg, g=g, names=ins.names, n_consts=len(consts),
                              scalar=scalar, mod_scalar=() if msplit is None else msplit.scalar,
