@@ -126,7 +126,7 @@ _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
            "remat": "jaxpr", "checkpoint": "jaxpr"}
 
 
-def eval_jaxpr_varying(jaxpr, consts, *args):
+def eval_jaxpr_varying(jaxpr, consts, *args, override=None):
   """`jax.core.eval_jaxpr`, for a jaxpr traced outside shard_map evaluated inside it.
 
   With check_vma every primitive's operands must agree on their varying axes, and a
@@ -134,9 +134,11 @@ def eval_jaxpr_varying(jaxpr, consts, *args):
   unified first (`unify_varying`), and call-like equations (jit, custom_jvp / custom_vjp
   calls) are inlined so that their bodies get the same treatment (a custom rule's body is
   then differentiated by JAX directly). Without any varying operand this is eval_jaxpr.
+  `override(n, invals) -> invals`: rewrites the operands of top-level equation n
+  (`flashvjp._aligned`: a slice of a local array at a shifted start).
   """
   from jax.extend import core as ext_core
-  if not any(varying_axes(x) for x in (*consts, *args)):
+  if override is None and not any(varying_axes(x) for x in (*consts, *args)):
     return jax.core.eval_jaxpr(jaxpr, consts, *args)
   env: dict = {}
 
@@ -145,8 +147,10 @@ def eval_jaxpr_varying(jaxpr, consts, *args):
 
   for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), [*consts, *args]):
     env[v] = x
-  for eqn in jaxpr.eqns:
+  for n, eqn in enumerate(jaxpr.eqns):
     invals = [read(v) for v in eqn.invars]
+    if override is not None:
+      invals = override(n, invals)
     name = eqn.primitive.name
     if name in _INLINE and _INLINE[name] in eqn.params:
       body = eqn.params[_INLINE[name]]

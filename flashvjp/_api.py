@@ -713,6 +713,11 @@ def explain(query, key, value, *, layout: str | None = None, target=None,
         cfg, sharding.mesh, spec, tuple(query.shape), tuple(key.shape), tuple(value.shape),
         jnp.dtype(query.dtype).itemsize, pairs, q_seg is not None)
     decision = dataclasses.replace(decision, context_parallel=strategy)
+    if strategy is not None:  # arrays read at exactly one position: split, not copied
+      split = _partition.split_arrays(cfg.implementation, cfg, query.dtype, Sq, key.shape[2],
+                                      arrays[8], arrays[10])
+      decision = dataclasses.replace(decision, operands=tuple(
+          dataclasses.replace(o, split=split.get((o.mod, o.index), "")) for o in operands))
   return decision
 
 

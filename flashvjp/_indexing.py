@@ -43,10 +43,15 @@ class Operand:
   shape: tuple
   dtype: str
   how: str
+  # explain() of a sequence-sharded call: "q" / "kv" / "q and kv" when the array is split
+  # like the sequence (`flashvjp._aligned`: read at exactly that position), else ""
+  split: str = ""
 
   def __str__(self) -> str:
     dims = ",".join(str(d) for d in self.shape)
-    return f"{self.mod}[{self.index}] {self.dtype}[{dims}]: {self.how}"
+    split = {"": "", "q": ", split like the queries", "kv": ", split like the keys",
+             "q and kv": ", split like the queries and (a copy) like the keys"}[self.split]
+    return f"{self.mod}[{self.index}] {self.dtype}[{dims}]: {self.how}{split}"
 
 
 def _deps_class(deps: frozenset) -> str:

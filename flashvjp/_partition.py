@@ -48,6 +48,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
+from flashvjp import _aligned
 from flashvjp import _delta
 from flashvjp import _mask_mod
 from flashvjp import _record
@@ -86,7 +87,15 @@ class _Sig:
   n_mod_consts: int
 
 
-def _operands(q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra) -> list:
+def _const_tags(fn, consts) -> list:
+  """Dim tags of a mod's consts: whole, except an axis read at the query / key position
+  (`flashvjp._aligned`), split like the sequence."""
+  if isinstance(fn, _aligned.Aligned):
+    return [fn.tags(i) for i in range(len(consts))]
+  return [(None,) * jnp.ndim(c) for c in consts]
+
+
+def _operands(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra) -> list:
   items: list[tuple[str, Any, tuple]] = [("q", q, _Q), ("k", k, _K), ("v", v, _V)]
   if bias is not None:
     items.append(("bias", bias, _pair_tags(bias.shape)))
@@ -96,11 +105,13 @@ def _operands(q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra) -> l
     items += [("q_seg", q_seg, ("b", "q")), ("kv_seg", kv_seg, ("b", "s"))]
   if seed is not None:
     items.append(("seed", seed, (None,) * jnp.ndim(seed)))
-  items += [(f"c{i}", c, (None,) * jnp.ndim(c)) for i, c in enumerate(consts)]
+  items += [(f"c{i}", c, t) for i, (c, t) in
+            enumerate(zip(consts, _const_tags(cfg.score_mod, consts)))]
   if mod is not None:
     if mod.classes is not None:
       items.append(("classes", mod.classes, _pair_tags(mod.classes.shape, rows=False)))
-    items += [(f"m{i}", c, (None,) * jnp.ndim(c)) for i, c in enumerate(mod.consts)]
+    items += [(f"m{i}", c, t) for i, (c, t) in
+              enumerate(zip(mod.consts, _const_tags(cfg.mask_mod, mod.consts)))]
   items += [it for it in extra if it[1] is not None]
   return items
 
@@ -214,6 +225,9 @@ def strategy_for(cfg: AttentionConfig, mesh, q_spec, q_shape, k_shape, v_shape, 
 # ---- running one partition ------------------------------------------------------------
 
 _BACKENDS: dict = {}  # name -> (backend module, tangent function), filled by `wrap`
+# families whose kernels read a mod's position-aligned arrays as local slices
+# (`flashvjp._aligned`; the others take them whole)
+_ALIGNS = ("pallas_triton", "pallas_tpu")
 
 
 def _call_backend(name, kind, cfg, base, extra, mod, kw):
@@ -323,14 +337,18 @@ def _run_partition(cfg, sig, plan: _Plan, arrays):
 
 def _reduce(cfg, sig, plan: _Plan, res, base):
   """Gradients of operands replicated over a split dim summed over its axes (dconsts over
-  every split axis; dbias over the axes of its broadcast dims)."""
+  every split axis but those of a sequence-aligned dim; dbias over the axes of its
+  broadcast dims)."""
   if sig.kind != "backward":
     return res
   axes = plan.all_axes
   n_fixed = 4 if "dbias" in sig.results else 3
   res = list(res)
-  if axes:
-    res[n_fixed:] = [lax.psum(g, axes) for g in res[n_fixed:]]
+  for n in range(n_fixed, len(res)):
+    own = {a for t in sig.result_tags[n] if t for a in _axes_tuple(plan.axis(t))}
+    over = tuple(a for a in axes if a not in own)
+    if over:
+      res[n] = lax.psum(res[n], over)
   if "dbias" in sig.results:
     bias = base[3]
     bax = tuple(a for i, t in enumerate(("b", "h", "q")) if bias.shape[i] == 1
@@ -364,8 +382,13 @@ def _ulysses(cfg, sig, plan: _Plan, base, extra, mod):
     return to_seq(x) if split_bias else x
 
   q, k, v, bias, mask, q_seg, kv_seg, seed, consts = base
+  # arrays read at the query / key position (`flashvjp._aligned`): whole, like segment ids
+  c_axes = _aligned.axes_of(cfg.score_mod, len(consts))
+  gather_at = lambda x, ax: x if x is None or ax is None else lax.all_gather(
+      x, sax, axis=ax[0], tiled=True)
+  gather_all = lambda xs, axes: tuple(gather_at(x, ax) for x, ax in zip(xs, axes))
   base = (to_heads(q), to_heads(k), to_heads(v), heads(bias), heads(mask), whole(q_seg),
-          whole(kv_seg), seed, consts)
+          whole(kv_seg), seed, gather_all(consts, c_axes))
   if sig.kind == "backward":
     # rowsum(dO * O) is a per-row term: computed here, where the rows are local, and folded
     # into the lse cotangent, so O never moves to the heads layout (`_delta`): one all-to-all
@@ -380,8 +403,10 @@ def _ulysses(cfg, sig, plan: _Plan, base, extra, mod):
     # moves to the heads layout (one [B, H, S, Dv] all-to-all fewer)
     out, lse, tq, tk, tv, tbias, tconsts = extra
     extra = (None, to_heads(lse), to_heads(tq), to_heads(tk), to_heads(tv),
-             heads(tbias), tconsts)
+             heads(tbias), gather_all(tconsts, c_axes))
   if mod is not None:
+    mod = mod._replace(consts=gather_all(mod.consts, _aligned.axes_of(cfg.mask_mod,
+                                                                       len(mod.consts))))
     classes = mod.classes
     if classes is not None and classes.shape[1] != 1:
       classes = lax.dynamic_slice_in_dim(classes, i * (classes.shape[1] // n),
@@ -397,7 +422,10 @@ def _ulysses(cfg, sig, plan: _Plan, base, extra, mod):
   out = [to_seq(x) for x in res[:3]]
   if "dbias" in sig.results:  # back like the bias came (broadcast: summed in `_reduce`)
     out.append(heads_back(res[3]))
-  return out + list(res[len(out):])
+  # a gathered array's gradient: summed over the heads' devices, each keeps its own part
+  scatter = lambda g, ax: g if ax is None else lax.psum_scatter(
+      g, sax, scatter_dimension=ax[0], tiled=True)
+  return out + [scatter(g, ax) for g, ax in zip(res[len(out):], c_axes)]
 
 
 # ---- the custom_partitioning ops --------------------------------------------------------
@@ -447,6 +475,48 @@ def _make_op(kind: str):
   return op
 
 
+def align_mods(name: str, cfg, dtype, seq_q: int, seq_kv: int, consts, mod):
+  """(cfg, consts, mod) with the mods' position-aligned arrays marked (`flashvjp._aligned`:
+  split like the sequence, read as local slices) for the families that read them so
+  (`_ALIGNS`); unchanged otherwise."""
+  consts = tuple(consts)
+  if name not in _ALIGNS or (cfg.score_mod is None and cfg.mask_mod is None):
+    return cfg, consts, mod
+  from flashvjp.pallas import _common  # the families' hoisting of hidden arrays
+  acc = jnp.promote_types(dtype, jnp.float32)
+  if cfg.score_mod is not None and not isinstance(cfg.score_mod, _aligned.Aligned):
+    fn, cs = _common.hoist_constants(cfg.score_mod, consts, acc)
+    found = _aligned.align(fn, cs, acc, seq_q, seq_kv, cfg.num_diff_consts)
+    if found is not None:
+      cfg, consts = dataclasses.replace(cfg, score_mod=found[0]), found[1]
+  if mod is not None and cfg.mask_mod is not None and \
+      not isinstance(cfg.mask_mod, _aligned.Aligned):
+    sf, cs = _common.hoist_constants(_common._mask_mod_as_score_mod(cfg.mask_mod),
+                                     tuple(mod.consts), jnp.float32)
+    mf = lambda b, h, qi, ki, *c: sf(jnp.zeros((), jnp.float32), b, h, qi, ki, *c)
+    found = _aligned.align(mf, cs, jnp.float32, seq_q, seq_kv, 0, mask=True)
+    if found is not None:
+      cfg, mod = dataclasses.replace(cfg, mask_mod=found[0]), mod._replace(consts=found[1])
+  return cfg, consts, mod
+
+
+def split_arrays(name: str, cfg, dtype, seq_q: int, seq_kv: int, consts, mod_consts) -> dict:
+  """{(mod, index): "q" | "kv" | "q and kv"}: the arrays a sequence-sharded call of family
+  `name` splits like the sequence (`align_mods`; for `flashvjp.explain`)."""
+  mod = (_mask_mod.ModInputs(None, tuple(mod_consts))  # type: ignore[arg-type]  # no classes
+         if cfg.mask_mod is not None else None)
+  new, _, _ = align_mods(name, cfg, dtype, seq_q, seq_kv, consts, mod)
+  out: dict = {}
+  for fn, key in ((new.score_mod, "score_mod"), (new.mask_mod, "mask_mod")):
+    if not isinstance(fn, _aligned.Aligned):
+      continue
+    for i, ax in enumerate(fn.axes):
+      if ax is not None:
+        k = (key, fn.source[i])
+        out[k] = ax[1] if k not in out else "q and kv"
+  return out
+
+
 class _Wrapped:
   """A backend whose forward, backward and tangent carry the partitioning rule."""
 
@@ -475,19 +545,21 @@ class _Wrapped:
     return fn(*arrays)
 
   def forward(self, cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
-    items = _operands(q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, ())
+    cfg, consts, mod = align_mods(self.name, cfg, q.dtype, q.shape[2], k.shape[2], consts, mod)
+    items = _operands(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, ())
     results = [("out", _O), ("lse", _L)] + ([("row_max", _L)] if cfg.max_logits else [])
     return tuple(self._go("forward", cfg, items, results, len(consts), mod))
 
   def backward(self, cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout,
                dlse, mod=None):
+    cfg, consts, mod = align_mods(self.name, cfg, q.dtype, q.shape[2], k.shape[2], consts, mod)
     extra = [("out", out, _O), ("lse", lse, _L), ("dout", dout, _O), ("dlse", dlse, _L)]
-    items = _operands(q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra)
+    items = _operands(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra)
     results: list[tuple[str, tuple]] = [("dq", _Q), ("dk", _K), ("dv", _V)]
     if bias is not None:
       results.append(("dbias", _pair_tags(bias.shape)))
-    results += [(f"dc{i}", (None,) * jnp.ndim(c))
-                for i, c in enumerate(consts[:cfg.num_diff_consts])]
+    tags = _const_tags(cfg.score_mod, consts)
+    results += [(f"dc{i}", tags[i]) for i in range(cfg.num_diff_consts)]
     res = list(self._go("backward", cfg, items, results, len(consts), mod))
     dq, dk, dv = res[:3]
     dbias = res[3] if bias is not None else None
@@ -495,13 +567,14 @@ class _Wrapped:
 
   def tangent(self, cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, tq, tk,
               tv, tbias, tconsts, mod=None):
+    cfg, consts, mod = align_mods(self.name, cfg, q.dtype, q.shape[2], k.shape[2], consts, mod)
     extra: list[tuple[str, Any, tuple]] = [("out", out, _O), ("lse", lse, _L), ("tq", tq, _Q),
                                            ("tk", tk, _K), ("tv", tv, _V)]
     if bias is not None:
       extra.append(("tbias", tbias, _pair_tags(bias.shape)))
-    extra += [(f"tc{i}", t, (None,) * jnp.ndim(t)) for i, t in enumerate(tconsts)
-              if t is not None]
-    items = _operands(q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra)
+    tags = _const_tags(cfg.score_mod, consts)
+    extra += [(f"tc{i}", t, tags[i]) for i, t in enumerate(tconsts) if t is not None]
+    items = _operands(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, extra)
     t_out, t_lse = self._go("tangent", cfg, items, [("t_out", _O), ("t_lse", _L)], len(consts),
                             mod)
     return t_out, t_lse

@@ -21,7 +21,7 @@ PKG = pathlib.Path(flashvjp.__file__).parent
 # Floor of each module (dotted name below `flashvjp`, prefix match: "pallas" covers
 # "pallas.triton.forward"). Lower numbers are lower floors.
 FLOORS = {
-    "_config": 0, "_mask": 0, "_score_mod": 0, "_mask_mod": 0, "_dropout": 0,
+    "_config": 0, "_mask": 0, "_score_mod": 0, "_mask_mod": 0, "_dropout": 0, "_aligned": 0,
     "_ad_compat": 0, "reference": 0, "_target": 0, "_delta": 0, "_remat": 0, "_record": 0, "_indexing": 0,
     "blockwise": 1, "pallas": 1,
     "_partition": 2, "_strategy": 2, "ring": 2,

@@ -403,3 +403,71 @@ def test_pallas_families_seq_sharded_tables_by_position(impl, cp):
 
   with jax.default_matmul_precision("highest"):
     _no_gather(kw, diff=(table, kv_bias), h=h, hkv=h if h == 8 else HKV, s=seq)
+
+
+def _whole_length_collectives(hlo: str, seq: int, ops=("all-gather", "all-reduce")):
+  """Collectives (`ops`) whose result has a dim of the whole sequence length (any rank)."""
+  bad = []
+  for line in hlo.splitlines():
+    m = re.search(r"\b(" + "|".join(ops) + r")(-start)?\(", line)
+    if m is None or "=" not in line[:m.start()]:
+      continue
+    result = line[line.index("=") + 1:m.start()]  # "f32[256]{0}" or a tuple of shapes
+    dims = [[int(d) for d in x.split(",") if d] for x in re.findall(r"\w+\[([\d,]*)\]", result)]
+    if any(seq in d for d in dims):
+      bad.append(line.strip()[:160])
+  return bad
+
+
+@pytest.mark.parametrize("impl,cp", [("pallas_triton", "ring"), ("pallas_tpu", "ring"),
+                                     ("pallas_triton", "ulysses")])
+def test_position_arrays_split_like_the_sequence(impl, cp):
+  """Arrays a mod reads at the query / key position (document_causal's ids, a per-key bias
+  vector, a per-query temperature), placed sharded like the tokens, stay split
+  (`flashvjp._aligned`): the ring reads each device's slice and sends the key-aligned ones
+  round with K/V, so no all-gather or all-reduce holds a whole-sequence array (before:
+  each array all-gathered, both gradients all-reduced whole); Ulysses gathers them for its
+  heads like segment ids and reduce-scatters the gradients (no whole all-reduce). Values
+  and gradients equal the one-device program's."""
+  mesh = _mesh()
+  h = 8
+  x = _inputs(h, h)
+  doc = jnp.repeat(jnp.arange(4, dtype=jnp.int32), S // 4)[None].repeat(B, 0)
+  kvb = jnp.cos(jnp.arange(S, dtype=jnp.float32))
+  tq = 1.0 + 0.1 * jnp.sin(jnp.arange(S, dtype=jnp.float32))
+
+  def loss(q, k, v, kvb, tq, doc):
+    out = flashvjp.flash_attention(
+        q, k, v, implementation=impl, context_parallel=cp, block_q=BLOCK, block_kv=BLOCK,
+        mask_mod=flashvjp.document_causal(doc),
+        score_mod=lambda s, b, hh, i, j: s * tq[i] + kvb[j])
+    return jnp.sum(out * x["w_out"]), out
+
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+  seq = NamedSharding(mesh, P(None, None, "sp", None))
+  placed = [jax.device_put(x[n], seq) for n in "qkv"]
+  placed += [jax.device_put(kvb, NamedSharding(mesh, P("sp"))),
+             jax.device_put(tq, NamedSharding(mesh, P("sp"))),
+             jax.device_put(doc, NamedSharding(mesh, P(None, "sp")))]
+  with jax.default_matmul_precision("highest"):
+    got = fn(*placed)
+    one = jax.devices()[0]
+    ref = fn(*[jax.device_put(a, one) for a in (x["q"], x["k"], x["v"], kvb, tq, doc)])
+    hlo = fn.lower(*placed).compile().as_text()
+  (_, out), grads = got
+  (_, out_r), grads_r = ref
+  for name, g, r in zip(["out", "dq", "dk", "dv", "d kv bias", "d temperature"],
+                        [out, *grads], [out_r, *grads_r]):
+    _check(name, g, r)
+  assert not _whole_length_collectives(hlo, S, ("all-reduce",)), hlo
+  # explain says which arrays are split (doc ids both ways: a key-aligned copy)
+  d = flashvjp.explain(*placed[:3], implementation=impl, context_parallel=cp,
+                       mask_mod=flashvjp.document_causal(doc),
+                       score_mod=lambda s, b, hh, i, j: s * tq[i] + kvb[j])
+  assert sorted(o.split for o in d.operands) == ["kv", "q", "q and kv"], str(d)
+  assert "split like the queries and (a copy) like the keys" in str(d)
+  gathers = _whole_length_collectives(hlo, S, ("all-gather",))
+  if cp == "ring":
+    assert not gathers, "\n".join(gathers)
+  else:
+    assert gathers, "Ulysses runs the whole sequence of its heads: the arrays gathered"

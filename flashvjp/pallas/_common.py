@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from flashvjp import _aligned
 from flashvjp import _config
 from flashvjp import _dropout
 from flashvjp import _mask
@@ -148,6 +149,8 @@ def hoist_constants(fn, consts, acc):
   cfg.num_diff_consts stay the differentiable ones).
   """
   consts = tuple(consts)
+  if isinstance(fn, _aligned.Aligned):  # its arrays are explicit already (`_aligned.align`)
+    return fn, consts
   s = jax.ShapeDtypeStruct((), acc)
   i = jax.ShapeDtypeStruct((), jnp.int32)
   cs = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in consts]
@@ -369,8 +372,9 @@ def split_per_head(cfg: AttentionConfig, consts, acc, B: int, H: int, grads: boo
   if cfg.score_mod is None:
     return HeadSplit(cfg)
   consts = tuple(consts)
-  hoisted = _hoisted(cfg.score_mod, consts, acc, positions)
-  fn, pos_avals = (cfg.score_mod, ()) if hoisted is None else (hoisted[1], hoisted[2])
+  mod = _aligned.shifted(cfg.score_mod, offsets)  # local slices of position-aligned arrays
+  hoisted = _hoisted(mod, consts, acc, positions)
+  fn, pos_avals = (mod, ()) if hoisted is None else (hoisted[1], hoisted[2])
   known_fn, tile_fn, res_avals, _ = split_score_mod_jaxprs(fn, consts, acc, pos_avals)
   n_user = cfg.num_diff_consts
   diff, fixed = consts[:n_user], consts[n_user:]
@@ -542,7 +546,7 @@ def split_mask_mod(cfg: AttentionConfig, mod, B: int, H: int, offsets=None,
     return ModSplit(cfg)
   consts = tuple(jnp.asarray(c) for c in (() if mod is None else mod.consts))
   known_fn, tile_fn, res_avals, _, consts, hoisted = split_mask_mod_jaxprs(
-      cfg.mask_mod, consts, positions)
+      _aligned.shifted(cfg.mask_mod, offsets), consts, positions)
   bs, hs = global_batch_heads(B, H, offsets)
   f = lambda b, h: tuple(known_fn(b, h, *consts))
   res = tuple(jax.vmap(jax.vmap(f, (None, 0)), (0, None))(bs, hs)) if res_avals else ()

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from flashvjp import _aligned
 from flashvjp._config import AttentionConfig
 from flashvjp.ring import _compat
 from flashvjp.ring import _schedule
@@ -94,22 +95,31 @@ class _Ctx:
       return None
     return type(xs)(_compat.match_varying(x, self.q) if x is not None else None for x in xs)
 
-  def first_chunk(self, chunk):
-    """The chunk (a pytree) in hand at the first step. With `RingSpec.gather`, every
-    device's chunk is all-gathered here once and each step slices its own."""
+  def first_chunk(self, chunk, aligned=()):
+    """The chunk (a pytree: K, V, kv segment ids, ...) in hand at the first step, with
+    `aligned` (the mods' key-aligned arrays, `_aligned_parts`) appended: the chunk is
+    then ``(*chunk, aligned)``. With `RingSpec.gather`, every device's chunk is
+    all-gathered here once and each step slices its own."""
+    self.aligned_axes = tuple(ax for _, ax in aligned)
+    chunk = tuple(chunk) + (tuple(x for x, _ in aligned),)
     if self.R.gather and self.steps:
-      self.full = jax.tree_util.tree_map(
-          lambda x: lax.all_gather(x, self.R.axis_name, axis=_seq_axis(x), tiled=True), chunk)
+      self.full = self._per_leaf(chunk, lambda x, ax: lax.all_gather(
+          x, self.R.axis_name, axis=ax, tiled=True))
       return self.take(0)
     return _shift(chunk, self.R, self.steps[0].shift if self.steps else 0)
+
+  def _per_leaf(self, chunk, f):
+    """f(leaf, its sequence axis) over a chunk (K/V: 2, segment ids: 1, the aligned
+    arrays: their own)."""
+    *main, al = chunk
+    main = jax.tree_util.tree_map(lambda x: f(x, _seq_axis(x)), tuple(main))
+    return main + (tuple(f(x, ax) for x, ax in zip(al, self.aligned_axes)),)
 
   def take(self, t):
     """(gather) The chunk of step t, sliced from the gathered sequence."""
     j = (self.i - self.steps[t].shift) % self.n
-    return jax.tree_util.tree_map(
-        lambda x: lax.dynamic_slice_in_dim(x, j * (x.shape[_seq_axis(x)] // self.n),
-                                           x.shape[_seq_axis(x)] // self.n, _seq_axis(x)),
-        self.full)
+    return self._per_leaf(self.full, lambda x, ax: lax.dynamic_slice_in_dim(
+        x, j * (x.shape[ax] // self.n), x.shape[ax] // self.n, ax))
 
   def next_chunk(self, chunk, t):
     """The chunk (a pytree) moved on to where step t + 1 needs it (after the last step:
@@ -188,6 +198,40 @@ def _varying_mod(C: _Ctx, mod):
   return mod._replace(consts=C.varying(tuple(mod.consts)))
 
 
+def _axes(cfg: AttentionConfig, consts, mod):
+  """Per const of the score_mod and of the mask_mod: None or (axis, "q" | "kv"): arrays
+  read at the query / key position, here as this device's slices (`flashvjp._aligned`)."""
+  return (_aligned.axes_of(cfg.score_mod, len(consts)),
+          () if mod is None else _aligned.axes_of(cfg.mask_mod, len(mod.consts)))
+
+
+def _kv_aligned(xs, axes) -> tuple:
+  """(array, axis) of the key-aligned ones: they travel with the K/V chunk."""
+  return tuple((x, ax[0]) for x, ax in zip(xs, axes)
+               if x is not None and ax is not None and ax[1] == "kv")
+
+
+def _pair_consts(C: _Ctx, xs, axes, travelling, a, b):
+  """A pair's consts: query-aligned arrays cut to q piece a, key-aligned ones taken from
+  the chunk in hand (`travelling`, in order) cut to kv piece b, the rest whole."""
+  it = iter(travelling)
+  out = []
+  for x, ax in zip(xs, axes):
+    if ax is None or x is None:
+      out.append(x)
+    elif ax[1] == "q":
+      out.append(C.q_piece(x, a, ax[0]))
+    else:
+      out.append(C.kv_piece(next(it), b, ax[0]))
+  return tuple(out)
+
+
+def _pair_mod(C: _Ctx, mod, axes, travelling, a, b):
+  if mod is None or not any(ax is not None for ax in axes):
+    return mod
+  return mod._replace(consts=_pair_consts(C, mod.consts, axes, travelling, a, b))
+
+
 def _seq_axis(x) -> int:
   return 2 if x.ndim == 4 else 1  # K/V [B, Hk, S, D]; segment ids [B, S]
 
@@ -231,26 +275,32 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   inner = _inner(C.R.inner)
   acc = C.acc
   consts, mod = C.varying(tuple(consts)), _varying_mod(C, mod)
+  c_axes, m_axes = _axes(cfg, consts, mod)
+  kv_c, kv_m = _kv_aligned(consts, c_axes), _kv_aligned(() if mod is None else mod.consts, m_axes)
   outs = [_compat.match_varying(jnp.zeros(q.shape[:2] + (p.length, v.shape[3]), acc), q)
           for p in C.qp]
   lses = [_compat.match_varying(jnp.full(q.shape[:2] + (p.length,), -jnp.inf, acc), q)
           for p in C.qp]
   # cfg.max_logits: each row's max logit, the max over the pairs (a skipped pair: -inf)
   maxes = list(lses) if cfg.max_logits else None
-  chunk = C.first_chunk((k, v, kv_seg))
+  chunk = C.first_chunk((k, v, kv_seg), kv_c + kv_m)
   for t, st in enumerate(C.steps):
     nxt = C.next_chunk(chunk, t)  # issued before this step's compute: they overlap
-    kc, vc, ksc = chunk
+    kc, vc, ksc, al = chunk
     j = (C.i - st.shift) % C.n
     for a, b, branches, index in st.pairs:
-      def fn(m, qa, kb, vb, bias_ab, mask_ab, qs, ks, a=a, b=b, j=j):
+      cs_ab = _pair_consts(C, consts, c_axes, al[:len(kv_c)], a, b)
+      mod_ab = _pair_mod(C, mod, m_axes, al[len(kv_c):], a, b)
+
+      def fn(m, qa, kb, vb, bias_ab, mask_ab, qs, ks, a=a, b=b, j=j, cs_ab=cs_ab,
+             mod_ab=mod_ab):
         if m == ("skip",):
           none = jnp.full(qa.shape[:3], -jnp.inf, acc)
           return (jnp.zeros(qa.shape[:3] + (vb.shape[3],), acc), none) + (
               (none,) if cfg.max_logits else ())
         kw = {} if not C.offsets_needed else {"offsets": C.offsets(a, b, j)}
         res = inner.forward(C.pair_cfg(m, a, b), qa, kb, vb, bias_ab, mask_ab, qs, ks, seed,
-                            consts, mod, **kw)
+                            cs_ab, mod_ab, **kw)
         return tuple(x.astype(acc) for x in res)
       res = C.switch(
           index, branches, fn, q, C.q_piece(q, a), C.kv_piece(kc, b), C.kv_piece(vc, b),
@@ -277,30 +327,39 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   n_diff = cfg.num_diff_consts
   orig_consts = tuple(consts)
   consts, mod = C.varying(tuple(consts)), _varying_mod(C, mod)
+  c_axes, m_axes = _axes(cfg, consts, mod)
+  kv_c, kv_m = _kv_aligned(consts, c_axes), _kv_aligned(() if mod is None else mod.consts, m_axes)
   dq = _zeros(q, acc, q)
   dbias = _zeros(bias, acc, q)
-  dconsts = [_compat.match_varying(jnp.zeros(jnp.shape(c), jnp.promote_types(
-      jnp.result_type(c), acc)), q) for c in consts[:n_diff]]
-  chunk = C.first_chunk((k, v, kv_seg))
-  dk_c, dv_c = _zeros(k, acc, q), _zeros(v, acc, q)  # the accumulators of the chunk in hand
+  dt = lambda c: jnp.promote_types(jnp.result_type(c), acc)
+  dconsts = [_compat.match_varying(jnp.zeros(jnp.shape(c), dt(c)), q) for c in consts[:n_diff]]
+  # key-aligned consts' gradients travel with their chunk like dK/dV (`kv_d`: their indices)
+  kv_d = [n for n in range(n_diff) if c_axes[n] is not None and c_axes[n][1] == "kv"]
+  chunk = C.first_chunk((k, v, kv_seg), kv_c + kv_m)
+  # the accumulators of the chunk in hand: dK, dV and the key-aligned consts' gradients
+  dkv_c = (_zeros(k, acc, q), _zeros(v, acc, q), tuple(dconsts[n] for n in kv_d))
+  seq_axes = (2, 2, tuple(c_axes[n][0] for n in kv_d))
   if C.R.gather:  # dK/dV of every chunk, reduce-scattered to their owners at the end
-    dk_all, dv_all = (_compat.match_varying(
-        jnp.zeros(x.shape[:2] + (C.n * x.shape[2],) + x.shape[3:], acc), q) for x in (k, v))
+    dkv_all = jax.tree_util.tree_map(lambda x, ax: _compat.match_varying(jnp.zeros(
+        x.shape[:ax] + (C.n * x.shape[ax],) + x.shape[ax + 1:], acc), q), dkv_c, seq_axes)
   home_first = bool(C.steps) and C.steps[0].shift % C.n == 0 and not C.R.gather
   for t, st in enumerate(C.steps):
     nxt = C.next_chunk(chunk, t)
-    kc, vc, ksc = chunk
+    kc, vc, ksc, al = chunk
     j = (C.i - st.shift) % C.n
     for a, b, branches, index in st.pairs:
+      cs_ab = _pair_consts(C, consts, c_axes, al[:len(kv_c)], a, b)
+      mod_ab = _pair_mod(C, mod, m_axes, al[len(kv_c):], a, b)
+
       def fn(m, qa, kb, vb, bias_ab, mask_ab, qs, ks, oa, la, doa, dla, a=a, b=b, j=j,
-             dtypes=tuple(d.dtype for d in dconsts)):
+             dtypes=tuple(d.dtype for d in dconsts), cs_ab=cs_ab, mod_ab=mod_ab):
         if m == ("skip",):
           z = lambda x: None if x is None else jnp.zeros(x.shape, acc)
           return (z(qa), z(kb), z(vb), z(bias_ab),
-                  [jnp.zeros(jnp.shape(c), dt) for c, dt in zip(consts, dtypes)])
+                  [jnp.zeros(jnp.shape(c), dt) for c, dt in zip(cs_ab, dtypes)])
         kw = {} if not C.offsets_needed else {"offsets": C.offsets(a, b, j)}
         g = inner.backward(C.pair_cfg(m, a, b), qa, kb, vb, bias_ab, mask_ab, qs, ks, seed,
-                           consts, oa, la, doa, dla, mod, **kw)
+                           cs_ab, oa, la, doa, dla, mod_ab, **kw)
         gq, gk, gv, gb, gc = g
         return (gq.astype(acc), gk.astype(acc), gv.astype(acc),
                 None if gb is None else gb.astype(acc),
@@ -311,37 +370,48 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
           C.pair_block(mask, a, b, j), C.q_piece(q_seg, a, 1), C.kv_piece(ksc, b, 1),
           C.q_piece(out, a), C.q_piece(lse, a), C.q_piece(dout, a), C.q_piece(dlse, a))
       dq = _add_rows(dq, C.qp[a], gq)
-      dk_c = _add_rows(dk_c, C.kp[b], gk)
-      dv_c = _add_rows(dv_c, C.kp[b], gv)
-      dconsts = [x + y for x, y in zip(dconsts, gc)]
+      dk_c, dv_c, dal_c = dkv_c
+      dkv_c = (_add_rows(dk_c, C.kp[b], gk), _add_rows(dv_c, C.kp[b], gv),
+               tuple(_add_rows(x, C.kp[b], gc[n], c_axes[n][0]) for x, n in zip(dal_c, kv_d)))
+      for n, (x, y) in enumerate(zip(dconsts, gc)):
+        ax = c_axes[n]
+        if ax is None:
+          dconsts[n] = x + y
+        elif ax[1] == "q":  # query-aligned: this device's rows, at home like dQ
+          dconsts[n] = _add_rows(x, C.qp[a], y, ax[0])
       if dbias is not None:
         dbias = _add_bias(C, dbias, gb, a, b, j)
     if C.R.gather:  # into the gathered gradient at the chunk's place
-      dk_all, dv_all = (lax.dynamic_update_slice_in_dim(
-          full, lax.dynamic_slice_in_dim(full, j * d.shape[2], d.shape[2], 2) + d, j * d.shape[2],
-          2) for full, d in ((dk_all, dk_c), (dv_all, dv_c)))
-      dk_c, dv_c = jnp.zeros_like(dk_c), jnp.zeros_like(dv_c)
-      chunk, dk_all, dv_all, dq, dbias, dconsts = lax.optimization_barrier(
-          (nxt, dk_all, dv_all, dq, dbias, dconsts))
+      dkv_all = jax.tree_util.tree_map(
+          lambda full, d, ax, j=j: lax.dynamic_update_slice_in_dim(
+              full, lax.dynamic_slice_in_dim(full, j * d.shape[ax], d.shape[ax], ax) + d,
+              j * d.shape[ax], ax), dkv_all, dkv_c, seq_axes)
+      dkv_c = jax.tree_util.tree_map(jnp.zeros_like, dkv_c)
+      chunk, dkv_all, dq, dbias, dconsts = lax.optimization_barrier(
+          (nxt, dkv_all, dq, dbias, dconsts))
       continue
     if t == 0 and home_first:
       # The own chunk's gradient stays home; the chunk's next visitor starts a fresh
       # accumulator where it is (nothing to send: one dK/dV transfer fewer per call).
-      dk_home, dv_home = dk_c, dv_c
-      dk_c, dv_c = _zeros(k, acc, q), _zeros(v, acc, q)
+      dkv_home = dkv_c
+      dkv_c = jax.tree_util.tree_map(lambda x: _compat.match_varying(jnp.zeros_like(x), q),
+                                     dkv_c)
     else:
       # dK/dV travel on with their chunk (after this step's compute, which updates them)
-      dk_c, dv_c = C.next_chunk((dk_c, dv_c), t)
-    chunk, dk_c, dv_c, dq, dbias, dconsts = lax.optimization_barrier(
-        (nxt, dk_c, dv_c, dq, dbias, dconsts))
+      dkv_c = C.next_chunk(dkv_c, t)
+    chunk, dkv_c, dq, dbias, dconsts = lax.optimization_barrier(
+        (nxt, dkv_c, dq, dbias, dconsts))
   if C.R.gather:
-    dk, dv = (lax.psum_scatter(x, C.R.axis_name, scatter_dimension=2, tiled=True)
-              for x in (dk_all, dv_all))
+    dkv = jax.tree_util.tree_map(lambda x, ax: lax.psum_scatter(
+        x, C.R.axis_name, scatter_dimension=ax, tiled=True), dkv_all, seq_axes)
   else:
     last = C.steps[-1].shift if C.steps else 0
-    dk, dv = _shift((dk_c, dv_c), C.R, -last if C.steps else 0)  # back to their chunk's owner
+    dkv = _shift(dkv_c, C.R, -last if C.steps else 0)  # back to their chunk's owner
     if home_first:
-      dk, dv = dk + dk_home, dv + dv_home
+      dkv = jax.tree_util.tree_map(lambda x, y: x + y, dkv, dkv_home)
+  dk, dv, dal = dkv
+  for n, d in zip(kv_d, dal):
+    dconsts[n] = d
   sm = _compat.sum_to_match
   dq, dk, dv = (sm(g, x).astype(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
   if dbias is not None:
@@ -374,21 +444,29 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   acc = C.acc
   consts, mod = C.varying(tuple(consts)), _varying_mod(C, mod)
   tconsts = C.varying(tuple(tconsts)) if tconsts is not None else None
+  c_axes, m_axes = _axes(cfg, consts, mod)
+  kv_c, kv_m = _kv_aligned(consts, c_axes), _kv_aligned(() if mod is None else mod.consts, m_axes)
+  kv_t = _kv_aligned(() if tconsts is None else tconsts, c_axes)
   t_out = _compat.match_varying(jnp.zeros(out.shape, acc), q)
   t_lse = _compat.match_varying(jnp.zeros(lse.shape, acc), q)
-  chunk = C.first_chunk((k, v, kv_seg, tk, tv))
+  chunk = C.first_chunk((k, v, kv_seg, tk, tv), kv_c + kv_m + kv_t)
   for t, st in enumerate(C.steps):
     nxt = C.next_chunk(chunk, t)
-    kc, vc, ksc, tkc, tvc = chunk
+    kc, vc, ksc, tkc, tvc, al = chunk
     j = (C.i - st.shift) % C.n
     for a, b, branches, index in st.pairs:
+      n1, n2 = len(kv_c), len(kv_c) + len(kv_m)
+      cs_ab = _pair_consts(C, consts, c_axes, al[:n1], a, b)
+      mod_ab = _pair_mod(C, mod, m_axes, al[n1:n2], a, b)
+      tcs_ab = None if tconsts is None else _pair_consts(C, tconsts, c_axes, al[n2:], a, b)
+
       def fn(m, qa, kb, vb, bias_ab, mask_ab, qs, ks, oa, la, tqa, tkb, tvb, tb_ab, a=a, b=b,
-             j=j):
+             j=j, cs_ab=cs_ab, mod_ab=mod_ab, tcs_ab=tcs_ab):
         if m == ("skip",):
           return jnp.zeros(oa.shape, acc), jnp.zeros(la.shape, acc)
         kw = {} if not C.offsets_needed else {"offsets": C.offsets(a, b, j)}
-        to, tl = fn_t(C.pair_cfg(m, a, b), qa, kb, vb, bias_ab, mask_ab, qs, ks, seed, consts,
-                      oa, la, tqa, tkb, tvb, tb_ab, tconsts, mod, **kw)
+        to, tl = fn_t(C.pair_cfg(m, a, b), qa, kb, vb, bias_ab, mask_ab, qs, ks, seed, cs_ab,
+                      oa, la, tqa, tkb, tvb, tb_ab, tcs_ab, mod_ab, **kw)
         return to.astype(acc), tl.astype(acc)
       to, tl = C.switch(
           index, branches, fn, q, C.q_piece(q, a), C.kv_piece(kc, b), C.kv_piece(vc, b),
