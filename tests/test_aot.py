@@ -282,28 +282,32 @@ def test_h100x8_sequence_sharded_runs_the_strategy(feature, strategy):
 
 # Per-device temp of the 8 x H100 program at S = 64k against the ideal share (1/8) of the
 # one-device program's temp (H=16, Hkv=8, D=128, bf16, causal, jit(value_and_grad)), as XLA's
-# GPU compiler reports it (memory_analysis). Measured 2026-12-04/05, jax 0.12.0.1: Ulysses
-# 1.51x (193 MiB against a 128 MiB share), ring 3.39x. The goal, 1.25x, is not met. Ulysses'
-# peak is the backward kernel's: the heads-layout q / k / v / dO it must hold (96 MiB; in the
-# one-device program they are arguments, not temporaries) beside the kernel's own buffers
-# (the share), so 1.75x of the share less reuse is the floor of this design at 16/8 heads;
-# O no longer moves (rowsum(dO * O) is folded into the lse cotangent, `flashvjp._delta`:
-# all-to-all bytes 257 -> 225.5 MiB per device, temp unchanged). The ring holds its float32
-# dQ / dK / dV accumulators (twice at each step's optimization barrier). These bounds are the
-# measured values with a margin: a regression guard, not the goal.
-TEMP_BOUNDS = {"ulysses": 1.6, "ring": 3.6}
+# GPU compiler reports it (memory_analysis). Measured 2026-12-05, jax 0.12.0.1, since the
+# Triton dQ and dK/dV kernels write their gradients in the inputs' dtype (they wrote float32,
+# converted after: a float32 copy of dq / dk / dv in temp): one device 1024 -> 520 MiB,
+# Ulysses 193 -> 145 MiB per device, ring 433.5 MiB (unchanged). Against the new share
+# (65 MiB) that is Ulysses 2.23x, ring 6.67x (before: 1.51x and 3.39x of a 128 MiB share):
+# the goal, 1.25x, is not met. Ulysses' peak is the backward kernel's: the heads-layout
+# q / k / v / dO it must hold (96 MiB; in the one-device program they are arguments, not
+# temporaries) beside the kernel's own buffers; O no longer moves (`flashvjp._delta`). The
+# ring holds its float32 dQ / dK / dV accumulators (twice at each step's optimization
+# barrier) and the K/V chunk in flight. These bounds are the measured MiB with a margin: a
+# regression guard, not the goal.
+TEMP_MIB = {"one device": 530, "ulysses": 150, "ring": 445}
 
 
 @_aot.needs_cuda
 def test_h100x8_per_device_temp_against_the_one_device_share():
   shape = (1, 16, 8, 65536, 128)
+  mib = lambda c: c.memory_analysis().temp_size_in_bytes / 2**20
   _, one = _compile(_aot.gpu_mesh("h100", 1), "causal", "grad", jnp.bfloat16, shape=shape)
-  share = one.memory_analysis().temp_size_in_bytes / 8
-  for strategy, bound in TEMP_BOUNDS.items():
+  share = mib(one) / 8
+  # no float32 copy of dq / dk / dv (bf16 [1, 16, 64k, 128] is 256 MiB, float32 512 MiB)
+  assert 256 < mib(one) <= TEMP_MIB["one device"], mib(one)
+  for strategy in ("ulysses", "ring"):
     _, c = _compile(_aot.gpu_mesh("h100", 8), "causal", "grad", jnp.bfloat16, spec=SEQ,
                     shape=shape, context_parallel=strategy)
-    ratio = c.memory_analysis().temp_size_in_bytes / share
-    assert 1.0 <= ratio <= bound, (strategy, ratio)
+    assert share <= mib(c) <= TEMP_MIB[strategy], (strategy, mib(c), share)
     if strategy == "ulysses":  # to the heads layout: q in the forward, dO (not O) backward
       to_heads = [t for t in _aot.collective_results(c.as_text(), "all-to-all")
                   if t.startswith("bf16[1,16,8192,128]")]

@@ -268,8 +268,8 @@ def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_s
   dpos_spec = _compat.block_spec((None, None, G, g.bk), lambda b, h, j: (b, h, 0, j))
   dk, dv, *dposkv = _compat.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), acc),
-                 jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), acc),
+      out_shape=(jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), kp.dtype),
+                 jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), vp.dtype),
                  *(dpos_shape,) * n_kv_diff),
       grid=(g.B, g.Hkv, g.nk),
       in_specs=ins.specs,
@@ -338,7 +338,7 @@ def _dq(cfg, g, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, scalar, dop, l
   ins.add("do", dop, _compat.block_spec((None, None, g.bq, g.Dvp), lambda b, h, i: (b, h, i, 0)))
   for name, x in (("lse", lse_p), ("delta", delta_p)):
     ins.add(name, x, _compat.block_spec((None, None, g.bq), lambda b, h, i: (b, h, i)))
-  out_shape = [jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dp), acc)]
+  out_shape = [jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dp), q.dtype)]
   out_specs = [_compat.block_spec((None, None, g.bq, g.Dp), lambda b, h, i: (b, h, i, 0))]
   for c in consts[:n_diff]:  # one partial d(residual) per program: [B, H, nq, ...]
     rest = c.shape[2:]
