@@ -13,6 +13,7 @@ warpgroup MMAs and TMA loads inside the main loops and the register reallocation
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -232,6 +233,64 @@ def test_dropout_at_global_offsets():
   _util.assert_close(lse, ref_lse[b0:, h0:, q0:], jnp.bfloat16, what="offsets/lse")
 
 
+def _alibi_softcap(s, b, h, q_idx, kv_idx, slopes):
+  """ALiBi (a per-head slope: a per-(b, h) residual) then a tanh softcap of 20."""
+  s = s - slopes[h] * jnp.abs(q_idx - kv_idx).astype(s.dtype)
+  return 20.0 * jnp.tanh(s / 20.0)
+
+
+def _prefix_lm(b, h, q_idx, kv_idx, lengths):
+  return (kv_idx <= q_idx) | (kv_idx < lengths[b])
+
+
+@pytest.mark.parametrize("offsets", [None, (1, 2, 64, 32)])
+def test_score_mod_and_mask_mod(offsets):
+  """A score_mod (ALiBi + softcap, per-head slopes) with a bias, and a mask_mod (prefix LM,
+  per-batch lengths) with a window, GQA, ragged lengths: the tile parts in the consumer
+  at global positions (a chunk pair at traced offsets: its part of the global problem);
+  against float64, no race."""
+  from flashvjp import _mask_mod
+  B, H, Hkv, S, D = 2, 2, 1, 130, 64
+  G = H // Hkv
+  q, k, v = _util.random_qkv(5, B, H, Hkv, S, S, D, dtype=jnp.bfloat16)
+  slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)  # global heads
+  lengths = jnp.asarray([30, 70, 50], jnp.int32)  # global batches
+  bias = jax.random.normal(jax.random.key(8), (1, H, S, S), jnp.float32)
+  mod = _mask_mod.ModInputs(None, (lengths,))
+  b0, h0, q0, kv0 = (0, 0, 0, 0) if offsets is None else offsets
+  base = _cfg(S, S, D, window=(60, None))
+  sm = dataclasses.replace(base, score_mod=_alibi_softcap, num_diff_consts=1)
+  mm = dataclasses.replace(base, mask_mod=_prefix_lm)
+  # the global problem whose [b0:, h0:, q0:, kv0:] part the call is
+  f64 = lambda x: x.astype(jnp.float64)
+  gq = jnp.zeros((b0 + B, h0 + H, q0 + S, D)).at[b0:, h0:, q0:].set(f64(q))
+  gk, gv = (jnp.zeros((b0 + B, (h0 + H) // G, kv0 + S, D)).at[b0:, h0 // G:, kv0:].set(f64(x))
+            for x in (k, v))
+  gbias = jnp.zeros((1, h0 + H, q0 + S, kv0 + S)).at[:, h0:, q0:, kv0:].set(f64(bias))
+  allowed = np.zeros((1, 1, q0 + S, kv0 + S), bool)  # the window: static, local positions
+  allowed[..., q0:, kv0:] = _mask_window(S, 60)
+  for name, cfg, consts, m, bb, gb in (("score_mod", sm, (slopes,), None, bias, gbias),
+                                       ("mask_mod", mm, (), mod, None, None)):
+    _compat.reset_interpret_state()
+    off = None if offsets is None else jnp.asarray(offsets, jnp.int32)
+    run = jax.jit(lambda q, k, v, o, cfg=cfg, consts=consts, m=m, bb=bb: _forward(
+        cfg, q, k, v, bb, None, None, None, None, consts, m,
+        offsets=None if o is None else tuple(o[n] for n in range(4))))
+    out, lse = run(q, k, v, off)
+    assert not _compat.interpret_races_found(), name
+    gcfg = dataclasses.replace(cfg, seq_q=q0 + S, seq_kv=kv0 + S, window=None)
+    ro, rl = reference.attention(gcfg, gq, gk, gv, gb, jnp.asarray(allowed), None, None, None,
+                                 consts, m)
+    _util.assert_close(out, ro[b0:, h0:, q0:], jnp.bfloat16, what=f"{name} {offsets}/out")
+    _util.assert_close(lse, rl[b0:, h0:, q0:], jnp.bfloat16, what=f"{name} {offsets}/lse")
+
+
+def _mask_window(S, left):
+  i = np.arange(S)[:, None]
+  j = np.arange(S)[None, :]
+  return (j >= i - left)
+
+
 def test_refuses_what_it_does_not_implement():
   from flashvjp.pallas.mosaic_gpu import _limits
   q, k, v = _util.random_qkv(0, 1, 2, 1, 64, 64, 64, dtype=jnp.bfloat16)
@@ -241,8 +300,9 @@ def test_refuses_what_it_does_not_implement():
     _forward(cfg, q, k, v, None, None, seg, None, None, ())
   with pytest.raises(NotImplementedError, match="dropout needs a seed"):
     _forward(_cfg(64, 64, 64, dropout_rate=0.1), q, k, v, None, None, None, None, None, ())
-  with pytest.raises(NotImplementedError, match="score_mod"):
-    _forward(cfg, q, k, v, None, None, None, None, None, (jnp.ones((2,)),))
+  with pytest.raises(NotImplementedError, match="per-head values are scalars"):
+    pos = dataclasses.replace(cfg, score_mod=lambda s, b, h, i, j, t: s + t[j])
+    _forward(pos, q, k, v, None, None, None, None, None, (jnp.ones((64,)),))
   with pytest.raises(NotImplementedError, match="offsets must be"):
     _forward(cfg, q, k, v, None, None, None, None, None, (), offsets=(0, 64))
   q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
@@ -255,7 +315,9 @@ def test_refuses_what_it_does_not_implement():
   big = dict(common, query_shape=(1, 2, 64, 256), key_shape=(1, 1, 64, 256),
              value_shape=(1, 1, 64, 256))
   for kw, word in ((dict(dtype=jnp.float32, **common), "float32"),
-                   (dict(dtype=jnp.bfloat16, has_score_mod=True, **common), "score_mod"),
+                   (dict(dtype=jnp.bfloat16, has_score_mod=True, score_mod_consts=(
+                       jnp.ones((64,)),), score_mod=lambda s, b, h, i, j, t: s + t[j],
+                         **common), "score_mod uses dynamic_slice"),
                    (dict(dtype=jnp.bfloat16, **big), "backward supports head dims up to 128")):
     ok, reason = _limits.supports(**kw)
     assert not ok and word in reason, reason
@@ -266,7 +328,7 @@ def test_refuses_what_it_does_not_implement():
 # ---- deviceless sm_90a compile (CUDA plugin, no GPU) ---------------------------------------
 
 _COMPILE = textwrap.dedent("""
-    import os, sys
+    import dataclasses, os, sys
     import jax, jax.numpy as jnp
     from jax.experimental import topologies
     from flashvjp._config import AttentionConfig, BlockSizes
@@ -296,13 +358,25 @@ _COMPILE = textwrap.dedent("""
       elif variant == "mask":  # a dense [S, S] mask: bfloat16 0 / 1 blocks in the ring
         f = lambda q, k, v, m: F.forward(cfg, q, k, v, None, m, None, None, None, ())
         args = (q, kv, kv, jax.ShapeDtypeStruct((1, 1, S, S), jnp.bool_, sharding=sh))
+      elif variant == "score_mod":  # ALiBi slopes (per head) + softcap
+        def sm(s, b, h, i, j, sl):
+          return 20.0 * jnp.tanh((s - sl[h] * jnp.abs(i - j).astype(s.dtype)) / 20.0)
+        mcfg = dataclasses.replace(cfg, score_mod=sm, num_diff_consts=1)
+        f = lambda q, k, v, sl: F.forward(mcfg, q, k, v, None, None, None, None, None, (sl,))
+        args = (q, kv, kv, jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sh))
+      elif variant == "mask_mod":  # prefix LM lengths per batch
+        from flashvjp._mask_mod import ModInputs
+        mcfg = dataclasses.replace(cfg, mask_mod=lambda b, h, i, j, n: (j <= i) | (j < n[b]))
+        f = lambda q, k, v, n: F.forward(mcfg, q, k, v, None, None, None, None, None, (),
+                                         ModInputs(None, (n,)))
+        args = (q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32, sharding=sh))
       else:
         f = lambda q, k, v: F.forward(cfg, q, k, v, None, None, None, None, None, ())
         args = (q, kv, kv)
       jax.jit(f).lower(*args).compile()
       print("COMPILED", variant, flush=True)
 """)
-VARIANTS = ("causal", "segments", "dropout", "bias", "mask")
+VARIANTS = ("causal", "segments", "dropout", "bias", "mask", "score_mod", "mask_mod")
 
 
 def compile_sm90(D, S, variants, dump_dir):
@@ -340,8 +414,8 @@ def test_parse_ptxas():
                     reason="the deviceless sm_90a compile needs jax-cuda12-plugin")
 @pytest.mark.parametrize("D", [64, 128])
 def test_compiles_for_sm90a_without_spills(D, tmp_path):
-  """Causal forwards (plain, segment ids, dropout, bias, dense mask) compile for H100 with no
-  register spill and within the SMEM of a Hopper block (227 KiB)."""
+  """Causal forwards (plain, segment ids, dropout, bias, dense mask, a score_mod, a mask_mod)
+  compile for H100 with no register spill and within the SMEM of a Hopper block (227 KiB)."""
   found = compile_sm90(D, 1024, VARIANTS, tmp_path)
   for variant, (regs, spills, smem) in found.items():
     print(f"sm_90a forward D={D} causal {variant}: {regs} registers (at launch; setmaxnreg"

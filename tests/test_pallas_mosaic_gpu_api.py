@@ -46,8 +46,14 @@ def test_refusals_name_the_family_that_takes_it():
   with pytest.raises(ValueError, match="pallas_triton"):
     flashvjp.explain(q, k, v, implementation=IMPL)
   q, k, v = _qkv()
-  with pytest.raises(ValueError, match="score_mod"):
-    flashvjp.explain(q, k, v, implementation=IMPL, score_mod=flashvjp.softcap(20.0))
+  # a score_mod reading an array by position: the Triton / Mosaic-TPU families take it
+  bias_vec = jnp.linspace(-1.0, 1.0, 128)
+  with pytest.raises(ValueError, match=r"score_mod.*Pallas-Triton"):
+    flashvjp.explain(q, k, v, implementation=IMPL,
+                     score_mod=lambda s, b, h, i, j: s + bias_vec[j])
+  with pytest.raises(ValueError, match=r"mask_mod.*Pallas-Triton"):
+    flashvjp.explain(q, k, v, implementation=IMPL,
+                     mask_mod=flashvjp.document_causal(jnp.zeros((1, 128), jnp.int32)))
 
 
 def test_old_jax_is_refused_naming_the_version(monkeypatch):
@@ -94,6 +100,38 @@ def test_jvp_through_flash_attention_against_float64():
     got = np.asarray(got.astype(jnp.float64))
     err = np.abs(got - np.asarray(ref)).max() / np.abs(np.asarray(ref)).max()
     assert np.isfinite(got).all() and err < flashvjp._check.tolerance(jnp.bfloat16, IMPL)
+
+
+def test_score_mod_and_mask_mod_grads_against_float64():
+  """The forward and backward kernels apply a score_mod and a mask_mod whose per-(b, h)
+  values are scalars: ALiBi slopes (their gradient too) with a softcap, prefix-LM lengths
+  per batch; out and the gradients to q, k, v and the slopes against float64 naive
+  attention's autodiff."""
+  q, k, v = _qkv(B=2, S=160, seed=3)  # not a multiple of the blocks
+  slopes = flashvjp.alibi_slopes(4)
+  lengths = jnp.asarray([40, 100], jnp.int32)
+
+  def f(impl):
+    def run(q, k, v, sl):
+      cap = flashvjp.softcap(20.0)
+      al = flashvjp.alibi(sl)
+      out = flashvjp.flash_attention(
+          q, k, v, implementation=impl, mask_mod=flashvjp.prefix_lm(lengths),
+          score_mod=lambda s, b, h, i, j: cap(al(s, b, h, i, j), b, h, i, j))
+      return out
+    return run
+
+  w = jnp.asarray(np.random.default_rng(4).standard_normal(q.shape), jnp.float32)
+  loss = lambda impl: lambda *a: jnp.sum(f(impl)(*a).astype(jnp.float32) * w)
+  got = jax.value_and_grad(loss(IMPL), argnums=(0, 1, 2, 3))(q, k, v, slopes)
+  f64 = lambda xs: tuple(x.astype(jnp.float64) for x in xs)
+  ref = jax.value_and_grad(loss("naive"), argnums=(0, 1, 2, 3))(*f64((q, k, v, slopes)))
+  tol = flashvjp._check.tolerance(jnp.bfloat16, IMPL)
+  for name, g, r in zip(["out . w", "dq", "dk", "dv", "dslopes"],
+                        jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+    g, r = np.asarray(jnp.asarray(g, jnp.float64)), np.asarray(r)
+    err = np.abs(g - r).max() / max(np.abs(r).max(), 1e-30)
+    assert np.isfinite(g).all() and err < tol, (name, err, tol)
 
 
 @_aot.needs_cuda

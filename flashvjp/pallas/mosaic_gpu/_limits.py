@@ -9,16 +9,16 @@ entry, every operand the kernel does not implement yet, so nothing falls back si
 Forward: float16 / bfloat16 inputs (compiled and interpret mode alike: the kernel runs
 16-bit wgmma), head dims up to 256 (zero-padded to a multiple of 64), GQA / MQA, causal,
 window, segment ids, dropout, bias, dense masks, global offsets (ring chunk pairs), any
-sequence lengths (padded to whole blocks). Not yet: score_mod, mask_mod, a float32 out (a
-traced scale), float32 / float64 inputs. Backward: the same, with head dims up to 128
-(`BACKWARD_MAX_HEAD_DIM`; it also takes score_mod / mask_mod with scalar per-head values,
-which the forward does not yet). So the family: 16-bit, head dims <= 128, no score_mod or
-mask_mod.
+sequence lengths (padded to whole blocks), score_mod / mask_mod whose per-(b, h) values are
+scalars (softcap, ALiBi, prefix LM; `score_mod_problem`). Not yet: a float32 out (a traced
+scale), float32 / float64 inputs, mods reading arrays by position. Backward: the same, with
+head dims up to 128 (`BACKWARD_MAX_HEAD_DIM`). So the family: 16-bit, head dims <= 128.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from flashvjp.pallas import _limits as shared
 from flashvjp.pallas.mosaic_gpu import _compat
 
 MAX_HEAD_DIM = 256  # the forward's
@@ -37,7 +37,7 @@ def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
   Same arguments as `flashvjp.pallas.triton._limits.supports`. Compiled (interpret=False)
   runs on CUDA GPUs (sm_90a); interpret mode on any platform.
   """
-  del key_shape, score_mod, score_mod_consts, mask_mod_consts
+  del key_shape
   missing = _compat.unavailable()
   if missing is not None:
     return False, missing
@@ -53,16 +53,43 @@ def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
   if not any(dt == jnp.dtype(d) for d in DTYPES):
     return False, (f"dtype {dt.name}: the Mosaic-GPU kernels support float16 and bfloat16"
                    " (16-bit wgmma); implementation='pallas_triton' takes float32 and float64")
-  if has_score_mod:
-    return False, "score_mod: not implemented in the Mosaic-GPU kernels yet"
   if mask_mod is not None:
-    return False, "mask_mod: not implemented in the Mosaic-GPU kernels yet"
+    problem = mask_mod_problem(mask_mod, mask_mod_consts)
+    if problem is not None:
+      return False, problem
+  if has_score_mod and score_mod is not None:
+    problem = score_mod_problem(score_mod, score_mod_consts, jnp.float32)
+    if problem is not None:
+      return False, problem
   if interpret:
     return True, f"Mosaic-GPU kernels in interpret mode on {platform!r}"
   if platform not in _COMPILED_PLATFORMS:
     return False, (f"the compiled Mosaic-GPU kernels need a CUDA GPU (sm_90a), not"
                    f" {platform!r}; use interpret=True")
   return True, f"Pallas Mosaic-GPU kernels, {dt.name}, head_dim {D}"
+
+
+def _residual_problem(aval, mod: str = "score_mod") -> str | None:
+  """The kernels read per-(b, h) residuals as one word per row: scalars only."""
+  if tuple(aval.shape) != ():
+    return (f"{mod}: a per-head value of shape {tuple(aval.shape)} (the Mosaic-GPU kernels"
+            " read scalars per (batch, head): softcap, ALiBi slopes, prefix lengths);"
+            " implementation='pallas_triton' takes it")
+  return None
+
+
+def score_mod_problem(score_mod, consts, acc_dtype):
+  """Why the Mosaic-GPU kernels cannot apply this score_mod (a sentence), or None: its
+  per-tile part must be elementwise and its per-(b, h) values scalars; nothing read by
+  position (no per-position residuals in this family yet)."""
+  return shared.score_mod_problem(score_mod, consts, acc_dtype, lowering="Mosaic-GPU",
+                                  residual_problem=_residual_problem)
+
+
+def mask_mod_problem(mask_mod, consts):
+  """As `score_mod_problem`, for a mask_mod (`_mask_mod.ScalarMaskMod`)."""
+  return shared.mask_mod_problem(mask_mod, consts, lowering="Mosaic-GPU",
+                                 residual_problem=_residual_problem)
 
 
 def forward_problem(cfg, q, k, v, *, bias=None, mask=None, q_seg=None, kv_seg=None, seed=None,
@@ -77,9 +104,7 @@ def forward_problem(cfg, q, k, v, *, bias=None, mask=None, q_seg=None, kv_seg=No
     return "dropout needs a seed"
   if offsets is not None and len(tuple(offsets)) != 4:
     return f"offsets must be (b0, h0, q0, kv0), got {offsets!r}"
-  feats = [("score_mod", cfg.score_mod is not None or bool(tuple(consts or ()))),
-           ("mask_mod", cfg.mask_mod is not None or mod is not None),
-           ("a float32 out (traced scale)", cfg.out_f32)]
+  feats = [("a float32 out (traced scale)", cfg.out_f32)]
   used = [name for name, on in feats if on]
   if used:
     return f"{', '.join(used)}: not implemented in the Mosaic-GPU kernels yet"

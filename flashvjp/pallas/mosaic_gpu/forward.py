@@ -39,8 +39,16 @@ GQA: the producer reads kv head h // G; K/V are never repeated in memory. Sequen
 lengths are zero-padded to whole blocks outside the kernel and head dims to a multiple
 of 64 (the 128-byte swizzle of a 16-bit row).
 
-Not implemented (refused by `_limits.forward_problem` before any kernel is built):
-score_mod, mask_mod, float32 / float64 inputs, a float32 out.
+score_mod / mask_mod whose per-(b, h) values are scalars (softcap, ALiBi slopes, prefix-LM
+lengths; `_common.split_per_head` / `split_mask_mod` fold (b, h) into them): their tile
+parts run on each tile's scores in the consumer (`ModRows`: the residuals, the global q and
+the global kv offset ride as per-row words loaded with Q), as every family applies them
+(`_common.scores`): masked q k set to 0, scale, bias, the score_mod, then the exp2 domain;
+the mask_mod joins the elementwise mask of every visited block (no block skipping by its
+classes).
+
+Not implemented (refused before any kernel is built): mods reading arrays by position (an
+array residual per head), float32 / float64 inputs, a float32 out.
 """
 from __future__ import annotations
 
@@ -185,13 +193,17 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
 
 
 def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias=None,
-           mask=None, interpret=None, skip_wait: str | None = None):
+           mask=None, mods: ModRows | None = None, interpret=None,
+           skip_wait: str | None = None):
   """The kernel as a function of padded operands -> (out, lse).
 
   Operands: q [B, H, Sqp, Dp], k [B, Hkv, Skvp, Dp], v [B, Hkv, Skvp, Dvp], then with
   `segments` the padded segment ids q_seg int32 [B, Sqp] and kv_seg int32 [B, Skvp], then
   with dropout the hash's per-row words uint32 [B, H, 3, Sqp] (`dropout_rows`), then a
-  bias, then a dense mask, each in its `PairForm` (`bias`, `mask`: the forms).
+  bias, then a dense mask, each in its `PairForm` (`bias`, `mask`: the forms), then with
+  `mods` (cfg's score_mod / mask_mod: their tile parts) the per-row words int32
+  [B, H, n_int, Sqp] and, when there are float residuals, float32 [B, H, n_float, Sqp]
+  (`mod_rows`).
   `skip_wait` (tests only) removes one barrier wait (`SKIPPABLE_WAITS`), to check that
   the interpreter's race detector sees the hazard it guards against.
   """
@@ -201,7 +213,9 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
   f32 = jnp.float32
   spec = C.mask_spec(cfg)
   masked = (segments or mask is not None or cfg.causal or cfg.window is not None
-            or p.Skvp != p.Skv)
+            or p.Skvp != p.Skv or cfg.mask_mod is not None)
+  has_mods = mods is not None
+  mr = mods if mods is not None else ModRows(0, 0)
   scale2 = float(cfg.scale) * LOG2E
   neg = float(jnp.finfo(f32).min)
   rows, bk, slots, nc = p.rows, p.bk, p.slots, p.consumers
@@ -231,7 +245,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
     z = jnp.clip(i32(z), a, hi)
     if not masked:
       return a, z, a, z
-    if segments or mask is not None:
+    if segments or mask is not None or cfg.mask_mod is not None:
       return a, z, z, z
     f_lo, f_hi = spec.full_kv_block_range(r, rows, bk)
     f_lo = jnp.clip(i32(f_lo), a, z)
@@ -255,6 +269,15 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       wait("q_loaded", R["drop_bar"].at[w])
       row_words = tuple(mg.load(R["drop_s"].at[w, n], layout=_compat.wgmma_row_layout())
                         for n in range(3))  # [rows] uint32 each: cq, cq2, kv0
+    words = {}  # the mods' per-row words (`ModRows`): [rows] int32 / float32 each
+    if has_mods:
+      for kind, count in (("i", mr.n_int), ("f", mr.n_float)):
+        if count:
+          mg.copy_gmem_to_smem(R["mod_" + kind].at[b, h, :, q_rows], R[f"mod{kind}_s"].at[w],
+                               R[f"mod{kind}_bar"].at[w])
+          wait("q_loaded", R[f"mod{kind}_bar"].at[w])
+          words[kind] = [mg.load(R[f"mod{kind}_s"].at[w, c],
+                                 layout=_compat.wgmma_row_layout()) for c in range(count)]
     per_query = {}  # pairs of kind "q": [rows] float32, loaded once
     for n, f in pairs.items():
       if f.kind == "q":
@@ -302,7 +325,6 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         return acc_ref[...]
 
       s = _compat.run_scoped(qk, mg.ACC((rows, bk), f32))
-      s = s * scale2
 
       def pair_value(n):
         """The [rows, bk] float32 values of bias / mask `n` on this tile."""
@@ -315,22 +337,36 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         tile = mg.load(R[n + "_s"].at[slot, pl_ds(w * rows, rows)], layout=_compat.wgmma_layout())
         return tile.astype(f32)
 
-      if bias is not None:  # in the exp2 domain: bias * log2(e)
-        s = s + pair_value("bias") * LOG2E
+      bias_v = None if bias is None else pair_value("bias")
       dense = None if mask is None else pair_value("mask") != 0.0
       if segments:
         kv_seg = mg.load(R["kseg_s"].at[slot], layout=_compat.wgmma_col_layout())  # [bk]
       if late_release and skip_wait != "side_fence":
         mg.commit_smem()  # the slot's side data is read: fence it against the TMA refill
       mg.barrier_arrive(R["k_free"].at[slot])
-      if masked_step:
+      ok = None
+      if masked_step or has_mods:
         qi = r * rows + _compat.wgmma_iota((rows, bk), 0)
         ki = t * bk + _compat.wgmma_iota((rows, bk), 1)
+      if masked_step:
         if segments:
           ok = spec.allowed(qi, ki, q_seg=_rows(q_seg, (rows, bk)),
                             kv_seg=lax.broadcast_in_dim(kv_seg, (rows, bk), [1]), dense=dense)
         else:
           ok = spec.allowed(qi, ki, dense=dense)
+        if cfg.mask_mod is not None:  # at positions clamped into the real ones, global
+          ok = ok & mr.allowed(cfg, words, ki, (rows, bk))
+      if cfg.score_mod is None:
+        s = s * scale2
+        if bias_v is not None:  # in the exp2 domain: bias * log2(e)
+          s = s + bias_v * LOG2E
+      else:  # as every family (`C.scores`): masked q k to 0, scale, bias, the mod; exp2
+        st = C.masked_scores_for_mod(cfg, s, ok) * f32(cfg.scale)
+        if bias_v is not None:
+          st = st + bias_v
+        s = mr.score(cfg, words, st, ki) * LOG2E
+      if masked_step:
+        assert ok is not None
         m_new = jnp.maximum(m, jnp.where(ok, s, neg).max(axis=1))
         e = jnp.where(ok, s - _rows(m_new, s.shape), neg)
       else:
@@ -441,7 +477,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
     lax.fori_loop(lo, hi, fetch, None)
 
   in_names = (["q", "k", "v"] + (["q_seg", "kv_seg"] if segments else [])
-              + (["drop_rows"] if dropout else []) + list(pairs))
+              + (["drop_rows"] if dropout else []) + list(pairs)
+              + ([] if not has_mods else ["mod_i"] + (["mod_f"] if mr.n_float else [])))
   smem = functools.partial(_compat.smem_tile, dtype=dtype)
   tiles = {"q_s": smem((nc, rows, p.Dp)),
            "o_s": None if p.Dvp == p.Dp else smem((nc, rows, p.Dvp)),
@@ -464,6 +501,11 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
   if dropout:
     tiles.update(drop_s=mg.SMEM((nc, 3, rows), u32))
     bars.update(drop_bar=mg.Barrier(num_barriers=nc))
+  if has_mods:
+    for kind, count, dt in (("i", mr.n_int, jnp.int32), ("f", mr.n_float, f32)):
+      if count:
+        tiles[f"mod{kind}_s"] = mg.SMEM((nc, count, rows), dt)
+        bars[f"mod{kind}_bar"] = mg.Barrier(num_barriers=nc)
   for n, f in pairs.items():
     shape = {"q": (nc, rows), "kv": (slots, bk), "tile": (slots, p.bq, bk)}[f.kind]
     tiles[n + "_s"] = mg.SMEM(shape, f.dtype)
@@ -548,6 +590,70 @@ class PairForm:
     return _mask.pad_axis(col, 2, p.Sqp)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModRows:
+  """How the score_mod / mask_mod tile parts read their per-row words in the kernel.
+
+  int32 words: 0 the global kv offset kv0, 1 the global q of each row (the score_mod's),
+  2 the global q clamped into the real rows (the mask_mod's), then the integer per-(b, h)
+  residuals; float32 words: the float residuals. `order`: per residual of the score_mod
+  (then of the mask_mod), in its tile part's order, ("i" | "f", word index).
+  """
+
+  n_int: int
+  n_float: int
+  sm_order: tuple = ()
+  mm_order: tuple = ()
+
+  def _res(self, words, order, shape):
+    return tuple(_rows(words[kind][n], shape) for kind, n in order)
+
+  def score(self, cfg: AttentionConfig, words, st, ki):
+    """The score_mod's tile part at global positions (b, h folded into its residuals)."""
+    assert cfg.score_mod is not None
+    score_mod, shape = cfg.score_mod, st.shape
+    q = _rows(words["i"][1], shape)
+    kv = ki + _rows(words["i"][0], shape)
+    mod = jnp.vectorize(lambda x, q_, k_, *r: score_mod(x, 0, 0, q_, k_, *r))
+    return mod(st, q, kv, *self._res(words, self.sm_order, shape))
+
+  def allowed(self, cfg: AttentionConfig, words, ki, shape):
+    """The mask_mod's tile part at global positions clamped into the real sequences."""
+    assert cfg.mask_mod is not None
+    mask_mod = cfg.mask_mod
+    q = _rows(words["i"][2], shape)
+    kv = jnp.minimum(ki, cfg.seq_kv - 1) + _rows(words["i"][0], shape)
+    fn = jnp.vectorize(lambda q_, k_, *r: mask_mod(0, 0, q_, k_, *r))
+    return fn(q, kv, *self._res(words, self.mm_order, shape))
+
+
+def mod_rows(cfg: AttentionConfig, sm_arrays, mm_arrays, p: Plan, offsets=None):
+  """(ModRows, int32 [B, H, n_int, Sqp], float32 [B, H, n_float, Sqp] or None): the per-row
+  words of the score_mod's / mask_mod's tile parts (`ModRows`); `sm_arrays` / `mm_arrays`
+  their per-(b, h) scalar residuals [B, H, 1] (`_common.split_per_head` / `split_mask_mod`,
+  global (b, h) folded in through `offsets`)."""
+  _, _, q0, kv0 = (0, 0, 0, 0) if offsets is None else tuple(offsets)
+  i32 = lambda o: jnp.asarray(o, jnp.int32)
+  shape = (p.B, p.H, p.Sqp)
+  q = jnp.arange(p.Sqp, dtype=jnp.int32)
+  ints = [i32(kv0), q + i32(q0), jnp.minimum(q, p.Sq - 1) + i32(q0)]
+  floats: list = []
+  orders = []
+  for arrays in (sm_arrays, mm_arrays):
+    order = []
+    for r in arrays:
+      if jnp.issubdtype(r.dtype, jnp.inexact):
+        order.append(("f", len(floats)))
+        floats.append(r.astype(jnp.float32))
+      else:
+        order.append(("i", len(ints)))
+        ints.append(r.astype(jnp.int32))
+    orders.append(tuple(order))
+  stack = lambda xs, dt: jnp.stack([jnp.broadcast_to(x, shape).astype(dt) for x in xs], axis=2)
+  rows = ModRows(len(ints), len(floats), orders[0], orders[1])
+  return rows, stack(ints, jnp.int32), (stack(floats, jnp.float32) if floats else None)
+
+
 def dropout_rows(cfg: AttentionConfig, seed, p: Plan, offsets=None):
   """uint32 [B, H, 3, Sqp]: the counter hash's per-row words (`_dropout.row_words`) of every
   (b, h, q) at its global position, computed by XLA, and the global kv offset (the same in
@@ -563,6 +669,30 @@ def dropout_rows(cfg: AttentionConfig, seed, p: Plan, offsets=None):
   shape = (p.B, p.H, p.Sqp)
   words = (cq, cq2, i32(kv0).astype(jnp.uint32))
   return jnp.stack([jnp.broadcast_to(x, shape) for x in words], axis=2)
+
+
+def _split_mods(cfg: AttentionConfig, consts, mod, B: int, H: int, offsets=None):
+  """(cfg with the score_mod's and mask_mod's tile parts, their per-(b, h) scalar residuals
+  [B, H, 1] each) (`_common.split_per_head` / `split_mask_mod`, global (b, h) through
+  `offsets`); a residual that is an array per head, or a read by position, is refused."""
+  f32 = jnp.float32
+  sm_arrays: tuple = ()
+  if cfg.score_mod is not None:
+    cfg, consts = C.hoist_score_mod(cfg, consts, f32)
+    split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), f32, B, H,
+                             grads=False, offsets=offsets)
+    if not all(split.scalar):
+      raise NotImplementedError(
+          "the pallas_mosaic_gpu forward supports a score_mod whose per-head values are"
+          " scalars (softcap, ALiBi slopes), not arrays per head; use"
+          " implementation='pallas_triton'")
+    cfg, sm_arrays = split.cfg, split.arrays
+  msplit = C.split_mask_mod(cfg, mod, B, H, offsets)
+  if not all(msplit.scalar):
+    raise NotImplementedError(
+        "the pallas_mosaic_gpu forward supports a mask_mod whose per-head values are scalars,"
+        " not arrays per head; use implementation='pallas_triton'")
+  return msplit.cfg, sm_arrays, msplit.arrays
 
 
 def pl_ds(start, size):
@@ -584,8 +714,9 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     cfg: static configuration; cfg.interpret runs the kernel under the Mosaic-GPU
       interpreter (race detection on) unless `interpret` gives other parameters.
     q: [B, H, Sq, D]; k: [B, Hkv, Skv, D]; v: [B, Hkv, Skv, Dv]; float16 or bfloat16.
-    bias, mask, q_seg, kv_seg, seed, consts, mod, offsets: must be absent (None / empty):
-      the family refuses them (`_limits.forward_problem`) before building a kernel.
+    bias, mask, q_seg, kv_seg, seed, consts, mod, offsets: as the Triton forward's (`mod`:
+      the mask_mod's `ModInputs`; its block classes are not read). What the kernel lacks is
+      refused (`_limits.forward_problem`, `_split_mods`) before building a kernel.
     block_kv, slots, consumers, pingpong: override the launch plan (`plan`; tests).
 
   Returns:
@@ -598,9 +729,11 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   if problem is not None:
     raise NotImplementedError(f"pallas_mosaic_gpu forward: {problem}")
   forms = [None if x is None else PairForm.of(x) for x in (bias, mask)]
+  cfg, sm_arrays, mm_arrays = _split_mods(cfg, consts, mod, q.shape[0], q.shape[1], offsets)
+  has_mods = cfg.score_mod is not None or cfg.mask_mod is not None
   p = plan(q.shape, k.shape, v.shape, block_kv=block_kv, slots=slots, consumers=consumers,
            elementwise=(q_seg is not None or cfg.dropout_active or bias is not None
-                        or mask is not None),
+                        or mask is not None or has_mods),
            slot_extra=lambda bq, bk: (4 * bk if q_seg is not None else 0) + sum(
                f.slot_bytes(bq, bk) for f in forms if f is not None), pingpong=pingpong)
   if interpret is None and cfg.interpret:
@@ -610,7 +743,10 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     if threads is not None:
       raise RuntimeError(f"pallas_mosaic_gpu forward (interpret): {threads}")
   segments = q_seg is not None
-  kernel = _build(cfg, p, q.dtype, segments=segments, bias=forms[0], mask=forms[1],
+  mods = words_i = words_f = None
+  if has_mods:
+    mods, words_i, words_f = mod_rows(cfg, sm_arrays, mm_arrays, p, offsets)
+  kernel = _build(cfg, p, q.dtype, segments=segments, bias=forms[0], mask=forms[1], mods=mods,
                   interpret=interpret, skip_wait=_skip_wait)
   operands = [C.pad_seq_head(q, p.Sqp, p.Dp), C.pad_seq_head(k, p.Skvp, p.Dp),
               C.pad_seq_head(v, p.Skvp, p.Dvp)]
@@ -622,6 +758,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   for x, f in zip((bias, mask), forms):
     if f is not None:
       operands.append(f.operand(x, p))
+  operands += [x for x in (words_i, words_f) if x is not None]
   out, *rows = kernel(*operands)
   # lse (+ the row maxima with cfg.max_logits), -inf at empty rows
   rows = C.neg_inf_at_empty([x[:, :, : p.Sq] for x in rows], jnp.float32)
