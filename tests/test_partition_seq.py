@@ -471,3 +471,32 @@ def test_position_arrays_split_like_the_sequence(impl, cp):
     assert not gathers, "\n".join(gathers)
   else:
     assert gathers, "Ulysses runs the whole sequence of its heads: the arrays gathered"
+
+
+def test_position_arrays_split_on_a_batch_and_sequence_mesh():
+  """(dp=2, sp=4), the ring: a per-(batch, key) bias `kvb[b, kv_idx]` (gradient) and a
+  per-query temperature split like the tokens' sequence (whole over batch: each dp shard
+  reads its own batches' rows, the gradient summed over dp); equal to one device."""
+  mesh = _mesh((2, 4), ("dp", "sp"))
+  x = _inputs(H, HKV)
+  kvb = jnp.cos(jnp.arange(B * S, dtype=jnp.float32)).reshape(B, S)
+  tq = 1.0 + 0.1 * jnp.sin(jnp.arange(S, dtype=jnp.float32))
+
+  def loss(q, k, v, kvb, tq):
+    out = flashvjp.flash_attention(
+        q, k, v, implementation="pallas_triton", context_parallel="ring", causal=True,
+        block_q=BLOCK, block_kv=BLOCK, score_mod=lambda s, b, h, i, j: s * tq[i] + kvb[b, j])
+    return jnp.sum(out * x["w_out"])
+
+  fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  tok = NamedSharding(mesh, P("dp", None, "sp", None))
+  placed = [jax.device_put(x[n], tok) for n in "qkv"]
+  placed += [jax.device_put(kvb, NamedSharding(mesh, P(None, "sp"))),
+             jax.device_put(tq, NamedSharding(mesh, P("sp")))]
+  with jax.default_matmul_precision("highest"):
+    got = fn(*placed)
+    ref = fn(*[jax.device_put(a, jax.devices()[0]) for a in (x["q"], x["k"], x["v"], kvb, tq)])
+    hlo = fn.lower(*placed).compile().as_text()
+  for name, g, r in zip(["dq", "dk", "dv", "d kv bias", "d temperature"], got, ref):
+    _check(name, g, r)
+  assert not _whole_length_collectives(hlo, S), "\n".join(_whole_length_collectives(hlo, S))
