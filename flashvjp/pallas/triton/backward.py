@@ -213,6 +213,13 @@ def _add_positions_grouped(ins, g: C.Geometry, pos, prefix):
             _compat.block_spec((None, None, g.G, g.bk), lambda b, h, j: (b, h, 0, j)))
 
 
+def _grad_dtype(g: C.Geometry, dtype, acc):
+  """The dK / dV kernel's output dtype: the inputs' (rounded once in the kernel, no float32
+  copy of dk / dv in temp), float32 above head dim 128, where the rounding epilogue made
+  the causal kernel spill 4 bytes on sm_90a (benchmarks/triton_sm90.py: d192 / d256)."""
+  return dtype if max(g.Dp, g.Dvp) <= 128 else acc
+
+
 def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_seg_p, lists_kv,
           seed, consts, scalar, masked, acc, msplit=None, offsets=None, pos=None):
   G = g.G
@@ -268,8 +275,8 @@ def _dkdv(cfg, g, qp, kp, vp, dop, lse_p, delta_p, bias_p, mask_p, q_seg_p, kv_s
   dpos_spec = _compat.block_spec((None, None, G, g.bk), lambda b, h, j: (b, h, 0, j))
   dk, dv, *dposkv = _compat.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), kp.dtype),
-                 jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), vp.dtype),
+      out_shape=(jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), _grad_dtype(g, kp.dtype, acc)),
+                 jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), _grad_dtype(g, vp.dtype, acc)),
                  *(dpos_shape,) * n_kv_diff),
       grid=(g.B, g.Hkv, g.nk),
       in_specs=ins.specs,
