@@ -115,25 +115,20 @@ class Aligned:
     return _ac.eval_jaxpr_varying(jaxpr, self.closed.consts, *ins,  # type: ignore[attr-defined]
                                   override=_overrider(override))[0]
 
+  def _score_args(self, args) -> tuple:
+    """A mask_mod's (b, h, q, kv, *consts) in the jaxpr's score form (s unused)."""
+    return ((jnp.zeros((), jnp.float32),) if self.mask else ()) + tuple(args)
+
   def __call__(self, *args):
-    if self.mask:
-      args = (jnp.zeros((), jnp.float32),) + tuple(args)
-    return self._eval(args, None)
+    return self._eval(self._score_args(args), None)
 
   def shifted(self, offsets):
     """The mod reading its aligned arrays as local slices starting at the global positions
     (q0, kv0) of `offsets` (the backends' (b0, h0, q0, kv0); None: whole arrays)."""
     if offsets is None:
       return self
-    q0, kv0 = tuple(offsets)[2:]
-    shift = (q0, kv0)
-
-    def fn(*args):
-      if self.mask:
-        args = (jnp.zeros((), jnp.float32),) + tuple(args)
-      return self._eval(args, shift)
-
-    return fn
+    shift = tuple(offsets)[2:]  # (q0, kv0)
+    return lambda *args: self._eval(self._score_args(args), shift)
 
   def tags(self, i: int, q_tag: str = "q", kv_tag: str = "s") -> tuple:
     """Dim tags of const i for the partitioning rule (aligned axis: q_tag / kv_tag)."""

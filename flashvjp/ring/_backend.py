@@ -97,7 +97,7 @@ class _Ctx:
 
   def first_chunk(self, chunk, aligned=()):
     """The chunk (a pytree: K, V, kv segment ids, ...) in hand at the first step, with
-    `aligned` (the mods' key-aligned arrays, `_aligned_parts`) appended: the chunk is
+    `aligned` (the mods' key-aligned arrays, `_Aligned.travelling`) appended: the chunk is
     then ``(*chunk, aligned)``. With `RingSpec.gather`, every device's chunk is
     all-gathered here once and each step slices its own."""
     self.aligned_axes = tuple(ax for _, ax in aligned)
@@ -198,38 +198,52 @@ def _varying_mod(C: _Ctx, mod):
   return mod._replace(consts=C.varying(tuple(mod.consts)))
 
 
-def _axes(cfg: AttentionConfig, consts, mod):
-  """Per const of the score_mod and of the mask_mod: None or (axis, "q" | "kv"): arrays
-  read at the query / key position, here as this device's slices (`flashvjp._aligned`)."""
-  return (_aligned.axes_of(cfg.score_mod, len(consts)),
-          () if mod is None else _aligned.axes_of(cfg.mask_mod, len(mod.consts)))
-
-
 def _kv_aligned(xs, axes) -> tuple:
   """(array, axis) of the key-aligned ones: they travel with the K/V chunk."""
   return tuple((x, ax[0]) for x, ax in zip(xs, axes)
                if x is not None and ax is not None and ax[1] == "kv")
 
 
-def _pair_consts(C: _Ctx, xs, axes, travelling, a, b):
-  """A pair's consts: query-aligned arrays cut to q piece a, key-aligned ones taken from
-  the chunk in hand (`travelling`, in order) cut to kv piece b, the rest whole."""
-  it = iter(travelling)
-  out = []
-  for x, ax in zip(xs, axes):
-    if ax is None or x is None:
-      out.append(x)
-    elif ax[1] == "q":
-      out.append(C.q_piece(x, a, ax[0]))
-    else:
-      out.append(C.kv_piece(next(it), b, ax[0]))
-  return tuple(out)
+class _Aligned:
+  """The mods' arrays read at the query / key position, here as this device's slices
+  (`flashvjp._aligned`): the key-aligned ones (of the score_mod's consts, the mask_mod's,
+  the consts' tangents) travel with the K/V chunk (`travelling`, for `_Ctx.first_chunk`),
+  and `pair` cuts one pair's consts, mod and tangents from the chunk in hand."""
 
+  def __init__(self, C: _Ctx, cfg: AttentionConfig, consts, mod, tconsts=None):
+    self.C, self.consts, self.mod, self.tconsts = C, consts, mod, tconsts
+    self.c_axes = _aligned.axes_of(cfg.score_mod, len(consts))
+    self.m_axes = () if mod is None else _aligned.axes_of(cfg.mask_mod, len(mod.consts))
+    groups = (_kv_aligned(consts, self.c_axes),
+              _kv_aligned(() if mod is None else mod.consts, self.m_axes),
+              _kv_aligned(() if tconsts is None else tconsts, self.c_axes))
+    self.travelling = sum(groups, ())
+    self._cuts = (len(groups[0]), len(groups[0]) + len(groups[1]))
 
-def _pair_mod(C: _Ctx, mod, axes, travelling, a, b):
-  if mod is None or not any(ax is not None for ax in axes):
-    return mod
-  return mod._replace(consts=_pair_consts(C, mod.consts, axes, travelling, a, b))
+  def _cut(self, xs, axes, travelling, a, b):
+    """Query-aligned arrays cut to q piece a, key-aligned ones taken from the chunk in
+    hand (`travelling`, in order) cut to kv piece b, the rest whole."""
+    it = iter(travelling)
+    out = []
+    for x, ax in zip(xs, axes):
+      if ax is None or x is None:
+        out.append(x)
+      elif ax[1] == "q":
+        out.append(self.C.q_piece(x, a, ax[0]))
+      else:
+        out.append(self.C.kv_piece(next(it), b, ax[0]))
+    return tuple(out)
+
+  def pair(self, al, a, b):
+    """(consts, mod, tangents of the consts) of pair (a, b); `al`: the chunk's arrays."""
+    n1, n2 = self._cuts
+    consts = self._cut(self.consts, self.c_axes, al[:n1], a, b)
+    mod = self.mod
+    if mod is not None and any(ax is not None for ax in self.m_axes):
+      mod = mod._replace(consts=self._cut(mod.consts, self.m_axes, al[n1:n2], a, b))
+    tconsts = (None if self.tconsts is None
+               else self._cut(self.tconsts, self.c_axes, al[n2:], a, b))
+    return consts, mod, tconsts
 
 
 def _seq_axis(x) -> int:
@@ -275,22 +289,20 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   inner = _inner(C.R.inner)
   acc = C.acc
   consts, mod = C.varying(tuple(consts)), _varying_mod(C, mod)
-  c_axes, m_axes = _axes(cfg, consts, mod)
-  kv_c, kv_m = _kv_aligned(consts, c_axes), _kv_aligned(() if mod is None else mod.consts, m_axes)
+  A = _Aligned(C, cfg, consts, mod)
   outs = [_compat.match_varying(jnp.zeros(q.shape[:2] + (p.length, v.shape[3]), acc), q)
           for p in C.qp]
   lses = [_compat.match_varying(jnp.full(q.shape[:2] + (p.length,), -jnp.inf, acc), q)
           for p in C.qp]
   # cfg.max_logits: each row's max logit, the max over the pairs (a skipped pair: -inf)
   maxes = list(lses) if cfg.max_logits else None
-  chunk = C.first_chunk((k, v, kv_seg), kv_c + kv_m)
+  chunk = C.first_chunk((k, v, kv_seg), A.travelling)
   for t, st in enumerate(C.steps):
     nxt = C.next_chunk(chunk, t)  # issued before this step's compute: they overlap
     kc, vc, ksc, al = chunk
     j = (C.i - st.shift) % C.n
     for a, b, branches, index in st.pairs:
-      cs_ab = _pair_consts(C, consts, c_axes, al[:len(kv_c)], a, b)
-      mod_ab = _pair_mod(C, mod, m_axes, al[len(kv_c):], a, b)
+      cs_ab, mod_ab, _ = A.pair(al, a, b)
 
       def fn(m, qa, kb, vb, bias_ab, mask_ab, qs, ks, a=a, b=b, j=j, cs_ab=cs_ab,
              mod_ab=mod_ab):
@@ -327,15 +339,15 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   n_diff = cfg.num_diff_consts
   orig_consts = tuple(consts)
   consts, mod = C.varying(tuple(consts)), _varying_mod(C, mod)
-  c_axes, m_axes = _axes(cfg, consts, mod)
-  kv_c, kv_m = _kv_aligned(consts, c_axes), _kv_aligned(() if mod is None else mod.consts, m_axes)
+  A = _Aligned(C, cfg, consts, mod)
+  c_axes = A.c_axes
   dq = _zeros(q, acc, q)
   dbias = _zeros(bias, acc, q)
-  dt = lambda c: jnp.promote_types(jnp.result_type(c), acc)
-  dconsts = [_compat.match_varying(jnp.zeros(jnp.shape(c), dt(c)), q) for c in consts[:n_diff]]
+  dconsts = [_compat.match_varying(jnp.zeros(jnp.shape(c), jnp.promote_types(
+      jnp.result_type(c), acc)), q) for c in consts[:n_diff]]
   # key-aligned consts' gradients travel with their chunk like dK/dV (`kv_d`: their indices)
   kv_d = [n for n in range(n_diff) if c_axes[n] is not None and c_axes[n][1] == "kv"]
-  chunk = C.first_chunk((k, v, kv_seg), kv_c + kv_m)
+  chunk = C.first_chunk((k, v, kv_seg), A.travelling)
   # the accumulators of the chunk in hand: dK, dV and the key-aligned consts' gradients
   dkv_c = (_zeros(k, acc, q), _zeros(v, acc, q), tuple(dconsts[n] for n in kv_d))
   seq_axes = (2, 2, tuple(c_axes[n][0] for n in kv_d))
@@ -348,8 +360,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     kc, vc, ksc, al = chunk
     j = (C.i - st.shift) % C.n
     for a, b, branches, index in st.pairs:
-      cs_ab = _pair_consts(C, consts, c_axes, al[:len(kv_c)], a, b)
-      mod_ab = _pair_mod(C, mod, m_axes, al[len(kv_c):], a, b)
+      cs_ab, mod_ab, _ = A.pair(al, a, b)
 
       def fn(m, qa, kb, vb, bias_ab, mask_ab, qs, ks, oa, la, doa, dla, a=a, b=b, j=j,
              dtypes=tuple(d.dtype for d in dconsts), cs_ab=cs_ab, mod_ab=mod_ab):
@@ -444,21 +455,16 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   acc = C.acc
   consts, mod = C.varying(tuple(consts)), _varying_mod(C, mod)
   tconsts = C.varying(tuple(tconsts)) if tconsts is not None else None
-  c_axes, m_axes = _axes(cfg, consts, mod)
-  kv_c, kv_m = _kv_aligned(consts, c_axes), _kv_aligned(() if mod is None else mod.consts, m_axes)
-  kv_t = _kv_aligned(() if tconsts is None else tconsts, c_axes)
+  A = _Aligned(C, cfg, consts, mod, tconsts)
   t_out = _compat.match_varying(jnp.zeros(out.shape, acc), q)
   t_lse = _compat.match_varying(jnp.zeros(lse.shape, acc), q)
-  chunk = C.first_chunk((k, v, kv_seg, tk, tv), kv_c + kv_m + kv_t)
+  chunk = C.first_chunk((k, v, kv_seg, tk, tv), A.travelling)
   for t, st in enumerate(C.steps):
     nxt = C.next_chunk(chunk, t)
     kc, vc, ksc, tkc, tvc, al = chunk
     j = (C.i - st.shift) % C.n
     for a, b, branches, index in st.pairs:
-      n1, n2 = len(kv_c), len(kv_c) + len(kv_m)
-      cs_ab = _pair_consts(C, consts, c_axes, al[:n1], a, b)
-      mod_ab = _pair_mod(C, mod, m_axes, al[n1:n2], a, b)
-      tcs_ab = None if tconsts is None else _pair_consts(C, tconsts, c_axes, al[n2:], a, b)
+      cs_ab, mod_ab, tcs_ab = A.pair(al, a, b)
 
       def fn(m, qa, kb, vb, bias_ab, mask_ab, qs, ks, oa, la, tqa, tkb, tvb, tb_ab, a=a, b=b,
              j=j, cs_ab=cs_ab, mod_ab=mod_ab, tcs_ab=tcs_ab):

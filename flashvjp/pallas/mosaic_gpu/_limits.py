@@ -104,10 +104,8 @@ def forward_problem(cfg, q, k, v, *, bias=None, mask=None, q_seg=None, kv_seg=No
     return "dropout needs a seed"
   if offsets is not None and len(tuple(offsets)) != 4:
     return f"offsets must be (b0, h0, q0, kv0), got {offsets!r}"
-  feats = [("a float32 out (traced scale)", cfg.out_f32)]
-  used = [name for name, on in feats if on]
-  if used:
-    return f"{', '.join(used)}: not implemented in the Mosaic-GPU kernels yet"
+  if cfg.out_f32:
+    return "a float32 out (traced scale): not implemented in the Mosaic-GPU kernels yet"
   dts = {jnp.dtype(x.dtype) for x in (q, k, v)}
   if len(dts) != 1:
     return f"q, k, v must share one dtype, got {sorted(d.name for d in dts)}"

@@ -92,6 +92,7 @@ from flashvjp import _mask
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas.mosaic_gpu import _compat
+from flashvjp.pallas.mosaic_gpu import forward as F
 
 LOG2E = math.log2(math.e)
 _STAGES = 2  # ring slots of the streamed operands
@@ -662,25 +663,6 @@ def _reduce_dbias(cfg, ds, bias):
   return ds.astype(bias.dtype)
 
 
-def _split_score_mod(cfg, consts, B, H, offsets):
-  """(cfg with the score_mod's tile part, its per-(b, h) residuals as float32 / int32
-  [B, H, 1], the `C.HeadSplit` or None) (`C.split_per_head`, with gradients to the
-  differentiable consts); refuses residuals that are arrays per head."""
-  if cfg.score_mod is None:
-    return cfg, (), None
-  f32 = jnp.float32
-  cfg, consts = C.hoist_score_mod(cfg, consts, f32)
-  split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), f32, B, H, grads=True,
-                           offsets=offsets)
-  if not all(split.scalar):
-    raise NotImplementedError(
-        "the pallas_mosaic_gpu backward supports a score_mod whose per-head values are scalars"
-        " (softcap, ALiBi slopes), not arrays per head; use implementation='pallas_triton'")
-  arrays = tuple(r.astype(f32 if jnp.issubdtype(r.dtype, jnp.inexact) else jnp.int32)
-                 for r in split.arrays)
-  return split.cfg, arrays, split
-
-
 def _dconsts(split, dres_rows, user_consts, n_user_diff, Sq):
   """Grads of the differentiable score_mod consts from the dQ kernel's per-row partial
   d(residual) [B, H, Sqp] (summed over the real rows, then `split.to_consts`), in the
@@ -739,13 +721,11 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
       raise RuntimeError(f"pallas_mosaic_gpu backward (interpret): {threads}")
   off = C.offset_operand(offsets)
   user_consts, n_user_diff = tuple(consts), cfg.num_diff_consts
-  cfg, sm_arrays, split = _split_score_mod(cfg, consts, q.shape[0], q.shape[1], offsets)
-  msplit = C.split_mask_mod(cfg, mod, q.shape[0], q.shape[1], offsets)
-  if not all(msplit.scalar):
-    raise NotImplementedError(
-        "the pallas_mosaic_gpu backward supports a mask_mod whose per-head values are scalars,"
-        " not arrays per head; use implementation='pallas_triton'")
-  cfg = msplit.cfg
+  cfg, sm_arrays, mm_arrays, split = F.split_mods(cfg, consts, mod, q.shape[0], q.shape[1],
+                                                  offsets, grads=True, role="backward")
+  f32 = jnp.float32
+  sm_arrays = tuple(r.astype(f32 if jnp.issubdtype(r.dtype, jnp.inexact) else jnp.int32)
+                    for r in sm_arrays)
   B, H, Sq, D = q.shape
   Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
   g = C.Geometry(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=Dv, bq=_BLOCK, bk=_BLOCK,
@@ -785,7 +765,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     q0 = 0 if off is None else off[2]
     qm = jnp.minimum(jnp.arange(g.Sqp, dtype=jnp.int32), Sq - 1) + q0
     arrays["qm"] = jnp.broadcast_to(qm, rows)
-    for n, r in enumerate(msplit.arrays):
+    for n, r in enumerate(mm_arrays):
       f32 = jnp.float32
       arrays[f"mres{n}"] = jnp.broadcast_to(
           r.astype(f32 if jnp.issubdtype(r.dtype, jnp.inexact) else jnp.int32), rows)

@@ -671,28 +671,32 @@ def dropout_rows(cfg: AttentionConfig, seed, p: Plan, offsets=None):
   return jnp.stack([jnp.broadcast_to(x, shape) for x in words], axis=2)
 
 
-def _split_mods(cfg: AttentionConfig, consts, mod, B: int, H: int, offsets=None):
-  """(cfg with the score_mod's and mask_mod's tile parts, their per-(b, h) scalar residuals
-  [B, H, 1] each) (`_common.split_per_head` / `split_mask_mod`, global (b, h) through
-  `offsets`); a residual that is an array per head, or a read by position, is refused."""
+def split_mods(cfg: AttentionConfig, consts, mod, B: int, H: int, offsets=None, *,
+               grads: bool = False, role: str = "forward"):
+  """(cfg with the score_mod's and mask_mod's tile parts, the score_mod's per-(b, h) scalar
+  residuals [B, H, 1], the mask_mod's, the `C.HeadSplit` or None) (`_common.split_per_head`
+  with gradients to the differentiable consts when `grads`, `split_mask_mod`; global (b, h)
+  through `offsets`). A residual that is an array per head (a read by position among them)
+  is refused, naming the kernel (`role`: "forward" / "backward")."""
   f32 = jnp.float32
   sm_arrays: tuple = ()
+  split = None
   if cfg.score_mod is not None:
     cfg, consts = C.hoist_score_mod(cfg, consts, f32)
     split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), f32, B, H,
-                             grads=False, offsets=offsets)
+                             grads=grads, offsets=offsets)
     if not all(split.scalar):
       raise NotImplementedError(
-          "the pallas_mosaic_gpu forward supports a score_mod whose per-head values are"
+          f"the pallas_mosaic_gpu {role} supports a score_mod whose per-head values are"
           " scalars (softcap, ALiBi slopes), not arrays per head; use"
           " implementation='pallas_triton'")
     cfg, sm_arrays = split.cfg, split.arrays
   msplit = C.split_mask_mod(cfg, mod, B, H, offsets)
   if not all(msplit.scalar):
     raise NotImplementedError(
-        "the pallas_mosaic_gpu forward supports a mask_mod whose per-head values are scalars,"
+        f"the pallas_mosaic_gpu {role} supports a mask_mod whose per-head values are scalars,"
         " not arrays per head; use implementation='pallas_triton'")
-  return msplit.cfg, sm_arrays, msplit.arrays
+  return msplit.cfg, sm_arrays, msplit.arrays, split
 
 
 def pl_ds(start, size):
@@ -716,7 +720,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     q: [B, H, Sq, D]; k: [B, Hkv, Skv, D]; v: [B, Hkv, Skv, Dv]; float16 or bfloat16.
     bias, mask, q_seg, kv_seg, seed, consts, mod, offsets: as the Triton forward's (`mod`:
       the mask_mod's `ModInputs`; its block classes are not read). What the kernel lacks is
-      refused (`_limits.forward_problem`, `_split_mods`) before building a kernel.
+      refused (`_limits.forward_problem`, `split_mods`) before building a kernel.
     block_kv, slots, consumers, pingpong: override the launch plan (`plan`; tests).
 
   Returns:
@@ -729,7 +733,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   if problem is not None:
     raise NotImplementedError(f"pallas_mosaic_gpu forward: {problem}")
   forms = [None if x is None else PairForm.of(x) for x in (bias, mask)]
-  cfg, sm_arrays, mm_arrays = _split_mods(cfg, consts, mod, q.shape[0], q.shape[1], offsets)
+  cfg, sm_arrays, mm_arrays, _ = split_mods(cfg, consts, mod, q.shape[0], q.shape[1],
+                                             offsets)
   has_mods = cfg.score_mod is not None or cfg.mask_mod is not None
   p = plan(q.shape, k.shape, v.shape, block_kv=block_kv, slots=slots, consumers=consumers,
            elementwise=(q_seg is not None or cfg.dropout_active or bias is not None
