@@ -184,9 +184,18 @@ def default_block_sizes(implementation: str, interpret: bool, head_dim: int = 64
                       block_kv_dkv=dkv.block_kv, block_q_dq=dq.block_q, block_kv_dq=dq.block_kv)
   if implementation == "pallas_tpu":
     return PALLAS_TPU_INTERPRET_DEFAULT if interpret else PALLAS_TPU_DEFAULT
-  if implementation == "pallas_mosaic_gpu":  # its kernels plan their own blocks (not read)
-    return PALLAS_INTERPRET_DEFAULT if interpret else BlockSizes(block_q=128, block_kv=128)
+  if implementation == "pallas_mosaic_gpu":
+    # The kernels plan their own blocks (not read); these are the finest of them, at which
+    # a mask_mod is classified (`mask_mod_blocks`) so that every kernel's visit lists are
+    # exact: forward CTAs of 128 rows, kv blocks of 64 or 128; dK/dV 32 (or 64) x 64;
+    # dQ 64 x 64.
+    del interpret
+    return PALLAS_MOSAIC_GPU_BLOCKS
   return BLOCKWISE_DEFAULT
+
+
+PALLAS_MOSAIC_GPU_BLOCKS = BlockSizes(block_q=128, block_kv=64, block_q_dkv=32,
+                                      block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
 
 
 # Pallas on TPU (Mosaic): (8, 128)-legal blocks (kv blocks are score-tile lanes). Forward

@@ -149,3 +149,121 @@ def test_h100_compile_of_the_public_call_and_blackwell_refused():
   b200 = _aot.sds(_aot.gpu_mesh("b200"), (2, 8, 4096, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="Hopper.*pallas_triton"):
     flashvjp.explain(b200, b200, b200, implementation=IMPL)
+
+
+def _poisoned_blocks_case(form):
+  """S=256, GQA: keys 64..127 are attended by no query and queries 192..255 attend no key
+  (segment ids, a dense mask or a mask_mod), under causal. Returns the call's keyword
+  arguments for `flash_attention`."""
+  S = 256
+  pos = np.arange(S)
+  if form == "segments":
+    q_ids = np.where(pos < 128, 0, np.where(pos < 192, 2, 3))
+    kv_ids = np.where(pos < 64, 0, np.where(pos < 128, 1, 2))
+    return dict(segment_ids=(jnp.asarray(q_ids[None], jnp.int32),
+                             jnp.asarray(kv_ids[None], jnp.int32)))
+  keep = lambda q, kv: ((kv < 64) | (kv >= 128)) & (q < 192)
+  if form == "mask":
+    m = np.random.default_rng(5).random((1, 1, S, S)) > 0.2
+    m &= keep(pos[:, None], pos[None, :])
+    return dict(mask=jnp.asarray(m))
+  if form == "bias+mask_mod":  # dbias: the dQ kernel's skipped tiles must read as zero
+    bias = jnp.asarray(np.random.default_rng(6).standard_normal((1, 2, S, S)), jnp.float32)
+    return dict(bias=bias, mask_mod=lambda b, h, q, kv: keep(q, kv))
+  return dict(mask_mod=lambda b, h, q, kv: keep(q, kv))
+
+
+@pytest.mark.parametrize("form", ["segments", "mask", "mask_mod", "bias+mask_mod"])
+def test_empty_blocks_are_never_read(form):
+  """Blocks that segment ids, a dense mask or a mask_mod leave EMPTY are skipped by every
+  kernel (the visit lists, as the Triton family's): K / V of keys 64..127 (no query attends
+  them) and Q / dO of queries 192..255 (they attend nothing) hold NaN, which a kernel that
+  fetched and multiplied them would put into out, dQ, dK or dV (0 * NaN). Out and the
+  gradients equal float64 naive attention's on clean inputs (those keys get zero dK / dV)."""
+  q, k, v = _qkv(H=2, Hkv=1, S=256, seed=7)
+  kw = dict(_poisoned_blocks_case(form), causal=True)
+  bias = kw.pop("bias", None)
+  rng = np.random.default_rng(8)
+  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  nan_k = k.at[:, :, 64:128].set(jnp.nan)
+  nan_v = v.at[:, :, 64:128].set(jnp.nan)
+  nan_q = q.at[:, :, 192:].set(jnp.nan)
+  nan_do = dout.at[:, :, 192:].set(jnp.nan)
+
+  def f(impl):
+    return lambda q, k, v, b: flashvjp.flash_attention(
+        q, k, v, bias=b, implementation=impl, **kw).astype(jnp.promote_types(q.dtype,
+                                                                             jnp.float32))
+
+  b_in = () if bias is None else (bias,)
+  run = f(IMPL) if bias is not None else (lambda q, k, v: f(IMPL)(q, k, v, None))
+  out, vjp = jax.vjp(run, nan_q, nan_k, nan_v, *b_in)
+  grads = vjp(nan_do)
+  f64 = lambda xs: tuple(x.astype(jnp.float64) for x in xs)
+  ref_run = f("naive") if bias is not None else (lambda q, k, v: f("naive")(q, k, v, None))
+  ref_out, ref_vjp = jax.vjp(ref_run, *f64((q, k, v) + b_in))
+  ref_grads = ref_vjp(dout.at[:, :, 192:].set(0.0).astype(jnp.float64))
+  tol = flashvjp._check.tolerance(jnp.bfloat16, IMPL)
+  names = ["out", "dq", "dk", "dv", "dbias"]
+  for name, g, r in zip(names, (out,) + tuple(grads), (ref_out,) + tuple(ref_grads)):
+    g, r = np.asarray(jnp.asarray(g, jnp.float64)), np.asarray(r)
+    if name == "dq":  # the poisoned queries attend nothing: dq 0 there (and in the reference)
+      g, r = g[:, :, :192], r[:, :, :192]
+    assert np.isfinite(g).all(), f"{name}: NaN from a block that should never be read"
+    err = np.abs(g - r).max() / max(np.abs(r).max(), 1e-30)
+    assert err < tol, (name, err, tol)
+  assert np.all(np.asarray(grads[1])[:, :, 64:128] == 0)  # dk of the keys no query sees
+
+
+def test_visit_lists_are_the_mask_models_non_empty_blocks():
+  """Work count: each Mosaic-GPU kernel's visit lists hold exactly the blocks the mask model
+  (`_mask.block_classes`, as the Triton family's lists) finds non-empty at that kernel's
+  blocks, the PARTIAL ones (masked) first, then the FULL ones (unmasked): the forward per
+  128-row CTA (each consumer's PARTIAL run: the entries inside its own 64 rows' static
+  bounds), dQ per 64-row q block, dK/dV per kv block. Segment ids, a dense mask and causal."""
+  from flashvjp import _mask
+  from flashvjp._config import PALLAS_MOSAIC_GPU_BLOCKS
+  from flashvjp._config import AttentionConfig
+  from flashvjp.pallas import _common as C
+  from flashvjp.pallas.mosaic_gpu import backward as Bw
+  from flashvjp.pallas.mosaic_gpu import forward as F
+  B, H, S, D = 2, 2, 400, 64
+  cfg = AttentionConfig(scale=0.125, causal=True, window=None, seq_q=S, seq_kv=S,
+                        dropout_rate=0.0, blocks=PALLAS_MOSAIC_GPU_BLOCKS, implementation=IMPL)
+  rng = np.random.default_rng(9)
+  ids = jnp.asarray(np.cumsum(rng.random((B, S)) < 0.01, axis=1), jnp.int32)
+  mask = jnp.asarray(rng.random((1, H, S, S)) > 0.3).at[:, 1, :, 100:230].set(False)
+
+  def check(visits, g, by, header=2):
+    q_seg_p, kv_seg_p = C.pad_segments(ids, ids, g)
+    cls = np.asarray(_mask.block_classes(C.mask_spec(cfg), q_seg_p, kv_seg_p,
+                                         C.pad_pair(mask, g), g.bq, g.bk, g.nq, g.nk))
+    cls = np.broadcast_to(cls, (B, H, g.nq, g.nk))
+    if by == "kv":
+      cls = np.swapaxes(cls, 2, 3)
+    visits = np.asarray(visits)
+    assert visits.shape[:2] == (B, H)
+    total = 0
+    for b, h, row in np.ndindex(*cls.shape[:3]):
+      n_p, n_f = visits[b, h, row, :2]
+      listed = visits[b, h, row, header:header + n_p + n_f]
+      np.testing.assert_array_equal(listed[:n_p], np.flatnonzero(cls[b, h, row] == _mask.PARTIAL))
+      np.testing.assert_array_equal(listed[n_p:], np.flatnonzero(cls[b, h, row] == _mask.FULL))
+      total += n_p + n_f
+    assert total == (cls != _mask.EMPTY).sum() < cls.size // 2  # most blocks are skipped
+    return visits, cls
+
+  p = F.plan((B, H, S, D), (B, H, S, D), (B, H, S, D), elementwise=True)
+  visits, _ = check(F.visit_lists(cfg, p, *C.pad_segments(ids, ids, p), mask, None),
+                    F._cta_geometry(p), "q", header=F.VISIT_HEADER)
+  for b, h, i in np.ndindex(B, H, p.nq):  # consumer w's run: entries in its static bounds
+    n_p = visits[b, h, i, 0]
+    partial = visits[b, h, i, F.VISIT_HEADER:F.VISIT_HEADER + n_p]
+    for w in range(p.consumers):
+      lo, hi = C.mask_spec(cfg).kv_block_range(i * p.consumers + w, 64, p.bk, p.nk)
+      start, stop = visits[b, h, i, 2 + 2 * w:4 + 2 * w]
+      np.testing.assert_array_equal(partial[start:stop], partial[(partial >= lo) & (partial < hi)])
+  g = C.Geometry(B=B, H=H, Hkv=H, Sq=S, Skv=S, D=D, Dv=D, bq=64, bk=64, Dp=64, Dvp=64)
+  check(Bw._visit_lists(cfg, g, ids, ids, mask, None, "q"), g, "q")
+  g32 = C.Geometry(B=B, H=H, Hkv=H, Sq=S, Skv=S, D=D, Dv=D, bq=32, bk=64, Dp=64, Dvp=64)
+  check(Bw._visit_lists(cfg, g32, ids, ids, mask, None, "kv"), g32, "kv")

@@ -31,18 +31,19 @@ dQ kernel: grid (batch, head, q block); loops over the kv blocks of q block i
 Causal / window / sequence padding: whole blocks outside the mask model's static bounds are
 never visited; the elementwise mask runs only on the blocks outside
 `full_q_block_range` / `full_kv_block_range` (three loops: masked, unmasked, masked).
+With segment ids, a dense mask or a mask_mod, each program follows its row of the Triton
+family's compacted block lists (`_visit_lists`, read as scalars from GMEM; per q head for
+dK/dV): the PARTIAL blocks with the elementwise mask, then the FULL ones without; EMPTY
+blocks are never fetched.
 
-Segment ids: the q block's ids travel with it (ring slot or resident SMEM, 1-D TMA), and
-every block inside the static bounds is visited with the elementwise mask (no block
-skipping by segment yet: packed documents cost like their causal / window bounds).
+Segment ids: the q block's ids travel with it (ring slot or resident SMEM, 1-D TMA).
 
 Dense mask and bias: tiles streamed with the loop ([bq, bk] for dQ; [bk, bq] tiles of a
 transposed copy, made by XLA, for dK/dV), read generically into the wgmma layout; int8 for
-the mask, float32 for the bias. Every visited block of a masked call is masked
-elementwise, none skipped by the mask's content yet. Broadcast seq dims are materialised
+the mask, float32 for the bias. Broadcast seq dims are materialised
 ([.., Sq, Skv]), broadcast batch / head dims are not. dbias: the dQ kernel writes each
 visited tile's score gradient (float32, SMEM then TMA) into a [B, H, Sq, Skv]
-intermediate; XLA zeroes the never-visited blocks and sums the bias' broadcast dims
+intermediate; XLA zeroes the never-visited blocks (static bounds, visit lists) and sums the bias' broadcast dims
 (`_reduce_dbias`): O(B H Sq Skv) memory, unlike the Triton family's dbias kernel.
 
 Dropout: the counter hash of `flashvjp._dropout` (the same keep bits as every other
@@ -55,8 +56,8 @@ global q index and the kv offset; the tile part and its vjp run per tile in the 
 Differentiable score_mod consts: the dQ kernel sums each differentiable residual's
 per-element gradient over its kv tiles into per-row partials ([B, H, Sq], TMA); XLA sums
 the rows and maps them to the consts (`HeadSplit.to_consts`). mask_mod: likewise (`C.split_mask_mod`), its
-tile part evaluated at clamped global positions on every visited block; its block classes
-are not read (no block skipped by the mask_mod yet).
+tile part evaluated at clamped global positions on the PARTIAL blocks; its block classes
+make the visit lists.
 
 Blocks: block_kv = 64 (one wgmma M tile per compute warpgroup), block_q = 64 for dQ and
 for dK/dV up to head dim 64 without a score_mod, 32 otherwise (`_dkdv_block_q`:
@@ -292,21 +293,55 @@ def _wait_loaded(loaded, slot):
     plgpu.barrier_wait(bar.at[slot])
 
 
-def _produce(total, fill, free):
-  """The producer warpgroup's loop: step t's operands into slot t % _STAGES (`fill(t, slot)`
-  issues the TMA copies), once the consumer freed the slot's previous step."""
+def _produce_step(t, fill, free):
+  """The producer's step t: its operands into slot t % _STAGES (`fill(slot)` issues the TMA
+  copies), once the consumer freed the slot's previous step."""
   plgpu = _compat.plgpu()
+  slot = lax.rem(t, _i32(_STAGES))
+  if not _mutated("skip_free_wait"):
+    @pl.when(t >= _STAGES)
+    def _wait_free():
+      plgpu.barrier_wait(free.at[slot])
+  fill(slot)
 
+
+def _produce(total, fill, free):
+  """The producer warpgroup's loop over steps [0, total) (`fill(t, slot)`)."""
   def body(t, carry):
-    slot = lax.rem(t, _i32(_STAGES))
-    if not _mutated("skip_free_wait"):
-      @pl.when(t >= _STAGES)
-      def _wait_free():
-        plgpu.barrier_wait(free.at[slot])
-    fill(t, slot)
+    _produce_step(t, functools.partial(fill, t), free)
     return carry
 
   lax.fori_loop(_i32(0), total, body, None)
+
+
+def _visit_row(r, b, h, row):
+  """Row `row` of the kernel's visit lists (`_visit_lists`) for (b, h), or None without
+  lists: (n_partial, n_full, the block of step n), read as scalars from GMEM."""
+  if "visits" not in r:
+    return None
+  ref = r["visits"]
+  ref = ref.at[b if ref.shape[0] != 1 else 0, h if ref.shape[1] != 1 else 0, row]
+  return ref[0], ref[1], lambda n: ref[2 + n]
+
+
+def _visit_lists(cfg, g: C.Geometry, q_seg, kv_seg, mask, mod, by: str):
+  """int32 [B', H', n_rows, 2 + n_cols], or None: per row (a q block for the dQ kernel,
+  by="q"; a kv block for dK/dV, by="kv") n_partial, n_full, then its PARTIAL blocks
+  followed by its FULL ones (`_common.block_lists` at the kernel's blocks, as the Triton
+  family's): segment ids, a dense mask and a mask_mod's classes skip EMPTY blocks."""
+  q_seg_p, kv_seg_p = C.pad_segments(q_seg, kv_seg, g)
+  if q_seg_p is not None:
+    q_seg_p, kv_seg_p = q_seg_p.astype(jnp.int32), kv_seg_p.astype(jnp.int32)
+  mask_p = None if mask is None else C.pad_pair(mask.astype(jnp.bool_), g)
+  mod_cls = None
+  if cfg.mask_mod is not None:
+    mod_cls = (C.mod_classes(cfg, g, mod) if mod is not None
+               else jnp.full((1, 1, g.nq, g.nk), _mask.PARTIAL, jnp.int8))
+  lists = C.block_lists(cfg, g, q_seg_p, kv_seg_p, mask_p, by, mod_cls)
+  if lists is None:
+    return None
+  n_partial, n_full, entries = F.visit_entries(*lists)
+  return jnp.concatenate([n_partial[..., None], n_full[..., None], entries], axis=-1)
 
 
 def _block(ref, b, h, sl):
@@ -412,10 +447,11 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
   G = g.G
   cols = pl.ds(j * g.bk, g.bk)
 
+  lists = lambda gi: _visit_row(r, b, hk * G + gi, j)
+
   @pl.when(wg == 1)
   def _producer():
-    def fill(t, slot):
-      gi, i = lax.div(t, n), lo + lax.rem(t, n)
+    def fill(gi, i, slot):
       rows = pl.ds(i * g.bq, g.bq)
       for name, bar in zip(ring, loaded):
         if name.rstrip("T") in _PAIRS:
@@ -424,7 +460,20 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
           src = _block(r[name], b, hk * G + gi, rows)
         plgpu.copy_gmem_to_smem(src, rs[name].at[slot], bar.at[slot])
 
-    _produce(G * n, fill, free)
+    if "visits" not in r:
+      _produce(G * n, lambda t, slot: fill(lax.div(t, n), lo + lax.rem(t, n), slot), free)
+      return
+
+    def head(gi, base):  # head gi's listed q blocks, steps base, base + 1, ...
+      n_partial, n_full, block_of = lists(gi)
+
+      def one(m, c):
+        _produce_step(base + m, functools.partial(fill, gi, block_of(m)), free)
+        return c
+      lax.fori_loop(_i32(0), n_partial + n_full, one, None)
+      return base + n_partial + n_full
+
+    lax.fori_loop(_i32(0), _i32(G), head, _i32(0))
 
   @pl.when(wg == 0)
   def _compute():
@@ -469,22 +518,28 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
         plgpu.wgmma_wait(0)  # the slot's Q / dO are read: hand it back
         plgpu.barrier_arrive(free.at[slot])
 
-      def group(gi, carry):
-        base = gi * n - lo  # step index t = base + i
+      def group(gi, base):  # head gi's q blocks, steps base, base + 1, ...
+        listed = lists(gi)
+        block_of = (lambda m: lo + m) if listed is None else listed[2]
 
-        def run(start, stop, masked, carry):
-          def body(i, c):
-            step(base + i, i, masked)
+        def run(start, stop, masked, carry):  # steps base + [start, stop)
+          def body(m, c):
+            step(base + m, block_of(m), masked)
             return c
           return lax.fori_loop(start, stop, body, carry)
 
+        if listed is not None:  # the PARTIAL blocks masked, the FULL ones not
+          n_partial, n_full, _ = listed
+          run(_i32(0), n_partial, True, None)
+          run(n_partial, n_partial + n_full, False, None)
+          return base + n_partial + n_full
         # no FULL blocks by the static bounds alone
         elementwise = "q_seg" in rs or "maskT" in rs or cfg.mask_mod is not None
         full = None if elementwise else spec.full_q_block_range(j, g.bq, g.bk, g.nq)
-        _visit(run, lo, hi, full, masked_any)
-        return carry
+        _visit(lambda a, z, m, c: run(a - lo, z - lo, m, c), lo, hi, full, masked_any)
+        return base + n
 
-      lax.fori_loop(_i32(0), _i32(G), group, None)
+      lax.fori_loop(_i32(0), _i32(G), group, _i32(0))
       return dk_acc[...], dv_acc[...]
 
     dk, dv = pl.run_scoped(scope, plgpu.ACC((g.bk, g.Dp), jnp.float32),
@@ -522,11 +577,16 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
   lo, hi = spec.kv_block_range(i, g.bq, g.bk, g.nk)
   lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
   rows = pl.ds(i * g.bq, g.bq)
+  listed = _visit_row(r, b, h, i)
+  if listed is None:
+    steps, block_of = hi - lo, (lambda n: lo + n)
+  else:
+    steps, block_of = listed[0] + listed[1], listed[2]
 
   @pl.when(wg == 1)
   def _producer():
     def fill(t, slot):
-      cols = pl.ds((lo + t) * g.bk, g.bk)
+      cols = pl.ds(block_of(t) * g.bk, g.bk)
       for name, bar in zip(ring, loaded):
         if name in _PAIRS:
           src = _pair_tile(r[name], b, h, rows, cols)
@@ -534,7 +594,7 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
           src = _block(r[name], b, hk, cols)
         plgpu.copy_gmem_to_smem(src, rs[name].at[slot], bar.at[slot])
 
-    _produce(hi - lo, fill, free)
+    _produce(steps, fill, free)
 
   @pl.when(wg == 0)
   def _compute():
@@ -551,8 +611,9 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
     kv_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
 
     def scope(dq_acc):
-      def step(j, masked, dres_rows):
-        slot = lax.rem(j - lo, _i32(_STAGES))
+      def step(n, masked, dres_rows):
+        slot = lax.rem(n, _i32(_STAGES))
+        j = block_of(n)  # the kv block
         k_s, v_s = rs["k"].at[slot], rs["v"].at[slot]
         _wait_loaded(loaded, slot)
         s, dp = _mm_t2(shape, q_smem, k_s, do_smem, v_s)
@@ -584,14 +645,19 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
         plgpu.barrier_arrive(free.at[slot])
         return dres_rows
 
-      def run(start, stop, masked, carry):
-        return lax.fori_loop(start, stop, lambda j, c: step(j, masked, c), carry)
+      def run(start, stop, masked, carry):  # steps [start, stop)
+        return lax.fori_loop(start, stop, lambda n, c: step(n, masked, c), carry)
 
-      # no FULL blocks by the static bounds alone
-      elementwise = "q_seg" in res or "mask" in rs or cfg.mask_mod is not None
-      full = None if elementwise else spec.full_kv_block_range(i, g.bq, g.bk)
       zero = plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), row)
-      dres_rows = _visit(run, lo, hi, full, masked_any, (zero,) * n_diff)
+      if listed is not None:  # the PARTIAL blocks masked, the FULL ones not
+        dres_rows = run(_i32(0), listed[0], True, (zero,) * n_diff)
+        dres_rows = run(listed[0], steps, False, dres_rows)
+      else:
+        # no FULL blocks by the static bounds alone
+        elementwise = "q_seg" in res or "mask" in rs or cfg.mask_mod is not None
+        full = None if elementwise else spec.full_kv_block_range(i, g.bq, g.bk)
+        dres_rows = _visit(lambda a, z, m, c: run(a - lo, z - lo, m, c), lo, hi, full,
+                           masked_any, (zero,) * n_diff)
       return dq_acc[...], dres_rows
 
     dq, dres_rows = pl.run_scoped(scope, plgpu.ACC((g.bq, g.Dp), jnp.float32))
@@ -605,11 +671,14 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _launch(kind, cfg, g: C.Geometry, arrays, masked_any):
-  """Build and run one kernel ("dkdv" or "dq") on the named operand `arrays`."""
+def _launch(kind, cfg, g: C.Geometry, arrays, masked_any, visits=None):
+  """Build and run one kernel ("dkdv" or "dq") on the named operand `arrays` (and its
+  visit lists, `_visit_lists`, read from GMEM)."""
   plgpu = _compat.plgpu()
   arrays = {n: x for n, x in arrays.items()
             if n.rstrip("T") not in _PAIRS or n.endswith("T") == (kind == "dkdv")}
+  if visits is not None:
+    arrays["visits"] = visits
   ring, resident = _operands(kind, {n.rstrip("T"): x for n, x in arrays.items()})
   names = list(arrays)
   dt = arrays["q"].dtype
@@ -646,15 +715,23 @@ def _interpret(cfg):
   return _compat.interpret_params(detect_races=_DETECT_RACES) if cfg.interpret else None
 
 
-def _reduce_dbias(cfg, ds, bias):
+def _reduce_dbias(cfg, ds, bias, g: C.Geometry, visits=None):
   """dbias in bias' shape and dtype from the dQ kernel's per-tile score gradients.
 
   ds [B, H, Sqp, Skvp] float32 holds every visited tile; the blocks the kernel skipped
-  (outside the static bounds) were never written, so everything the static mask model
-  disallows is selected to 0 first (masked entries are 0 anyway), then the bias' broadcast
+  (outside the static bounds, or EMPTY in its visit lists `visits`) were never written, so
+  they are selected to 0 first (masked entries are 0 anyway), then the bias' broadcast
   dims are summed.
   """
   Sq, Skv = cfg.seq_q, cfg.seq_kv
+  if visits is not None:  # [B', H', nq, nk]: listed in row i
+    n = visits[..., 0] + visits[..., 1]
+    col = jnp.arange(g.nk, dtype=jnp.int32)
+    listed = (visits[..., 2:, None] == col[None, None, None, None, :]) & (
+        col[None, None, None, :, None] < n[..., None, None])
+    tile = jnp.any(listed, axis=-2)
+    tile = jnp.repeat(jnp.repeat(tile, g.bq, axis=2), g.bk, axis=3)
+    ds = jnp.where(tile, ds, jnp.float32(0.0))
   ds = ds[:, :, :Sq, :Skv]
   ds = jnp.where(C.mask_spec(cfg).dense(), ds, jnp.float32(0.0))
   axes = tuple(a for a in range(4) if bias.shape[a] == 1 and ds.shape[a] != 1)
@@ -705,7 +782,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts: as the forward.
     out: [B, H, Sq, Dv] forward output; lse: [B, H, Sq] its logsumexp (-inf on empty rows).
     dout: [B, H, Sq, Dv] cotangent of out; dlse: [B, H, Sq] cotangent of lse (or None).
-    mod: None, or the mask_mod's `ModInputs` (its consts; its block classes are not read).
+    mod: None, or the mask_mod's `ModInputs` (its consts; its block classes make the lists).
     offsets: None, or the global (b0, h0, q0, kv0) of local element 0 (a ring chunk pair):
       only dropout reads global positions here (the static mask stays local).
 
@@ -782,13 +859,15 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     x = jnp.pad(x, ((0, 0), (0, 0), (0, g.Sqp - Sq), (0, g.Skvp - Skv)))
     arrays["bias"], arrays["biasT"] = x, jnp.swapaxes(x, 2, 3)
   g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g, cfg))
-  dk, dv = _launch("dkdv", cfg, g_dkdv, arrays, masked_any)
-  outs = _launch("dq", cfg, g, arrays, masked_any)
+  dk, dv = _launch("dkdv", cfg, g_dkdv, arrays, masked_any,
+                   _visit_lists(cfg, g_dkdv, q_seg, kv_seg, mask, mod, "kv"))
+  dq_visits = _visit_lists(cfg, g, q_seg, kv_seg, mask, mod, "q")
+  outs = _launch("dq", cfg, g, arrays, masked_any, dq_visits)
   outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
   dq = outs.pop(0)
   dbias = None
   if bias is not None:
-    dbias = _reduce_dbias(cfg, outs.pop(0), bias)
+    dbias = _reduce_dbias(cfg, outs.pop(0), bias, g, dq_visits)
   dq = dq[:, :, :Sq, :D]
   dk = dk[:, :, :Skv, :D]
   dv = dv[:, :, :Skv, :Dv]

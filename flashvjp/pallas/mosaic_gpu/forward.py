@@ -22,13 +22,18 @@ blocks. Masked scores use the finite `_common.mask_value` (no inf inside the ker
 finite inputs); an empty row gets l == 0, out 0 and lse -inf (made outside the kernel, as
 the Triton family does).
 
+Visit lists (segment ids, a dense mask, a mask_mod): a CTA's kv blocks come from the
+Triton family's compacted block lists at its blocks (`visit_lists`, read as scalars from
+GMEM): the producer fetches the PARTIAL blocks and then the FULL ones, never an EMPTY one;
+each consumer computes the PARTIAL blocks inside its own rows' static bounds with the
+elementwise mask (passing by the others) and every FULL block without it.
+
 Segment ids (packed documents): the ids ride along (q ids with Q, kv ids in the ring with
-K) and every visited block is masked elementwise; blocks are skipped by the static bounds
-only, not by the ids. Bias and dense masks (`PairForm`): a full [Sq, Skv] one streams
+K). Bias and dense masks (`PairForm`): a full [Sq, Skv] one streams
 through the ring with K (a [128, bk] block per slot), a per-key [1, Skv] one as a vector
 per slot, a per-query [Sq, 1] one is loaded once per consumer. The bias is added to the
 scores in the exp2 domain; the mask (bfloat16 0 / 1 blocks, float32 vectors) joins the
-elementwise mask of every visited block (no block skipping by the mask either). Dropout:
+elementwise mask of the PARTIAL blocks. Dropout:
 the family's counter hash (`flashvjp._dropout`), its per-row words made by XLA
 ([B, H, 3, Sq], loaded with Q), each entry finished in registers: the same keep bits as
 every other implementation. Global offsets (a ring chunk pair, `offsets`): only dropout
@@ -44,8 +49,8 @@ lengths; `_common.split_per_head` / `split_mask_mod` fold (b, h) into them): the
 parts run on each tile's scores in the consumer (`ModRows`: the residuals, the global q and
 the global kv offset ride as per-row words loaded with Q), as every family applies them
 (`_common.scores`): masked q k set to 0, scale, bias, the score_mod, then the exp2 domain;
-the mask_mod joins the elementwise mask of every visited block (no block skipping by its
-classes).
+the mask_mod joins the elementwise mask of the PARTIAL blocks (its block classes, at the
+family's finest blocks `_config.PALLAS_MOSAIC_GPU_BLOCKS`, make the visit lists).
 
 Not implemented (refused before any kernel is built): mods reading arrays by position (an
 array residual per head), float32 / float64 inputs, a float32 out.
@@ -58,6 +63,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from flashvjp import _dropout
@@ -81,6 +87,9 @@ SKIPPABLE_WAITS = ("k_loaded", "v_loaded", "k_consumed", "v_consumed", "q_loaded
 # consumers get what the TMA producer gives up (2 x 232 + 40 <= 512 per thread slot).
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
+# A CTA's visit list (`visit_lists`): n_partial, n_full, then per consumer warpgroup w the
+# [start, stop) of its own blocks among the PARTIAL ones; the kv blocks follow.
+VISIT_HEADER = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +202,7 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
 
 
 def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias=None,
-           mask=None, mods: ModRows | None = None, interpret=None,
+           mask=None, mods: ModRows | None = None, lists: bool = False, interpret=None,
            skip_wait: str | None = None):
   """The kernel as a function of padded operands -> (out, lse).
 
@@ -203,7 +212,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
   bias, then a dense mask, each in its `PairForm` (`bias`, `mask`: the forms), then with
   `mods` (cfg's score_mod / mask_mod: their tile parts) the per-row words int32
   [B, H, n_int, Sqp] and, when there are float residuals, float32 [B, H, n_float, Sqp]
-  (`mod_rows`).
+  (`mod_rows`), then with `lists` the CTAs' visit lists int32 [B', H', nq, VISIT_HEADER + nk]
+  (`visit_lists`: segment ids / a dense mask / a mask_mod skip EMPTY blocks).
   `skip_wait` (tests only) removes one barrier wait (`SKIPPABLE_WAITS`), to check that
   the interpreter's race detector sees the hazard it guards against.
   """
@@ -239,7 +249,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
 
   def own_blocks(r, lo, hi):
     """Within [lo, hi): the kv blocks of row block r (64 rows), and the unmasked ones
-    (none with segment ids or a dense mask: every block is masked elementwise)."""
+    (none with segment ids, a dense mask or a mask_mod without visit lists: every block
+    is masked elementwise)."""
     a, z = spec.kv_block_range(r, rows, bk, p.nk)
     a = jnp.clip(i32(a), lo, hi)
     z = jnp.clip(i32(z), a, hi)
@@ -252,11 +263,33 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
     f_hi = jnp.clip(i32(f_hi), f_lo, z)
     return a, z, f_lo, f_hi
 
+  def visits(R, i, h, b):
+    """(steps, block_of, segments) of CTA i: the number of kv blocks its producer fetches,
+    step n's kv block, and each consumer's (first step, stop step, masked) runs (steps
+    outside them: blocks of the CTA the consumer passes by). With visit lists: the
+    PARTIAL blocks, then the FULL ones (`visit_lists`); else [lo, hi) of the static bounds."""
+    if lists:
+      hb = lambda ref: ref.at[b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0, i]
+      row = hb(R["visits"])
+      n_partial, n_full = row[0], row[1]
+      block_of = lambda n: row[VISIT_HEADER + n]
+
+      def listed_runs(w):
+        start, stop = row[2 + 2 * w], row[3 + 2 * w]
+        return ((start, stop, True), (n_partial, n_partial + n_full, False))
+      return n_partial + n_full, block_of, listed_runs
+    lo, hi = kv_blocks(i)
+
+    def bounded_runs(w):
+      a, z, f_lo, f_hi = own_blocks(i * nc + w, lo, hi)
+      return ((a - lo, f_lo - lo, True), (f_lo - lo, f_hi - lo, False),
+              (f_hi - lo, z - lo, True))
+    return hi - lo, (lambda n: lo + n), bounded_runs
+
   def consumer(R, w, i, h, b):
     q_smem, o_smem, p_smem, lse_smem = (R[n].at[w] for n in ("q_s", "o_s", "p_s", "lse_s"))
     r = i * nc + w  # this warpgroup's 64-row block
-    lo, hi = kv_blocks(i)
-    a, z, f_lo, f_hi = own_blocks(r, lo, hi)
+    steps, block_of, runs = visits(R, i, h, b)
     q_rows = pl_ds(r * rows, rows)
     mg.copy_gmem_to_smem(R["q"].at[b, h, q_rows], q_smem, R["q_bar"].at[w])
     if segments:
@@ -296,8 +329,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       keep = bits >= u32(_dropout.threshold(cfg.dropout_rate))
       return jnp.where(keep, prob * (1.0 / (1.0 - cfg.dropout_rate)), 0.0)
 
-    def slot_of(t):
-      return lax.rem(t - lo, i32(slots))
+    def slot_of(n):
+      return lax.rem(n, i32(slots))
 
     def rendezvous():
       """Both consumers meet here (FA3's ping-pong: with consumer 1 one meeting behind,
@@ -314,9 +347,10 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       for n in streamed:
         wait("k_loaded", R[n + "_bar"].at[slot])
 
-    def step(t, carry, masked_step):
+    def step(n, carry, masked_step):
       m, l, acc = carry
-      slot = slot_of(t)
+      slot = slot_of(n)
+      t = block_of(n)  # the kv block
       wait_k(slot)
 
       def qk(acc_ref):
@@ -398,10 +432,10 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       mg.barrier_arrive(R["v_free"].at[slot])
       return m_new, l, tuple(new_acc)
 
-    def pass_by(t, carry):
-      """A block of the CTA's range outside this warpgroup's: keep the barrier phases in
+    def pass_by(n, carry):
+      """A block of the CTA's outside this warpgroup's rows: keep the barrier phases in
       step (every wait is counted per thread) and release the slot."""
-      slot = slot_of(t)
+      slot = slot_of(n)
       wait_k(slot)
       mg.barrier_arrive(R["k_free"].at[slot])
       wait("v_loaded", R["v_bar"].at[slot])
@@ -419,13 +453,16 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
                    for _ in range(p.Dvp // p.dv_chunk)))
     if p.pingpong:
       _compat.when(w == 1)(rendezvous)
+    # the CTA's steps in order: each run of this consumer's, the steps between them passed
+    # by (with one consumer the runs cover every step)
+    done = i32(0)
+    for start, stop, masked_run in runs(w):
+      if nc > 1:
+        carry = lax.fori_loop(done, start, pass_by, carry)
+      carry = run(start, stop, masked_run, carry)
+      done = stop
     if nc > 1:
-      carry = lax.fori_loop(lo, a, pass_by, carry)
-    carry = run(a, f_lo, True, carry)
-    carry = run(f_lo, f_hi, False, carry)
-    carry = run(f_hi, z, True, carry)
-    if nc > 1:
-      carry = lax.fori_loop(z, hi, pass_by, carry)
+      carry = lax.fori_loop(done, steps, pass_by, carry)
     if p.pingpong:
       _compat.when(w == 0)(rendezvous)
     m, l, acc = carry
@@ -445,11 +482,11 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
     mg.wait_smem_to_gmem(0)
 
   def producer(R, i, h, b):
-    lo, hi = kv_blocks(i)
+    steps, block_of, _ = visits(R, i, h, b)
     kvh = lax.div(h, jnp.asarray(p.G, h.dtype))
 
-    def fetch(t, _):
-      n = t - lo
+    def fetch(n, _):
+      t = block_of(n)
       slot = lax.rem(n, i32(slots))
       blk = pl_ds(t * bk, bk)
 
@@ -474,11 +511,12 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       mg.copy_gmem_to_smem(R["v"].at[b, kvh, blk], R["v_s"].at[slot], R["v_bar"].at[slot])
       return None
 
-    lax.fori_loop(lo, hi, fetch, None)
+    lax.fori_loop(i32(0), steps, fetch, None)
 
   in_names = (["q", "k", "v"] + (["q_seg", "kv_seg"] if segments else [])
               + (["drop_rows"] if dropout else []) + list(pairs)
-              + ([] if not has_mods else ["mod_i"] + (["mod_f"] if mr.n_float else [])))
+              + ([] if not has_mods else ["mod_i"] + (["mod_f"] if mr.n_float else []))
+              + (["visits"] if lists else []))
   smem = functools.partial(_compat.smem_tile, dtype=dtype)
   tiles = {"q_s": smem((nc, rows, p.Dp)),
            "o_s": None if p.Dvp == p.Dp else smem((nc, rows, p.Dvp)),
@@ -654,6 +692,59 @@ def mod_rows(cfg: AttentionConfig, sm_arrays, mm_arrays, p: Plan, offsets=None):
   return rows, stack(ints, jnp.int32), (stack(floats, jnp.float32) if floats else None)
 
 
+def visit_entries(counts, blocks):
+  """(n_partial, n_full [B', H', n_rows], blocks [B', H', n_rows, n_cols]) of
+  `_common.block_lists`' (counts, lists): each row's PARTIAL blocks followed by its FULL
+  ones (the order the kernels' producers fetch them; past the end: repeats)."""
+  n_partial, n_full = counts[:, :, 0], counts[:, :, 1]
+  partial, full = blocks[..., 0, :], blocks[..., 1, :]
+  n_cols = partial.shape[-1]
+  col = jnp.arange(n_cols, dtype=jnp.int32)[None, None, None, :]
+  np_ = n_partial[..., None]
+  later = jnp.take_along_axis(full, jnp.clip(col - np_, 0, n_cols - 1), axis=-1)
+  return n_partial, n_full, jnp.where(col < np_, partial, later).astype(jnp.int32)
+
+
+def _cta_geometry(p: Plan) -> C.Geometry:
+  """The plan's blocks as the shared Geometry (the CTA's rows, the ring's kv blocks)."""
+  return C.Geometry(B=p.B, H=p.H, Hkv=p.Hkv, Sq=p.Sq, Skv=p.Skv, D=p.D, Dv=p.Dv, bq=p.bq,
+                    bk=p.bk, Dp=p.Dp, Dvp=p.Dvp)
+
+
+def visit_lists(cfg: AttentionConfig, p: Plan, q_seg_p, kv_seg_p, mask, mod_cls):
+  """The CTAs' kv blocks when segment ids, a dense mask or a mask_mod can empty a block, as
+  the Triton family's lists (`_common.block_lists`, by q block at the CTA's rows): int32
+  [B', H', nq, VISIT_HEADER + nk], or None without any of them.
+
+  Row (b', h', i): n_partial, n_full, then for each consumer warpgroup w (64 rows) the
+  [start, stop) of the PARTIAL entries inside its own static bounds (sorted lists: one
+  contiguous run; the other PARTIAL entries are blocks only the other consumer's rows may
+  see, which w passes by), then the PARTIAL kv blocks followed by the FULL ones (FULL for
+  the CTA's rows: inside both consumers' bounds). EMPTY blocks are never fetched.
+  `q_seg_p`, `kv_seg_p`: padded to the plan's blocks; `mask`: the caller's rank-4 mask;
+  `mod_cls`: the mask_mod's classes at the CTA's blocks (`_common.mod_classes`).
+  """
+  mask_p = None if mask is None else C.pad_pair(mask.astype(jnp.bool_), p)
+  lists = C.block_lists(cfg, _cta_geometry(p), q_seg_p, kv_seg_p, mask_p, "q", mod_cls)
+  if lists is None:
+    return None
+  n_partial, n_full, entries = visit_entries(*lists)
+  partial = lists[1][..., 0, :]  # [B', H', nq, nk]
+  col = jnp.arange(p.nk, dtype=jnp.int32)[None, None, None, :]
+  spec = C.mask_spec(cfg)
+  header = [n_partial, n_full]
+  real = col < n_partial[..., None]
+  for w in range(2):  # a second consumer's entries are read only when it exists
+    r = np.arange(p.nq) * p.consumers + min(w, p.consumers - 1)
+    a, z = spec.kv_block_range(r, ROWS_PER_WARPGROUP, p.bk, p.nk)
+    a = jnp.asarray(np.broadcast_to(a, (p.nq,)), jnp.int32)[None, None, :, None]
+    z = jnp.asarray(np.broadcast_to(z, (p.nq,)), jnp.int32)[None, None, :, None]
+    header += [jnp.sum(real & (partial < a), -1, dtype=jnp.int32),
+               jnp.sum(real & (partial < z), -1, dtype=jnp.int32)]
+  head = jnp.stack(header, axis=-1)
+  return jnp.concatenate([head, entries], axis=-1).astype(jnp.int32)
+
+
 def dropout_rows(cfg: AttentionConfig, seed, p: Plan, offsets=None):
   """uint32 [B, H, 3, Sqp]: the counter hash's per-row words (`_dropout.row_words`) of every
   (b, h, q) at its global position, computed by XLA, and the global kv offset (the same in
@@ -719,8 +810,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
       interpreter (race detection on) unless `interpret` gives other parameters.
     q: [B, H, Sq, D]; k: [B, Hkv, Skv, D]; v: [B, Hkv, Skv, Dv]; float16 or bfloat16.
     bias, mask, q_seg, kv_seg, seed, consts, mod, offsets: as the Triton forward's (`mod`:
-      the mask_mod's `ModInputs`; its block classes are not read). What the kernel lacks is
-      refused (`_limits.forward_problem`, `split_mods`) before building a kernel.
+      the mask_mod's `ModInputs`; its block classes make the visit lists). What the kernel
+      lacks is refused (`_limits.forward_problem`, `split_mods`) before building a kernel.
     block_kv, slots, consumers, pingpong: override the launch plan (`plan`; tests).
 
   Returns:
@@ -751,19 +842,26 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   mods = words_i = words_f = None
   if has_mods:
     mods, words_i, words_f = mod_rows(cfg, sm_arrays, mm_arrays, p, offsets)
+  q_seg_p = kv_seg_p = None
+  if segments:  # padding repeats the edge id (the mask model masks padded positions)
+    q_seg_p, kv_seg_p = (x.astype(jnp.int32) for x in C.pad_segments(q_seg, kv_seg, p))
+  mod_cls = None
+  if cfg.mask_mod is not None:
+    mod_cls = (C.mod_classes(cfg, _cta_geometry(p), mod) if mod is not None
+               else jnp.full((1, 1, p.nq, p.nk), _mask.PARTIAL, jnp.int8))
+  visit = visit_lists(cfg, p, q_seg_p, kv_seg_p, mask, mod_cls)
   kernel = _build(cfg, p, q.dtype, segments=segments, bias=forms[0], mask=forms[1], mods=mods,
-                  interpret=interpret, skip_wait=_skip_wait)
+                  lists=visit is not None, interpret=interpret, skip_wait=_skip_wait)
   operands = [C.pad_seq_head(q, p.Sqp, p.Dp), C.pad_seq_head(k, p.Skvp, p.Dp),
               C.pad_seq_head(v, p.Skvp, p.Dvp)]
-  if segments:  # padding repeats the edge id (the mask model masks padded positions)
-    q_seg_p, kv_seg_p = C.pad_segments(q_seg, kv_seg, p)
-    operands += [q_seg_p.astype(jnp.int32), kv_seg_p.astype(jnp.int32)]
+  if segments:
+    operands += [q_seg_p, kv_seg_p]
   if cfg.dropout_active:
     operands.append(dropout_rows(cfg, seed, p, offsets))
   for x, f in zip((bias, mask), forms):
     if f is not None:
       operands.append(f.operand(x, p))
-  operands += [x for x in (words_i, words_f) if x is not None]
+  operands += [x for x in (words_i, words_f, visit) if x is not None]
   out, *rows = kernel(*operands)
   # lse (+ the row maxima with cfg.max_logits), -inf at empty rows
   rows = C.neg_inf_at_empty([x[:, :, : p.Sq] for x in rows], jnp.float32)
