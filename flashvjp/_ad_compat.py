@@ -34,17 +34,23 @@ not_mapped = getattr(batching, "not_mapped", None)  # None on jax 0.10.2-0.12
 
 
 def define(name: str, impl, abstract_eval, batch_rule, jvp_rule, transpose_rule,
-           lowering=None) -> Primitive:
+           lowering=None, effects=None) -> Primitive:
   """A multiple-results primitive: impl (a JAX function of the operands and params),
   its abstract evaluation, lowering (`lowering(ctx)` -> the impl to lower there, default
-  impl: `mlir.lower_fun(impl)`), batching, JVP and transpose."""
+  impl: `mlir.lower_fun(impl)`), batching, JVP and transpose. `effects(*avals, **params)`:
+  the impl's effects where it has any (an interpreter's ordered callbacks), so that the
+  program threads their tokens into the lowering (`mlir.lower_fun` passes them on)."""
   prim = Primitive(name)
   prim.multiple_results = True
   if _apply_primitive is not None:
     prim.def_impl(functools.partial(_apply_primitive, prim))
   else:  # pragma: no cover
     prim.def_impl(lambda *args, **params: jax.jit(functools.partial(impl, **params))(*args))
-  prim.def_abstract_eval(abstract_eval)
+  if effects is None:
+    prim.def_abstract_eval(abstract_eval)
+  else:
+    prim.def_effectful_abstract_eval(
+        lambda *avals, **params: (abstract_eval(*avals, **params), effects(*avals, **params)))
   if lowering is None:
     mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True))
   else:
@@ -54,6 +60,12 @@ def define(name: str, impl, abstract_eval, batch_rule, jvp_rule, transpose_rule,
   ad.primitive_jvps[prim] = jvp_rule
   ad.primitive_transposes[prim] = transpose_rule
   return prim
+
+
+def traced_effects(fn, avals):
+  """The effects of `fn` traced at `avals` (a jaxpr's effect set)."""
+  specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+  return jax.make_jaxpr(fn)(*specs).effects
 
 
 def aval_like(aval, shape):

@@ -94,6 +94,10 @@ def _tangent_kernel(implementation: str):
   if implementation == "pallas_tpu":
     from flashvjp.pallas.tpu import tangent as tpu_tangent
     return tpu_tangent.tangent, "Mosaic-TPU fused tangent kernel (flashvjp_tpu_tangent)"
+  if implementation == "pallas_mosaic_gpu":
+    from flashvjp.pallas.mosaic_gpu import tangent as mgpu_tangent
+    return mgpu_tangent.tangent, ("Mosaic-GPU fused tangent kernel (flashvjp_tangent: TMA"
+                                  " ring, SS-wgmma)")
   return _tangent.tangent, ("blockwise fused tangent pass (pure JAX, O(seq) memory): the"
                             f" {implementation} family has no tangent kernel yet")
 
@@ -533,8 +537,18 @@ def _tangent_jvp_transpose_rule(cts, *flat, cfg, tree, present, dpresent, levels
   return res
 
 
+def _tangent_effects(*avals, cfg, **params):
+  """The Mosaic-GPU interpreter's ordered callbacks (its tangent kernel in interpret mode);
+  none for every other pass."""
+  if not (cfg.interpret and cfg.implementation == "pallas_mosaic_gpu"):
+    return frozenset()
+  return _ac.traced_effects(functools.partial(_tangent_impl, cfg=cfg, partition=False,
+                                              **params), avals)
+
+
 _tangent_p = _ac.define("flashvjp_tangent", _tangent_impl, _abstract_eval, _batch_rule,
-                        _tangent_jvp_rule, _tangent_transpose, lowering=_tangent_lowering)
+                        _tangent_jvp_rule, _tangent_transpose, lowering=_tangent_lowering,
+                        effects=_tangent_effects)
 _backward_jvp_p = _ac.define("flashvjp_backward_jvp", _backward_jvp_impl,
                              _backward_jvp_abstract_eval, _batch_rule, _backward_jvp_jvp_rule,
                              _backward_jvp_transpose)

@@ -31,11 +31,11 @@ def _qkv(B=1, H=4, Hkv=2, S=128, D=64, dtype=jnp.bfloat16, seed=0):
   return q, k, v
 
 
-def test_named_only_interpret_on_cpu_and_tangent_is_blockwise():
+def test_named_only_interpret_on_cpu_and_its_own_tangent_kernel():
   q, k, v = _qkv()
   d = flashvjp.explain(q, k, v, causal=True, implementation=IMPL)
   assert d.implementation == IMPL and d.interpret and d.family == "mosaic_gpu"
-  assert "no tangent kernel yet" in d.forward_mode["jvp"]
+  assert "Mosaic-GPU fused tangent kernel" in d.forward_mode["jvp"]
   # never chosen by itself: None picks blockwise on CPU, "pallas" the Triton family
   assert flashvjp.explain(q, k, v).implementation == "blockwise"
   assert flashvjp.explain(q, k, v, implementation="pallas").implementation == "pallas_triton"
@@ -88,12 +88,16 @@ def test_grad_through_flash_attention_against_float64():
   assert report.passed, str(report)
 
 
-def test_jvp_through_flash_attention_against_float64():
+def test_jvp_through_flash_attention_against_float64(monkeypatch):
+  """jax.jvp runs the family's forward and its tangent kernel (fails if forward mode took
+  another pass: the blockwise tangent is made unreachable)."""
+  from flashvjp.blockwise import _tangent
+  monkeypatch.setattr(_tangent, "tangent", None)
   q, k, v = _qkv(S=128, seed=1)
   t = _qkv(S=128, seed=2)
   f = lambda impl: lambda q, k, v: flashvjp.flash_attention(q, k, v, window=(32, 0),
                                                             implementation=impl)
-  out, tan = jax.jvp(f(IMPL), (q, k, v), t)
+  out, tan = jax.jit(lambda *a: jax.jvp(f(IMPL), a[:3], a[3:]))(q, k, v, *t)
   f64 = lambda xs: tuple(x.astype(jnp.float64) for x in xs)
   ref_out, ref_tan = jax.jvp(f("naive"), f64((q, k, v)), f64(t))
   for got, ref in ((out, ref_out), (tan, ref_tan)):

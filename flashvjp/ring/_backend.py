@@ -58,9 +58,9 @@ def _inner_tangent(name: str):
   if name == "pallas_triton":
     from flashvjp.pallas.triton import tangent
     return tangent.tangent
-  if name == "pallas_mosaic_gpu":  # no tangent kernel yet: the blockwise fused pass
-    from flashvjp.blockwise import _tangent as blockwise_tangent
-    return blockwise_tangent.tangent
+  if name == "pallas_mosaic_gpu":
+    from flashvjp.pallas.mosaic_gpu import tangent as mgpu_tangent
+    return mgpu_tangent.tangent
   from flashvjp.pallas.tpu import tangent as tpu_tangent
   return tpu_tangent.tangent
 

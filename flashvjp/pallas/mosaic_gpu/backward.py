@@ -141,12 +141,17 @@ def _preprocess(out, lse, dout, dlse, g: C.Geometry):
   Empty (lse = -inf) and padded rows get the largest finite float32 as lse2, so that
   exp2(s2 - lse2) == 0 there (zero, finite gradients); padded rows get delta 0.
   """
+  delta = _delta.delta(out, dout, dlse, jnp.float32)
+  return _lse2(lse, g), jnp.pad(delta, ((0, 0), (0, 0), (0, g.Sqp - g.Sq)))
+
+
+def _lse2(lse, g: C.Geometry):
+  """float32 [B, H, Sqp]: lse in the log2 domain, the largest finite float32 at empty (-inf)
+  and padded rows (exp2(s2 - lse2) == 0 there)."""
   f32 = jnp.float32
-  delta = _delta.delta(out, dout, dlse, f32)
   big = jnp.finfo(f32).max
   lse2 = jnp.where(jnp.isfinite(lse), lse.astype(f32) * f32(LOG2E), big)
-  pad = ((0, 0), (0, 0), (0, g.Sqp - g.Sq))
-  return jnp.pad(lse2, pad, constant_values=big), jnp.pad(delta, pad)
+  return jnp.pad(lse2, ((0, 0), (0, 0), (0, g.Sqp - g.Sq)), constant_values=big)
 
 
 def _dropout_rows(cfg, seed, g: C.Geometry, off=None):
@@ -205,13 +210,17 @@ def _visit(run, lo, hi, full, masked_any, carry=None):
   return _mask.split_loop(run, lo, hi, full, carry)
 
 
-def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
+def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v, tangent=None):
   """(p, ok, m, sm_vjp) of one tile from raw scores s = q k (any orientation; lse2, the
   indices and the per-row / per-column vectors `v` (segment ids, dropout and score_mod
   words) already broadcast to the tile): the probabilities, the mask (None when not
   `masked`), the dropout multiplier (None without dropout) and the score_mod's vjp (None
   without one: d(modded score) -> (d(score before the mod), d(differentiable residual
-  tiles)...))."""
+  tiles)...)).
+
+  `tangent` (the tangent kernel): (ts, tres), the tangent of score = scale * q k + bias and
+  those of the first len(tres) residual tiles; then the 4th result is the modded score's
+  tangent (the score_mod's jvp; ts itself without one)."""
   f32 = jnp.float32
   ok = None
   if masked:
@@ -224,7 +233,7 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
       kv_m = jnp.minimum(kv_idx, cfg.seq_kv - 1) + v["kv0"]
       allowed = jnp.vectorize(lambda q_, k_, *r: cfg.mask_mod(0, 0, q_, k_, *r))
       ok = ok & allowed(v["qm"], kv_m, *mres)
-  sm_vjp = None
+  sm_vjp = None if tangent is None else tangent[0]
   if cfg.score_mod is None:
     d = s * f32(cfg.scale * LOG2E) - lse2
     if "bias" in v:
@@ -241,9 +250,17 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v):
     # its b, h arguments), which arrive as tiles (one word per row, broadcast) and are
     # vectorised over like the indices.
     mod = jnp.vectorize(lambda x, q_, k_, *r: cfg.score_mod(x, 0, 0, q_, k_, *r))
-    n_diff = cfg.num_diff_consts  # the first n_diff residuals take gradients (per element)
-    st, sm_vjp = jax.vjp(lambda x, *r: mod(x, v["qg"], kv_g, *r, *res[n_diff:]), st,
-                         *res[:n_diff])
+    if tangent is not None:  # forward mode: the jvp along (ts, tres)
+      ts, tres = tangent
+      n_t = len(tres)
+      if ok is not None:
+        ts = jnp.where(ok, ts, f32(0.0))
+      st, sm_vjp = jax.jvp(lambda x, *r: mod(x, v["qg"], kv_g, *r, *res[n_t:]),
+                           (st, *res[:n_t]), (ts, *tres))
+    else:
+      n_diff = cfg.num_diff_consts  # the first n_diff residuals take gradients (per element)
+      st, sm_vjp = jax.vjp(lambda x, *r: mod(x, v["qg"], kv_g, *r, *res[n_diff:]), st,
+                           *res[:n_diff])
     d = st * f32(LOG2E) - lse2
   if ok is not None:
     d = jnp.where(ok, d, C.mask_value(f32))
@@ -360,7 +377,13 @@ _PAIRS = ("bias", "mask")
 
 
 def _operands(kind, arrays):
-  """(ring, resident) operand names of a kernel ("dkdv" or "dq"), in their SMEM order."""
+  """(ring, resident) operand names of a kernel ("dkdv", "dq" or "tangent"), in their SMEM
+  order."""
+  if kind == "tangent":  # the dQ kernel's loop, with the tangents of q / k / v / bias
+    q_side = [n for n in ("q", "tq", "lse") if n in arrays]
+    kv_side = [n for n in ("k", "v", "tk", "tv", "kv_seg") if n in arrays]
+    pairs = [p for p in _PAIRS + ("tbias",) if p in arrays]
+    return kv_side + pairs, q_side + [n for n in arrays if _is_q_vector(n)]
   q_side = ["q", "do", "lse", "delta"] + [n for n in arrays if _is_q_vector(n)]
   kv_side = ["k", "v"] + ["kv_seg"] * ("kv_seg" in arrays)
   pairs = [p + ("T" if kind == "dkdv" else "") for p in _PAIRS if p in arrays]
@@ -372,21 +395,26 @@ def _operands(kind, arrays):
 def _scratch(kind, arrays, ring, resident, g: C.Geometry, n_diff=0):
   """SMEM (rings [_STAGES, ...] then resident buffers, then P / dS tiles) and barriers."""
   plgpu = _compat.plgpu()
-  rows = {"dkdv": (g.bq, g.bk), "dq": (g.bk, g.bq)}[kind]  # (ring block, resident block)
+  rows = (g.bq, g.bk) if kind == "dkdv" else (g.bk, g.bq)  # (ring block, resident block)
   minor = min(g.bq, g.bk, g.Dp, g.Dvp)
   tile = (g.bk, g.bq) if kind == "dkdv" else (g.bq, g.bk)
 
   def buf(name, block, stages=()):
     x = arrays[name]
-    if name.rstrip("T") in _PAIRS:  # a tile in the kernel's orientation, read generically
-      return plgpu.SMEM(stages + tile, x.dtype)
+    if name.rstrip("T") in _PAIRS + ("tbias",):  # a tile in the kernel's orientation, read
+      return plgpu.SMEM(stages + tile, x.dtype)  # generically
     if x.ndim == 4:
       return _smem(stages + (block, x.shape[3]), x.dtype, minor)
     return plgpu.SMEM(stages + (block,), x.dtype)
 
   dt = arrays["q"].dtype
-  tiles = 2 if kind == "dkdv" else 1  # P and dS ([bk, bq]), or dS ([bq, bk])
+  # P and dS ([bk, bq]); dS ([bq, bk]); the tangent's P * t_s and P ([bq, bk])
+  tiles = 1 if kind == "dq" else 2
   tile_bufs = tuple(_smem(tile, dt, minor) for _ in range(tiles))
+  if kind == "tangent":  # t_lse on its way out; t_out's staging unless q's buffer fits it
+    tile_bufs += (plgpu.SMEM((g.bq,), jnp.float32),)
+    if g.Dvp != g.Dp:
+      tile_bufs += (_smem((g.bq, g.Dvp), dt, minor),)
   if kind == "dq" and "bias" in arrays:  # dS in float32 on its way to the dbias output
     tile_bufs += (plgpu.SMEM(tile, jnp.float32),)
   if kind == "dq":  # per-row partial d(residual) of the score_mod, on their way out
@@ -424,8 +452,9 @@ _Q_VECTORS = ("q_seg", "cq", "cq2", "kv0", "qg", "qm")
 
 def _is_q_vector(name: str) -> bool:
   """A per-q word travelling like lse: segment ids, dropout words, the score_mod's global
-  q index and per-head residuals ("res<n>"), the mask_mod's ("qm", "mres<n>")."""
-  return name in _Q_VECTORS or name.startswith(("res", "mres"))
+  q index and per-head residuals ("res<n>") and their tangents ("tres<n>", the tangent
+  kernel's), the mask_mod's ("qm", "mres<n>")."""
+  return name in _Q_VECTORS or name.startswith(("res", "mres", "tres"))
 
 
 # ---- dK / dV ----------------------------------------------------------------------
@@ -572,29 +601,13 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
   res = dict(zip(resident, res_smem))
   b, h, i = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
   wg = lax.axis_index("wg")
-  hk = lax.div(h, _i32(g.G))
-  spec = C.mask_spec(cfg)
-  lo, hi = spec.kv_block_range(i, g.bq, g.bk, g.nk)
-  lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
   rows = pl.ds(i * g.bq, g.bq)
-  listed = _visit_row(r, b, h, i)
-  if listed is None:
-    steps, block_of = hi - lo, (lambda n: lo + n)
-  else:
-    steps, block_of = listed[0] + listed[1], listed[2]
+  kv = _KvStream(cfg, g, r, b, h, i)
+  block_of = kv.block_of
 
   @pl.when(wg == 1)
   def _producer():
-    def fill(t, slot):
-      cols = pl.ds(block_of(t) * g.bk, g.bk)
-      for name, bar in zip(ring, loaded):
-        if name in _PAIRS:
-          src = _pair_tile(r[name], b, h, rows, cols)
-        else:
-          src = _block(r[name], b, hk, cols)
-        plgpu.copy_gmem_to_smem(src, rs[name].at[slot], bar.at[slot])
-
-    _produce(steps, fill, free)
+    kv.produce(ring, rs, loaded, free)
 
   @pl.when(wg == 0)
   def _compute():
@@ -649,15 +662,8 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
         return lax.fori_loop(start, stop, lambda n, c: step(n, masked, c), carry)
 
       zero = plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), row)
-      if listed is not None:  # the PARTIAL blocks masked, the FULL ones not
-        dres_rows = run(_i32(0), listed[0], True, (zero,) * n_diff)
-        dres_rows = run(listed[0], steps, False, dres_rows)
-      else:
-        # no FULL blocks by the static bounds alone
-        elementwise = "q_seg" in res or "mask" in rs or cfg.mask_mod is not None
-        full = None if elementwise else spec.full_kv_block_range(i, g.bq, g.bk)
-        dres_rows = _visit(lambda a, z, m, c: run(a - lo, z - lo, m, c), lo, hi, full,
-                           masked_any, (zero,) * n_diff)
+      elementwise = "q_seg" in res or "mask" in rs or cfg.mask_mod is not None
+      dres_rows = kv.visit(run, masked_any, elementwise, (zero,) * n_diff)
       return dq_acc[...], dres_rows
 
     dq, dres_rows = pl.run_scoped(scope, plgpu.ACC((g.bq, g.Dp), jnp.float32))
@@ -671,9 +677,61 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _launch(kind, cfg, g: C.Geometry, arrays, masked_any, visits=None):
-  """Build and run one kernel ("dkdv" or "dq") on the named operand `arrays` (and its
-  visit lists, `_visit_lists`, read from GMEM)."""
+class _KvStream:
+  """The kv blocks of q block i (the dQ and tangent kernels' loop): the static bounds'
+  [lo, hi), or this row's visit lists when the kernel has them (`_visit_lists`)."""
+
+  def __init__(self, cfg, g: C.Geometry, r, b, h, i):
+    self.cfg, self.g, self.r, self.b, self.h, self.i = cfg, g, r, b, h, i
+    lo, hi = C.mask_spec(cfg).kv_block_range(i, g.bq, g.bk, g.nk)
+    self.lo, self.hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+    self.listed = _visit_row(r, b, h, i)
+    if self.listed is None:
+      self.steps = self.hi - self.lo
+    else:
+      self.steps = self.listed[0] + self.listed[1]
+
+  def block_of(self, n):
+    """Step n's kv block."""
+    return self.lo + n if self.listed is None else self.listed[2](n)
+
+  def produce(self, ring, rs, loaded, free):
+    """The producer warpgroup: each step's kv-side tiles (the `ring` names) into its slot;
+    pair tiles ([B|1, H|1, Sqp, Skvp]: mask, bias, its tangent) at (q block, kv block)."""
+    plgpu = _compat.plgpu()
+    g, r, b, h = self.g, self.r, self.b, self.h
+    hk = lax.div(h, _i32(g.G))
+    rows = pl.ds(self.i * g.bq, g.bq)
+
+    def fill(t, slot):
+      cols = pl.ds(self.block_of(t) * g.bk, g.bk)
+      for name, bar in zip(ring, loaded):
+        if name in _PAIRS + ("tbias",):
+          src = _pair_tile(r[name], b, h, rows, cols)
+        else:
+          src = _block(r[name], b, hk, cols)
+        plgpu.copy_gmem_to_smem(src, rs[name].at[slot], bar.at[slot])
+
+    _produce(self.steps, fill, free)
+
+  def visit(self, run, masked_any, elementwise, carry):
+    """`run(start, stop, masked, carry)` over the steps: with lists, the PARTIAL blocks
+    masked then the FULL ones not; else masked / unmasked / masked by the static bounds
+    (every block masked when `elementwise`: no FULL blocks by the static bounds alone)."""
+    if self.listed is not None:
+      carry = run(_i32(0), self.listed[0], True, carry)
+      return run(self.listed[0], self.steps, False, carry)
+    g, lo = self.g, self.lo
+    full = None if elementwise else C.mask_spec(self.cfg).full_kv_block_range(self.i, g.bq,
+                                                                              g.bk)
+    return _visit(lambda a, z, m, c: run(a - lo, z - lo, m, c), lo, self.hi, full, masked_any,
+                  carry)
+
+
+def _launch(kind, cfg, g: C.Geometry, arrays, masked_any, visits=None, *, body=None,
+            out_type=None):
+  """Build and run one kernel ("dkdv", "dq", or "tangent" with its `body` and `out_type`) on
+  the named operand `arrays` (and its visit lists, `_visit_lists`, read from GMEM)."""
   plgpu = _compat.plgpu()
   arrays = {n: x for n, x in arrays.items()
             if n.rstrip("T") not in _PAIRS or n.endswith("T") == (kind == "dkdv")}
@@ -683,8 +741,9 @@ def _launch(kind, cfg, g: C.Geometry, arrays, masked_any, visits=None):
   names = list(arrays)
   dt = arrays["q"].dtype
   n_diff = cfg.num_diff_consts if cfg.score_mod is not None else 0
-  out_type: object
-  if kind == "dkdv":
+  if kind == "tangent":
+    grid, grid_names = (g.B, g.H, g.nq), ("b", "h", "q")
+  elif kind == "dkdv":
     body, grid, grid_names = _dkdv_kernel, (g.B, g.Hkv, g.nk), ("b", "h", "kv")
     out_type = (jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), dt),
                 jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), dt))
@@ -702,7 +761,8 @@ def _launch(kind, cfg, g: C.Geometry, arrays, masked_any, visits=None):
                         resident=resident),
       out_type=out_type,
       scratch_types=_scratch(kind, arrays, ring, resident, g, n_diff),
-      grid=grid, grid_names=grid_names, kernel_name=f"flashvjp_bwd_{kind}",
+      grid=grid, grid_names=grid_names,
+      kernel_name="flashvjp_tangent" if kind == "tangent" else f"flashvjp_bwd_{kind}",
       num_threads=_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_interpret(cfg))
@@ -755,8 +815,9 @@ def _dconsts(split, dres_rows, user_consts, n_user_diff, Sq):
 
 
 def check_supported(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, seed, consts, mod=None,
-                    offsets=None):
-  """Raise NotImplementedError / ValueError naming the first feature this backward lacks."""
+                    offsets=None, role: str = "backward"):
+  """Raise NotImplementedError / ValueError naming the first feature this backward (or the
+  tangent kernel: `role`) lacks."""
   why = _compat.unavailable()
   if why is not None:
     raise NotImplementedError(why)
@@ -765,10 +826,10 @@ def check_supported(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, seed, cons
   if cfg.dropout_active and seed is None:
     raise ValueError("dropout needs its seed (uint32 [2]): got seed=None")
   if jnp.dtype(q.dtype) not in _DTYPES or not (q.dtype == k.dtype == v.dtype):
-    raise ValueError("the pallas_mosaic_gpu backward takes bfloat16 or float16 q, k, v of one"
+    raise ValueError(f"the pallas_mosaic_gpu {role} takes bfloat16 or float16 q, k, v of one"
                      f" dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   if max(q.shape[3], v.shape[3]) > _MAX_HEAD_DIM:
-    raise ValueError(f"the pallas_mosaic_gpu backward supports head dims <= {_MAX_HEAD_DIM},"
+    raise ValueError(f"the pallas_mosaic_gpu {role} supports head dims <= {_MAX_HEAD_DIM},"
                      f" got {q.shape[3]} (q/k) and {v.shape[3]} (v)")
   if q.shape[1] % k.shape[1]:
     raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
@@ -792,17 +853,61 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
      differentiable score_mod consts).
   """
   check_supported(cfg, q, k, v, bias, mask, q_seg, seed, consts, mod, offsets)
-  if cfg.interpret:
-    threads = _compat.interpret_threads_problem(_WARPGROUPS, "backward")
-    if threads is not None:
-      raise RuntimeError(f"pallas_mosaic_gpu backward (interpret): {threads}")
-  off = C.offset_operand(offsets)
   user_consts, n_user_diff = tuple(consts), cfg.num_diff_consts
+  ins = _inputs(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, offsets,
+                role="backward", grads=True)
+  cfg, g, arrays = ins.cfg, ins.g, ins.arrays
+  Sq, Skv, D, Dv = g.Sq, g.Skv, g.D, g.Dv
+  arrays["do"] = C.pad_seq_head(dout.astype(q.dtype), g.Sqp, g.Dvp)
+  arrays["lse"], arrays["delta"] = _preprocess(out, lse, dout, dlse, g)
+  if bias is not None:  # float32 tiles (the dQ kernel writes dS in float32 next to them)
+    arrays["bias"] = arrays["bias"].astype(jnp.float32)
+    arrays["biasT"] = jnp.swapaxes(arrays["bias"], 2, 3)
+  g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g, cfg))
+  dk, dv = _launch("dkdv", cfg, g_dkdv, arrays, ins.masked_any,
+                   _visit_lists(cfg, g_dkdv, q_seg, kv_seg, mask, mod, "kv"))
+  dq_visits = _visit_lists(cfg, g, q_seg, kv_seg, mask, mod, "q")
+  outs = _launch("dq", cfg, g, arrays, ins.masked_any, dq_visits)
+  outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+  dq = outs.pop(0)
+  dbias = None
+  if bias is not None:
+    dbias = _reduce_dbias(cfg, outs.pop(0), bias, g, dq_visits)
+  dq = dq[:, :, :Sq, :D]
+  dk = dk[:, :, :Skv, :D]
+  dv = dv[:, :, :Skv, :Dv]
+  return dq, dk, dv, dbias, _dconsts(ins.split, outs, user_consts, n_user_diff, Sq)
+
+
+@dataclasses.dataclass
+class Inputs:
+  """What both backward kernels and the tangent kernel read, made once (`_inputs`)."""
+
+  cfg: AttentionConfig  # with the mods' tile parts (`F.split_mods`)
+  g: C.Geometry
+  arrays: dict  # named padded operands (see `_inputs`)
+  masked_any: bool
+  split: object  # the score_mod's `C.HeadSplit`, or None
+  sm_arrays: tuple  # its per-(b, h) scalar residuals [B, H, 1] (float32 / int32)
+
+
+def _inputs(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod,
+            offsets, *, role: str, grads: bool) -> Inputs:
+  """The operands every kernel of this module shares, padded to whole 64-blocks: q, k, v;
+  segment ids; dropout's per-row words; the global kv offset, the score_mod's global q
+  and per-(b, h) residuals ("res<n>"), the mask_mod's ("qm", "mres<n>"), one word per row;
+  the dense mask (int8) and bias (its own dtype) as [B|1, H|1, Sqp, Skvp] tiles, with
+  transposed copies for the dK/dV kernel ("maskT", "biasT")."""
+  if cfg.interpret:
+    threads = _compat.interpret_threads_problem(_WARPGROUPS, role)
+    if threads is not None:
+      raise RuntimeError(f"pallas_mosaic_gpu {role} (interpret): {threads}")
+  off = C.offset_operand(offsets)
   cfg, sm_arrays, mm_arrays, split = F.split_mods(cfg, consts, mod, q.shape[0], q.shape[1],
-                                                  offsets, grads=True, role="backward")
+                                                  offsets, grads=grads, role=role)
   f32 = jnp.float32
-  sm_arrays = tuple(r.astype(f32 if jnp.issubdtype(r.dtype, jnp.inexact) else jnp.int32)
-                    for r in sm_arrays)
+  word = lambda r: r.astype(f32 if jnp.issubdtype(r.dtype, jnp.inexact) else jnp.int32)
+  sm_arrays = tuple(word(r) for r in sm_arrays)
   B, H, Sq, D = q.shape
   Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
   g = C.Geometry(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=Dv, bq=_BLOCK, bk=_BLOCK,
@@ -815,11 +920,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
                 or cfg.mask_mod is not None or g.Sqp != Sq or g.Skvp != Skv)
   if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
     raise ValueError(f"bias must be a float array, got {bias.dtype}")
-  lse2, delta = _preprocess(out, lse, dout, dlse, g)
   arrays = {"q": C.pad_seq_head(q, g.Sqp, g.Dp), "k": C.pad_seq_head(k, g.Skvp, g.Dp),
-            "v": C.pad_seq_head(v, g.Skvp, g.Dvp),
-            "do": C.pad_seq_head(dout.astype(q.dtype), g.Sqp, g.Dvp), "lse": lse2,
-            "delta": delta}
+            "v": C.pad_seq_head(v, g.Skvp, g.Dvp)}
   if segs is not None:
     arrays["q_seg"], arrays["kv_seg"] = segs
   if cfg.dropout_active:
@@ -830,22 +932,19 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     # the global kv offset (dropout's hash and the score_mod read global positions)
     kv0 = 0 if off is None else off[3]
     arrays["kv0"] = jnp.broadcast_to(jnp.asarray(kv0, jnp.int32), rows)
+  q0 = 0 if off is None else off[2]
   if cfg.score_mod is not None:
     # The score_mod's global q and its per-(b, h) residuals (global (b, h) folded in by
     # `C.split_per_head`), one word per row each.
-    q0 = 0 if off is None else off[2]
     arrays["qg"] = jnp.broadcast_to(jnp.arange(g.Sqp, dtype=jnp.int32) + q0, rows)
     for n, r in enumerate(sm_arrays):
       arrays[f"res{n}"] = jnp.broadcast_to(r, rows)
   if cfg.mask_mod is not None:
     # The mask_mod's global q (clamped into the real rows first) and its residuals.
-    q0 = 0 if off is None else off[2]
     qm = jnp.minimum(jnp.arange(g.Sqp, dtype=jnp.int32), Sq - 1) + q0
     arrays["qm"] = jnp.broadcast_to(qm, rows)
     for n, r in enumerate(mm_arrays):
-      f32 = jnp.float32
-      arrays[f"mres{n}"] = jnp.broadcast_to(
-          r.astype(f32 if jnp.issubdtype(r.dtype, jnp.inexact) else jnp.int32), rows)
+      arrays[f"mres{n}"] = jnp.broadcast_to(word(r), rows)
   if mask is not None:
     # int8, padded with False; broadcast seq dims materialised (the kernels read whole
     # tiles), broadcast batch / head dims kept (indexed with 0). The dK/dV kernel reads it
@@ -854,21 +953,12 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     m = jnp.pad(m, ((0, 0), (0, 0), (0, g.Sqp - Sq), (0, g.Skvp - Skv)))
     arrays["mask"], arrays["maskT"] = m, jnp.swapaxes(m, 2, 3)
   if bias is not None:
-    # float32, padded with 0 (padded positions are masked); seq dims materialised as the mask's.
-    x = jnp.broadcast_to(bias, bias.shape[:2] + (Sq, Skv)).astype(jnp.float32)
-    x = jnp.pad(x, ((0, 0), (0, 0), (0, g.Sqp - Sq), (0, g.Skvp - Skv)))
-    arrays["bias"], arrays["biasT"] = x, jnp.swapaxes(x, 2, 3)
-  g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g, cfg))
-  dk, dv = _launch("dkdv", cfg, g_dkdv, arrays, masked_any,
-                   _visit_lists(cfg, g_dkdv, q_seg, kv_seg, mask, mod, "kv"))
-  dq_visits = _visit_lists(cfg, g, q_seg, kv_seg, mask, mod, "q")
-  outs = _launch("dq", cfg, g, arrays, masked_any, dq_visits)
-  outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-  dq = outs.pop(0)
-  dbias = None
-  if bias is not None:
-    dbias = _reduce_dbias(cfg, outs.pop(0), bias, g, dq_visits)
-  dq = dq[:, :, :Sq, :D]
-  dk = dk[:, :, :Skv, :D]
-  dv = dv[:, :, :Skv, :Dv]
-  return dq, dk, dv, dbias, _dconsts(split, outs, user_consts, n_user_diff, Sq)
+    arrays["bias"] = _pad_pair_tiles(bias, g)
+  return Inputs(cfg, g, arrays, masked_any, split, sm_arrays)
+
+
+def _pad_pair_tiles(x, g: C.Geometry):
+  """A [B|1, H|1, Sq|1, Skv|1] bias (or its tangent) as [B|1, H|1, Sqp, Skvp] tiles: seq dims
+  materialised, padded with 0 (padded positions are masked)."""
+  x = jnp.broadcast_to(x, x.shape[:2] + (g.Sq, g.Skv))
+  return jnp.pad(x, ((0, 0), (0, 0), (0, g.Sqp - g.Sq), (0, g.Skvp - g.Skv)))

@@ -1,0 +1,227 @@
+"""Pallas Mosaic-GPU tangent kernel (Hopper, sm_90a): the fused forward-mode pass.
+
+Room: Pallas Mosaic-GPU backend (forward mode). The dQ kernel's structure (`backward`): grid
+(batch, head, 64-row q block), two warpgroups: a producer streams the kv side of each visited
+block by TMA into a ring of `backward._STAGES` slots (K, V and their tangents t_k, t_v,
+segment ids, dense mask / bias / t_bias tiles), over the same blocks as every other kernel
+(the mask model's static bounds, or the visit lists of segment ids, a dense mask, a
+mask_mod); the compute warpgroup holds Q, t_q, the lse row and the per-row words (dropout,
+the mods' residuals and their tangents) and, per block, on SS-wgmma:
+
+    s    = q k^T,   t_s = scale * (t_q k^T + q t_k^T) + t_bias   (+ the score_mod's jvp)
+    p    = exp2(s2 - lse2)                  (the forward's exact lse: no rescaling)
+    mu  += rowsum(p * t_s)
+    a   += (pd * t_s) v + pd t_v            (pd: p with the dropout keep scaling)
+
+then t_out = a - mu * out (out loaded into Q's SMEM after the loop) and t_lse = mu: one
+[64, Dv] accumulator and a row, nothing of size [seq_q, seq_kv]. With out=None the kernel
+returns a (the caller subtracts mu * out where out's rows are, `flashvjp._delta`).
+
+Takes what the backward takes: bfloat16 / float16, head dims <= 128, GQA / MQA, causal,
+window, segment ids, a dense mask, a bias (and its tangent), dropout, global offsets, a
+score_mod with per-(b, h) scalar residuals (and the tangents of its float ones) and a
+mask_mod. Bias tiles keep a 16-bit bias' dtype (else float32); a configuration whose ring
+does not fit Hopper's shared memory is refused by name (`smem_problem`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from flashvjp._config import AttentionConfig
+from flashvjp.pallas import _common as C
+from flashvjp.pallas.mosaic_gpu import _compat
+from flashvjp.pallas.mosaic_gpu import backward as Bw
+
+# Hopper's opt-in shared memory per block (227 KiB).
+SMEM_LIMIT = 232448
+
+
+def _tangent_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
+  plgpu = _compat.plgpu()
+  wgmma_layout, row, col = _compat.layouts()
+  r = dict(zip(names, refs))
+  t_out_ref, t_lse_ref = refs[len(names):len(names) + 2]
+  (ring_smem, res_smem, tiles), loaded, free, res_bars = refs[len(names) + 2:]
+  pt_smem, pd_smem, mu_smem = tiles[:3]
+  rs = dict(zip(ring, ring_smem))
+  res = dict(zip(resident, res_smem))
+  b, h, i = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
+  wg = lax.axis_index("wg")
+  rows = pl.ds(i * g.bq, g.bq)
+  kv = Bw._KvStream(cfg, g, r, b, h, i)
+  n_tres = Bw._num_res(r, "tres")
+  f32 = jnp.float32
+
+  @pl.when(wg == 1)
+  def _producer():
+    kv.produce(ring, rs, loaded, free)
+
+  @pl.when(wg == 0)
+  def _compute():
+    Bw._load_resident([Bw._block(r[x], b, h, rows) for x in resident],
+                      [res[x] for x in resident], res_bars)
+    q_smem = res["q"]
+    shape = (g.bq, g.bk)
+    per_q = lambda x: lax.broadcast_in_dim(x, shape, [0])
+    lse2 = per_q(plgpu.load(res["lse"], layout=row))
+    vecs = {name: per_q(plgpu.load(res[name], layout=row)) for name in res
+            if Bw._is_q_vector(name)}
+    tres = tuple(vecs.pop(f"tres{n}") for n in range(n_tres))
+    q_idx = i * g.bq + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
+    kv_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
+
+    def scores(k_s, tk_s):
+      """(q k^T, t_q k^T + q t_k^T) of one slot, issued together (one wgmma wait)."""
+      def body(acc_s, acc_t):
+        plgpu.wgmma(acc_s, q_smem, k_s.T)
+        if "tq" in res:
+          plgpu.wgmma(acc_t, res["tq"], k_s.T)
+        if tk_s is not None:
+          plgpu.wgmma(acc_t, q_smem, tk_s.T)
+        return acc_s[...], acc_t[...]
+
+      return pl.run_scoped(body, plgpu.ACC(shape, f32), plgpu.ACC(shape, f32))
+
+    def scope(a_acc):
+      def step(n, masked, mu):
+        slot = lax.rem(n, Bw._i32(Bw._STAGES))
+        j = kv.block_of(n)  # the kv block
+        Bw._wait_loaded(loaded, slot)
+        tk_s = rs["tk"].at[slot] if "tk" in rs else None
+        s, ts = scores(rs["k"].at[slot], tk_s)
+        v = dict(vecs)
+        if "kv_seg" in rs:
+          v["kv_seg"] = lax.broadcast_in_dim(plgpu.load(rs["kv_seg"].at[slot], layout=col),
+                                             shape, [1])
+        if "mask" in rs:
+          v["dense"] = Bw._load_mask(rs["mask"].at[slot])
+        if "bias" in rs:
+          v["bias"] = plgpu.load(rs["bias"].at[slot], layout=wgmma_layout,
+                                 optimized=False).astype(f32)
+        ts = ts * f32(cfg.scale)
+        if "tbias" in rs:
+          ts = ts + plgpu.load(rs["tbias"].at[slot], layout=wgmma_layout,
+                               optimized=False).astype(f32)
+        p, ok, m, ts = Bw._probs(cfg, s, lse2, q_idx, j * g.bk + kv_iota, masked, v,
+                                 tangent=(ts, tres))
+        pt = p * ts
+        if ok is not None:  # a select: a masked entry contributes exactly nothing
+          pt = jnp.where(ok, pt, f32(0.0))
+        mu = mu + jnp.sum(pt, axis=1)
+        pd = p if m is None else p * m
+        pt_smem[...] = (pt if m is None else pt * m).astype(pt_smem.dtype)
+        pd_smem[...] = pd.astype(pd_smem.dtype)
+        # the P stores before the wgmmas read them; the kv-side loads (segment ids, mask,
+        # bias tiles) before the producer's TMA refill of this slot
+        plgpu.commit_smem()
+        plgpu.wgmma(a_acc, pt_smem, rs["v"].at[slot])
+        if "tv" in rs:
+          plgpu.wgmma(a_acc, pd_smem, rs["tv"].at[slot])
+        plgpu.wgmma_wait(0)  # the slot's tiles are read: hand it back
+        plgpu.barrier_arrive(free.at[slot])
+        return mu
+
+      def run(start, stop, masked, carry):  # steps [start, stop)
+        return lax.fori_loop(start, stop, lambda n, c: step(n, masked, c), carry)
+
+      zero = plgpu.layout_cast(jnp.zeros((g.bq,), f32), row)
+      elementwise = "q_seg" in res or "mask" in rs or cfg.mask_mod is not None
+      mu = kv.visit(run, masked_any, elementwise, zero)
+      return a_acc[...], mu
+
+    a, mu = pl.run_scoped(scope, plgpu.ACC((g.bq, g.Dvp), f32))
+    stage = q_smem if g.Dvp == g.Dp else tiles[3]  # Q is read: its buffer stages t_out
+    if "out" in r:  # t_out = a - mu * out, out loaded into the staging buffer first
+      plgpu.copy_gmem_to_smem(Bw._block(r["out"], b, h, rows), stage, res_bars.at[0])
+      plgpu.barrier_wait(res_bars.at[0])
+      a = a - lax.broadcast_in_dim(mu, a.shape, [0]) * stage[...].astype(f32)
+    stage[...] = a.astype(stage.dtype)
+    mu_smem[...] = mu
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stage, t_out_ref.at[b, h, rows, :])
+    plgpu.copy_smem_to_gmem(mu_smem, t_lse_ref.at[b, h, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def smem_bytes(g: C.Geometry, arrays) -> int:
+  """Shared memory of the tangent kernel on these operands (`backward._scratch`'s sizes)."""
+  ring, resident = Bw._operands("tangent", arrays)
+  tile = g.bq * g.bk
+  size = lambda name, block: (tile if name in Bw._PAIRS + ("tbias",) else
+                              block * (arrays[name].shape[3] if arrays[name].ndim == 4 else 1)
+                              ) * arrays[name].dtype.itemsize
+  total = sum(size(n, g.bk) for n in ring) * Bw._STAGES + sum(size(n, g.bq) for n in resident)
+  total += 2 * tile * arrays["q"].dtype.itemsize + 4 * g.bq
+  if g.Dvp != g.Dp:
+    total += g.bq * g.Dvp * arrays["q"].dtype.itemsize
+  return total
+
+
+def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
+            tq, tk, tv, tbias, tconsts, mod=None, offsets=None):
+  """The fused tangent pass (`flashvjp.pallas.triton.tangent.tangent`'s interface).
+
+  `tq`, `tk`, `tv`, `tbias`: tangents shaped like their primals, or None (zero); `tconsts`:
+  one tangent (or None) per differentiable score_mod const.
+
+  Returns (t_out [B, H, Sq, Dv] in out's dtype, t_lse [B, H, Sq] in lse's dtype); with
+  out=None, (a, t_lse): t_out before its `- t_lse * out` term (`flashvjp._delta`).
+  """
+  Bw.check_supported(cfg, q, k, v, bias, mask, q_seg, seed, consts, mod, offsets,
+                     role="tangent kernel")
+  n_user = cfg.num_diff_consts
+  tconsts = tuple(tconsts) if tconsts is not None else (None,) * n_user
+  ins = Bw._inputs(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, offsets,
+                   role="tangent", grads=False)
+  g, arrays = ins.g, ins.arrays
+  f32 = jnp.float32
+  if cfg.score_mod is not None and any(t is not None for t in tconsts):
+    hcfg, hconsts = C.hoist_score_mod(cfg, consts, f32)
+    res_t, _ = C.residual_tangents(hcfg, hconsts, tconsts, f32, g.B, g.H, ins.split, offsets)
+    for n, t in enumerate(res_t):  # the first len(res_t) residuals are the float ones
+      arrays[f"tres{n}"] = jnp.broadcast_to(t.astype(f32), (g.B, g.H, g.Sqp))
+  cfg = ins.cfg
+  if bias is not None:  # a 16-bit bias keeps its dtype (shared memory), else float32
+    dt = bias.dtype if jnp.dtype(bias.dtype).itemsize == 2 else f32
+    arrays["bias"] = arrays["bias"].astype(dt)
+  if tbias is not None:
+    tdt = tbias.dtype if jnp.dtype(tbias.dtype).itemsize == 2 else f32
+    arrays["tbias"] = Bw._pad_pair_tiles(tbias.astype(tdt), g)
+  if tq is not None:
+    arrays["tq"] = C.pad_seq_head(tq.astype(q.dtype), g.Sqp, g.Dp)
+  if tk is not None:
+    arrays["tk"] = C.pad_seq_head(tk.astype(q.dtype), g.Skvp, g.Dp)
+  if tv is not None:
+    arrays["tv"] = C.pad_seq_head(tv.astype(q.dtype), g.Skvp, g.Dvp)
+  arrays["lse"] = Bw._lse2(lse, g)
+  if out is not None:
+    arrays["out"] = C.pad_seq_head(out.astype(q.dtype), g.Sqp, g.Dvp)
+  problem = smem_problem(g, arrays)
+  if problem is not None:
+    raise NotImplementedError(problem)
+  visits = Bw._visit_lists(cfg, g, q_seg, kv_seg, mask, mod, "q")
+  out_type = (jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dvp), q.dtype),
+              jax.ShapeDtypeStruct((g.B, g.H, g.Sqp), f32))
+  t_out, t_lse = Bw._launch("tangent", cfg, g, arrays, ins.masked_any, visits,
+                            body=_tangent_kernel, out_type=out_type)
+  t_out = t_out[:, :, :g.Sq, :g.Dv]
+  if out is not None:
+    t_out = t_out.astype(out.dtype)
+  return t_out, t_lse[:, :, :g.Sq].astype(lse.dtype)
+
+
+def smem_problem(g: C.Geometry, arrays) -> str | None:
+  """Why the tangent kernel's tiles do not fit a Hopper block's shared memory, or None."""
+  need = smem_bytes(g, {n: x for n, x in arrays.items() if n not in ("maskT", "biasT")})
+  if need <= SMEM_LIMIT:
+    return None
+  return (f"the pallas_mosaic_gpu tangent kernel needs {need} bytes of shared memory here"
+          f" (head dim {g.D}, the tangents of q / k / v / bias and the bias / mask tiles in a"
+          f" {Bw._STAGES}-slot ring), over Hopper's {SMEM_LIMIT}; use"
+          " implementation='pallas_triton'")
+
+
+__all__ = ["tangent", "smem_problem"]
