@@ -109,3 +109,12 @@ def global_offsets_pair(implementation: str):
     return out, lse, g, t
 
   return pair
+
+
+def segment_ids(B, S, cuts):
+  """int32 [B, S]: id n + 1 from position cuts[b][n] on (batch b cycles through cuts)."""
+  ids = np.zeros((B, S), np.int32)
+  for b in range(B):
+    for c in cuts[b % len(cuts)]:
+      ids[b, c:] += 1
+  return jnp.asarray(ids)

@@ -112,15 +112,6 @@ CASES = {
 }
 
 
-def _segment_ids(B, S, cuts):
-  """int32 [B, S]: id n + 1 from position cuts[b][n] on (batch b cycles through cuts)."""
-  ids = np.zeros((B, S), np.int32)
-  for b in range(B):
-    for c in cuts[b % len(cuts)]:
-      ids[b, c:] += 1
-  return jnp.asarray(ids)
-
-
 def _dense_mask(form, B, H, Sq, Skv):
   """A random bool mask of the given broadcast form, with empty rows where it has rows."""
   shape = {"full": (B, 1, Sq, Skv), "per_key": (1, H, 1, Skv), "per_query": (B, H, Sq, 1)}[form]
@@ -140,8 +131,8 @@ def test_forward_matches_float64_reference_without_races(name):
   q_seg = kv_seg = None
   if "segments" in mkw:
     q_cuts, kv_cuts = mkw.pop("segments")
-    q_seg = _segment_ids(B, Sq, q_cuts)
-    kv_seg = q_seg if kv_cuts is None else _segment_ids(B, Skv, kv_cuts)
+    q_seg = _util.segment_ids(B, Sq, q_cuts)
+    kv_seg = q_seg if kv_cuts is None else _util.segment_ids(B, Skv, kv_cuts)
   bias = None
   if "bias" in mkw:
     shape, bias_dtype = mkw.pop("bias"), mkw.pop("bias_dtype", dtype)

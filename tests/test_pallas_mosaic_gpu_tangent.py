@@ -17,10 +17,9 @@ import pytest
 from flashvjp import _dropout
 from flashvjp import _mask_mod
 from flashvjp import reference
-from flashvjp._config import AttentionConfig
-from flashvjp._config import BlockSizes
 from flashvjp.pallas.mosaic_gpu import _compat
 from tests import _util
+from tests import test_pallas_mosaic_gpu_backward as _backward_tests
 
 _WHY = _compat.unavailable()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"Mosaic-GPU Pallas: {_WHY}")
@@ -30,18 +29,7 @@ if _WHY is None:
   from flashvjp.pallas.mosaic_gpu import tangent as mgpu_tangent
 
 
-def _cfg(Sq, Skv, D, causal=False, window=None, **kw):
-  kw.setdefault("dropout_rate", 0.0)
-  return AttentionConfig(scale=D ** -0.5, causal=causal, window=window, seq_q=Sq, seq_kv=Skv,
-                         blocks=BlockSizes(), interpret=True, **kw)
-
-
-def _ids(B, S, cuts):
-  ids = np.zeros((B, S), np.int32)
-  for b in range(B):
-    for c in cuts[b % len(cuts)]:
-      ids[b, c:] += 1
-  return jnp.asarray(ids)
+_cfg = _backward_tests._cfg  # interpret mode, the caller's mask and features
 
 
 def _alibi_softcap(s, b, h, q_idx, kv_idx, slopes):
@@ -84,7 +72,7 @@ def _case(name):
   tans = dict(tq=None if "no_tq" in features else tq, tk=None if "no_tk" in features else tk,
               tv=tv, tbias=None, tconsts=None)
   if "segments" in features:
-    args["q_seg"] = args["kv_seg"] = _ids(B, Sq, [[40, 150], [100]])
+    args["q_seg"] = args["kv_seg"] = _util.segment_ids(B, Sq, [[40, 150], [100]])
   if "mask" in features:
     m = rng.random((B, 1, Sq, Skv)) > 0.3
     m[-1, :, 5] = False  # an empty row
