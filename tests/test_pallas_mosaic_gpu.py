@@ -292,8 +292,10 @@ def test_refuses_what_it_does_not_implement():
   with pytest.raises(NotImplementedError, match="dropout needs a seed"):
     _forward(_cfg(64, 64, 64, dropout_rate=0.1), q, k, v, None, None, None, None, None, ())
   with pytest.raises(NotImplementedError, match="per-head values are scalars"):
-    pos = dataclasses.replace(cfg, score_mod=lambda s, b, h, i, j, t: s + t[j])
-    _forward(pos, q, k, v, None, None, None, None, None, (jnp.ones((64,)),))
+    # a table read by kv_idx - q_idx (arrays read by one position are taken)
+    rel = dataclasses.replace(
+        cfg, score_mod=lambda s, b, h, i, j, t: s + t[jnp.clip(j - i, -8, 8) + 8])
+    _forward(rel, q, k, v, None, None, None, None, None, (jnp.ones((17,)),))
   with pytest.raises(NotImplementedError, match="offsets must be"):
     _forward(cfg, q, k, v, None, None, None, None, None, (), offsets=(0, 64))
   q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
@@ -307,7 +309,8 @@ def test_refuses_what_it_does_not_implement():
              value_shape=(1, 1, 64, 256))
   for kw, word in ((dict(dtype=jnp.float32, **common), "float32"),
                    (dict(dtype=jnp.bfloat16, has_score_mod=True, score_mod_consts=(
-                       jnp.ones((64,)),), score_mod=lambda s, b, h, i, j, t: s + t[j],
+                       jnp.ones((17,)),),
+                         score_mod=lambda s, b, h, i, j, t: s + t[jnp.clip(j - i, -8, 8) + 8],
                          **common), "score_mod uses dynamic_slice"),
                    (dict(dtype=jnp.bfloat16, **big), "backward supports head dims up to 128")):
     ok, reason = _limits.supports(**kw)

@@ -372,15 +372,17 @@ def test_unsupported_features_are_named():
     return mgpu_backward.backward(cfg, q, q, q, bias, mask, None, None, None, consts, q, lse_, q,
                                   None, offsets=offsets)
 
+  # a table read by kv_idx - q_idx (arrays read by one position are taken)
   with pytest.raises(NotImplementedError, match="not arrays per head"):
-    call(cfg=dataclasses.replace(cfg, score_mod=lambda s, b, h, qi, ki, t: s + t[ki]),
-         consts=(jnp.zeros((S,), jnp.float32),))
+    call(cfg=dataclasses.replace(
+        cfg, score_mod=lambda s, b, h, qi, ki, t: s + t[jnp.clip(ki - qi, -8, 8) + 8]),
+        consts=(jnp.zeros((17,), jnp.float32),))
   with pytest.raises(ValueError, match="seed"):
     call(cfg=dataclasses.replace(cfg, dropout_rate=0.1))
   with pytest.raises(NotImplementedError, match="mask_mod whose per-head values are scalars"):
-    mm = _mask_mod.ModInputs(None, (jnp.ones((S,), jnp.int32),))
+    mm = _mask_mod.ModInputs(None, (jnp.ones((S, S), jnp.int32),))  # read at both positions
     mgpu_backward.backward(
-        dataclasses.replace(cfg, mask_mod=lambda b, h, qi, ki, t: t[ki] > 0), q, q, q, None,
+        dataclasses.replace(cfg, mask_mod=lambda b, h, qi, ki, t: t[qi, ki] > 0), q, q, q, None,
         None, None, None, None, (), q, jnp.zeros((1, 1, S), jnp.float32), q, None, mm)
   with pytest.raises(ValueError, match="offsets"):
     call(offsets=(0, 64))

@@ -10,8 +10,9 @@ Forward: float16 / bfloat16 inputs (compiled and interpret mode alike: the kerne
 16-bit wgmma), head dims up to 256 (zero-padded to a multiple of 64), GQA / MQA, causal,
 window, segment ids, dropout, bias, dense masks, global offsets (ring chunk pairs), any
 sequence lengths (padded to whole blocks), score_mod / mask_mod whose per-(b, h) values are
-scalars (softcap, ALiBi, prefix LM; `score_mod_problem`). Not yet: a float32 out (a traced
-scale), float32 / float64 inputs, mods reading arrays by position. Backward: the same, with
+scalars (softcap, ALiBi, prefix LM) and that read arrays by one q or kv position
+(`document_causal`, a per-key bias; `score_mod_problem`). Not yet: a float32 out (a traced
+scale), float32 / float64 inputs, tables read by kv_idx - q_idx. Backward: the same, with
 head dims up to 128 (`BACKWARD_MAX_HEAD_DIM`). So the family: 16-bit, head dims <= 128.
 """
 from __future__ import annotations
@@ -80,16 +81,17 @@ def _residual_problem(aval, mod: str = "score_mod") -> str | None:
 
 def score_mod_problem(score_mod, consts, acc_dtype):
   """Why the Mosaic-GPU kernels cannot apply this score_mod (a sentence), or None: its
-  per-tile part must be elementwise and its per-(b, h) values scalars; nothing read by
-  position (no per-position residuals in this family yet)."""
+  per-tile part must be elementwise, its per-(b, h) values scalars; what it reads by one q
+  or kv position travels per position (`_common.PosResiduals`: row words with Q, column
+  words with K); tables read by kv_idx - q_idx are not read yet."""
   return shared.score_mod_problem(score_mod, consts, acc_dtype, lowering="Mosaic-GPU",
-                                  residual_problem=_residual_problem)
+                                  residual_problem=_residual_problem, positions=True)
 
 
 def mask_mod_problem(mask_mod, consts):
   """As `score_mod_problem`, for a mask_mod (`_mask_mod.ScalarMaskMod`)."""
   return shared.mask_mod_problem(mask_mod, consts, lowering="Mosaic-GPU",
-                                 residual_problem=_residual_problem)
+                                 residual_problem=_residual_problem, positions=True)
 
 
 def forward_problem(cfg, q, k, v, *, bias=None, mask=None, q_seg=None, kv_seg=None, seed=None,

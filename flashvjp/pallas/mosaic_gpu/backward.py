@@ -210,7 +210,25 @@ def _visit(run, lo, hi, full, masked_any, carry=None):
   return _mask.split_loop(run, lo, hi, full, carry)
 
 
-def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v, tangent=None):
+def _residual_tiles(v, prefix=""):
+  """A mod's residual tiles in its tile part's order: per-(b, h) ("res<n>"), per q position
+  ("qres<n>"), per kv position ("kvres<n>"); `prefix` "m" for the mask_mod's, "t" for the
+  tangents. Returns (per-head, q, kv) tuples."""
+  get = lambda name: tuple(v[f"{prefix}{name}{n}"] for n in range(_num_res(v, prefix + name)))
+  return get("res"), get("qres"), get("kvres")
+
+
+def _with(fn, args, idx):
+  """fn(x, *args) as a function of (x, *args[i] for i in idx)."""
+  def f(x, *d):
+    a = list(args)
+    for i, val in zip(idx, d):
+      a[i] = val
+    return fn(x, *a)
+  return f
+
+
+def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v, tangent=None, pos_diff=(0, 0)):
   """(p, ok, m, sm_vjp) of one tile from raw scores s = q k (any orientation; lse2, the
   indices and the per-row / per-column vectors `v` (segment ids, dropout and score_mod
   words) already broadcast to the tile): the probabilities, the mask (None when not
@@ -218,9 +236,14 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v, tangent=None):
   without one: d(modded score) -> (d(score before the mod), d(differentiable residual
   tiles)...)).
 
-  `tangent` (the tangent kernel): (ts, tres), the tangent of score = scale * q k + bias and
-  those of the first len(tres) residual tiles; then the 4th result is the modded score's
-  tangent (the score_mod's jvp; ts itself without one)."""
+  The score_mod's differentiable residuals: the first cfg.num_diff_consts per-(b, h) ones,
+  then the first `pos_diff` = (n_q, n_kv) per-q- and per-kv-position ones; the vjp returns
+  their tile gradients in that order.
+
+  `tangent` (the tangent kernel): the tangent of score = scale * q k + bias, and in `v` the
+  tangents of the first few residuals of each kind ("tres<n>", "tqres<n>", "tkvres<n>");
+  then the 4th result is the modded score's tangent (the score_mod's jvp; the tangent
+  itself without one)."""
   f32 = jnp.float32
   ok = None
   if masked:
@@ -229,11 +252,11 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v, tangent=None):
     if cfg.mask_mod is not None:
       # The tile part of `C.split_mask_mod` at positions clamped into the real sequences,
       # made global (as `C.mask_mod_allowed`); (b, h) are folded into its residuals.
-      mres = tuple(v[f"mres{n}"] for n in range(_num_res(v, "mres")))
+      mres = sum(_residual_tiles(v, "m"), ())
       kv_m = jnp.minimum(kv_idx, cfg.seq_kv - 1) + v["kv0"]
       allowed = jnp.vectorize(lambda q_, k_, *r: cfg.mask_mod(0, 0, q_, k_, *r))
       ok = ok & allowed(v["qm"], kv_m, *mres)
-  sm_vjp = None if tangent is None else tangent[0]
+  sm_vjp = tangent
   if cfg.score_mod is None:
     d = s * f32(cfg.scale * LOG2E) - lse2
     if "bias" in v:
@@ -244,23 +267,25 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v, tangent=None):
     st = C.masked_scores_for_mod(cfg, s, ok) * f32(cfg.scale)
     if "bias" in v:
       st = st + v["bias"]
-    res = tuple(v[f"res{n}"] for n in range(_num_res(v, "res")))
+    res, qres, kvres = _residual_tiles(v)
+    args = res + qres + kvres
     kv_g = kv_idx + v["kv0"]
     # The tile part of `C.split_per_head`: (b, h) are folded into its residuals (it ignores
-    # its b, h arguments), which arrive as tiles (one word per row, broadcast) and are
-    # vectorised over like the indices.
+    # its b, h arguments), which arrive as tiles (one word per row or column, broadcast)
+    # and are vectorised over like the indices.
     mod = jnp.vectorize(lambda x, q_, k_, *r: cfg.score_mod(x, 0, 0, q_, k_, *r))
-    if tangent is not None:  # forward mode: the jvp along (ts, tres)
-      ts, tres = tangent
-      n_t = len(tres)
-      if ok is not None:
-        ts = jnp.where(ok, ts, f32(0.0))
-      st, sm_vjp = jax.jvp(lambda x, *r: mod(x, v["qg"], kv_g, *r, *res[n_t:]),
-                           (st, *res[:n_t]), (ts, *tres))
-    else:
-      n_diff = cfg.num_diff_consts  # the first n_diff residuals take gradients (per element)
-      st, sm_vjp = jax.vjp(lambda x, *r: mod(x, v["qg"], kv_g, *r, *res[n_diff:]), st,
-                           *res[:n_diff])
+    fn = lambda x, *r: mod(x, v["qg"], kv_g, *r)
+    at = lambda n_res, n_q, n_kv: (list(range(n_res)) + [len(res) + n for n in range(n_q)]
+                                   + [len(res) + len(qres) + n for n in range(n_kv)])
+    if tangent is not None:  # forward mode: the jvp along the tangents
+      ts = tangent if ok is None else jnp.where(ok, tangent, f32(0.0))
+      t_res, t_q, t_kv = _residual_tiles(v, "t")
+      idx = at(len(t_res), len(t_q), len(t_kv))
+      st, sm_vjp = jax.jvp(_with(fn, args, idx), (st, *(args[i] for i in idx)),
+                           (ts, *t_res, *t_q, *t_kv))
+    else:  # the differentiable residuals take gradients (per element)
+      idx = at(cfg.num_diff_consts, *pos_diff)
+      st, sm_vjp = jax.vjp(_with(fn, args, idx), st, *(args[i] for i in idx))
     d = st * f32(LOG2E) - lse2
   if ok is not None:
     d = jnp.where(ok, d, C.mask_value(f32))
@@ -379,20 +404,21 @@ _PAIRS = ("bias", "mask")
 def _operands(kind, arrays):
   """(ring, resident) operand names of a kernel ("dkdv", "dq" or "tangent"), in their SMEM
   order."""
+  kv_vectors = [n for n in arrays if _is_kv_vector(n)]  # streamed with every loop step
   if kind == "tangent":  # the dQ kernel's loop, with the tangents of q / k / v / bias
     q_side = [n for n in ("q", "tq", "lse") if n in arrays]
     kv_side = [n for n in ("k", "v", "tk", "tv", "kv_seg") if n in arrays]
     pairs = [p for p in _PAIRS + ("tbias",) if p in arrays]
-    return kv_side + pairs, q_side + [n for n in arrays if _is_q_vector(n)]
+    return kv_side + kv_vectors + pairs, q_side + [n for n in arrays if _is_q_vector(n)]
   q_side = ["q", "do", "lse", "delta"] + [n for n in arrays if _is_q_vector(n)]
   kv_side = ["k", "v"] + ["kv_seg"] * ("kv_seg" in arrays)
   pairs = [p + ("T" if kind == "dkdv" else "") for p in _PAIRS if p in arrays]
   if kind == "dkdv":
-    return q_side + pairs, kv_side
-  return kv_side + pairs, q_side
+    return q_side + kv_vectors + pairs, kv_side
+  return kv_side + kv_vectors + pairs, q_side
 
 
-def _scratch(kind, arrays, ring, resident, g: C.Geometry, n_diff=0):
+def _scratch(kind, arrays, ring, resident, g: C.Geometry, n_diff=0, n_kvd=0):
   """SMEM (rings [_STAGES, ...] then resident buffers, then P / dS tiles) and barriers."""
   plgpu = _compat.plgpu()
   rows = (g.bq, g.bk) if kind == "dkdv" else (g.bk, g.bq)  # (ring block, resident block)
@@ -403,6 +429,8 @@ def _scratch(kind, arrays, ring, resident, g: C.Geometry, n_diff=0):
     x = arrays[name]
     if name.rstrip("T") in _PAIRS + ("tbias",):  # a tile in the kernel's orientation, read
       return plgpu.SMEM(stages + tile, x.dtype)  # generically
+    if _is_kv_vector(name):
+      return plgpu.SMEM(stages + (g.bk,), x.dtype)
     if x.ndim == 4:
       return _smem(stages + (block, x.shape[3]), x.dtype, minor)
     return plgpu.SMEM(stages + (block,), x.dtype)
@@ -419,6 +447,8 @@ def _scratch(kind, arrays, ring, resident, g: C.Geometry, n_diff=0):
     tile_bufs += (plgpu.SMEM(tile, jnp.float32),)
   if kind == "dq":  # per-row partial d(residual) of the score_mod, on their way out
     tile_bufs += tuple(plgpu.SMEM((g.bq,), jnp.float32) for _ in range(n_diff))
+  if kind == "dkdv":  # per-kv-position residual gradients of one head, on their way out
+    tile_bufs += tuple(plgpu.SMEM((g.bk,), jnp.float32) for _ in range(n_kvd))
   smem = (tuple(buf(n, rows[0], (_STAGES,)) for n in ring),
           tuple(buf(n, rows[1]) for n in resident), tile_bufs)
   return (smem, tuple(plgpu.Barrier(num_barriers=_STAGES) for _ in ring),
@@ -452,19 +482,32 @@ _Q_VECTORS = ("q_seg", "cq", "cq2", "kv0", "qg", "qm")
 
 def _is_q_vector(name: str) -> bool:
   """A per-q word travelling like lse: segment ids, dropout words, the score_mod's global
-  q index and per-head residuals ("res<n>") and their tangents ("tres<n>", the tangent
-  kernel's), the mask_mod's ("qm", "mres<n>")."""
-  return name in _Q_VECTORS or name.startswith(("res", "mres", "tres"))
+  q index, per-head residuals ("res<n>") and per-q-position ones ("qres<n>"), their
+  tangents ("tres<n>", "tqres<n>": the tangent kernel's), the mask_mod's ("qm", "mres<n>",
+  "mqres<n>")."""
+  return name in _Q_VECTORS or name.startswith(("res", "mres", "tres", "qres", "mqres",
+                                                "tqres"))
+
+
+def _is_kv_vector(name: str) -> bool:
+  """A per-(b, h, kv position) word: the score_mod's per-kv-position residuals ("kvres<n>"),
+  their tangents ("tkvres<n>"), the mask_mod's ("mkvres<n>"). [B, H, Skvp]: indexed by the
+  query head (unlike K / V and the kv segment ids)."""
+  return name.startswith(("kvres", "mkvres", "tkvres"))
 
 
 # ---- dK / dV ----------------------------------------------------------------------
 
-def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
+def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, pos_diff=(0, 0)):
   plgpu = _compat.plgpu()
   wgmma_layout, row, col = _compat.layouts()
   r = dict(zip(names, refs))
+  n_kvd = pos_diff[1]  # per-kv-position residuals with gradients: [B, H, Skvp] outputs
   dk_ref, dv_ref = refs[len(names):len(names) + 2]
-  (ring_smem, res_smem, (p_smem, ds_smem)), loaded, free, res_bars = refs[len(names) + 2:]
+  dkv_refs = refs[len(names) + 2:len(names) + 2 + n_kvd]
+  (ring_smem, res_smem, tiles), loaded, free, res_bars = refs[len(names) + 2 + n_kvd:]
+  p_smem, ds_smem = tiles[:2]
+  dkv_smem = tiles[2:]
   rs = dict(zip(ring, ring_smem))
   res = dict(zip(resident, res_smem))
   b, hk, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("kv")
@@ -485,8 +528,8 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
       for name, bar in zip(ring, loaded):
         if name.rstrip("T") in _PAIRS:
           src = _pair_tile(r[name], b, hk * G + gi, cols, rows)
-        else:
-          src = _block(r[name], b, hk * G + gi, rows)
+        else:  # per-q blocks, and this kv block's per-kv-position words of head gi
+          src = _block(r[name], b, hk * G + gi, cols if _is_kv_vector(name) else rows)
         plgpu.copy_gmem_to_smem(src, rs[name].at[slot], bar.at[slot])
 
     if "visits" not in r:
@@ -518,7 +561,7 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
       vecs["kv_seg"] = lax.broadcast_in_dim(plgpu.load(res["kv_seg"], layout=row), shape, [0])
 
     def scope(dk_acc, dv_acc):
-      def step(t, i, masked):
+      def step(t, i, masked, dkv_rows):
         slot = lax.rem(t, _i32(_STAGES))
         q_s, do_s = rs["q"].at[slot], rs["do"].at[slot]
         _wait_loaded(loaded, slot)
@@ -529,13 +572,20 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
         for name in rs:
           if _is_q_vector(name):
             v[name] = per_q(plgpu.load(rs[name].at[slot], layout=col))
+          elif _is_kv_vector(name):
+            v[name] = lax.broadcast_in_dim(plgpu.load(rs[name].at[slot], layout=row), shape,
+                                           [0])
         if "maskT" in rs:
           v["dense"] = _load_mask(rs["maskT"].at[slot])
         if "biasT" in rs:
           v["bias"] = plgpu.load(rs["biasT"].at[slot], layout=wgmma_layout, optimized=False)
-        pT, ok, m, sm_vjp = _probs(cfg, sT, lse2, i * g.bq + q_iota, kv_idx, masked, v)
+        pT, ok, m, sm_vjp = _probs(cfg, sT, lse2, i * g.bq + q_iota, kv_idx, masked, v,
+                                   pos_diff=pos_diff)
         p_smem[...] = (pT if m is None else pT * m).astype(p_smem.dtype)  # dropped out
-        dsT, _ = _dscores(pT, dpT, delta, ok, m, sm_vjp)
+        dsT, dres = _dscores(pT, dpT, delta, ok, m, sm_vjp)
+        # the kv-position residuals' gradients (the last n_kvd): summed over this q block
+        dkv_rows = tuple(a + jnp.sum(x, axis=1)
+                         for a, x in zip(dkv_rows, dres[len(dres) - n_kvd:]))
         ds_smem[...] = (dsT * jnp.float32(cfg.scale)).astype(ds_smem.dtype)
         if not _mutated("skip_lse_fence"):
           # Orders this thread's generic SMEM accesses (the lse / delta / per-q vector loads,
@@ -546,27 +596,35 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
         plgpu.wgmma(dk_acc, ds_smem, q_s)
         plgpu.wgmma_wait(0)  # the slot's Q / dO are read: hand it back
         plgpu.barrier_arrive(free.at[slot])
+        return dkv_rows
 
       def group(gi, base):  # head gi's q blocks, steps base, base + 1, ...
         listed = lists(gi)
         block_of = (lambda m: lo + m) if listed is None else listed[2]
 
         def run(start, stop, masked, carry):  # steps base + [start, stop)
-          def body(m, c):
-            step(base + m, block_of(m), masked)
-            return c
-          return lax.fori_loop(start, stop, body, carry)
+          return lax.fori_loop(start, stop,
+                               lambda m, c: step(base + m, block_of(m), masked, c), carry)
 
+        zero = (plgpu.layout_cast(jnp.zeros((g.bk,), jnp.float32), row),) * n_kvd
         if listed is not None:  # the PARTIAL blocks masked, the FULL ones not
           n_partial, n_full, _ = listed
-          run(_i32(0), n_partial, True, None)
-          run(n_partial, n_partial + n_full, False, None)
-          return base + n_partial + n_full
-        # no FULL blocks by the static bounds alone
-        elementwise = "q_seg" in rs or "maskT" in rs or cfg.mask_mod is not None
-        full = None if elementwise else spec.full_q_block_range(j, g.bq, g.bk, g.nq)
-        _visit(lambda a, z, m, c: run(a - lo, z - lo, m, c), lo, hi, full, masked_any)
-        return base + n
+          dkv_rows = run(_i32(0), n_partial, True, zero)
+          dkv_rows = run(n_partial, n_partial + n_full, False, dkv_rows)
+          steps = n_partial + n_full
+        else:
+          # no FULL blocks by the static bounds alone
+          elementwise = "q_seg" in rs or "maskT" in rs or cfg.mask_mod is not None
+          full = None if elementwise else spec.full_q_block_range(j, g.bq, g.bk, g.nq)
+          dkv_rows = _visit(lambda a, z, m, c: run(a - lo, z - lo, m, c), lo, hi, full,
+                            masked_any, zero)
+          steps = n
+        for buf, ref, x in zip(dkv_smem, dkv_refs, dkv_rows):  # head gi's, out by TMA
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous head's store read it
+          buf[...] = x
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(buf, ref.at[b, hk * G + gi, cols])
+        return base + steps
 
       lax.fori_loop(_i32(0), _i32(G), group, _i32(0))
       return dk_acc[...], dv_acc[...]
@@ -584,12 +642,13 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
 
 # ---- dQ ------------------------------------------------------------------------------
 
-def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
+def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, pos_diff=(0, 0)):
   plgpu = _compat.plgpu()
   wgmma_layout, row, col = _compat.layouts()
   r = dict(zip(names, refs))
   has_bias = "bias" in r
-  n_diff = cfg.num_diff_consts if cfg.score_mod is not None else 0
+  # per-row partial gradients: the per-(b, h) residuals' and the per-q-position ones'
+  n_diff = (cfg.num_diff_consts if cfg.score_mod is not None else 0) + pos_diff[0]
   dq_ref = refs[len(names)]
   dbias_ref = refs[len(names) + 1] if has_bias else None
   dres_refs = refs[len(names) + 1 + has_bias:len(names) + 1 + has_bias + n_diff]
@@ -631,15 +690,17 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
         _wait_loaded(loaded, slot)
         s, dp = _mm_t2(shape, q_smem, k_s, do_smem, v_s)
         v = dict(vecs)
-        if "kv_seg" in rs:
-          v["kv_seg"] = lax.broadcast_in_dim(plgpu.load(rs["kv_seg"].at[slot], layout=col),
-                                             shape, [1])
+        for name in rs:  # kv segment ids, per-kv-position residuals: [bk] per slot
+          if name == "kv_seg" or _is_kv_vector(name):
+            v[name] = lax.broadcast_in_dim(plgpu.load(rs[name].at[slot], layout=col),
+                                           shape, [1])
         if "mask" in rs:
           v["dense"] = _load_mask(rs["mask"].at[slot])
         if has_bias:
           v["bias"] = plgpu.load(rs["bias"].at[slot], layout=wgmma_layout, optimized=False)
-        p, ok, m, sm_vjp = _probs(cfg, s, lse2, q_idx, j * g.bk + kv_iota, masked, v)
-        ds, dres = _dscores(p, dp, delta, ok, m, sm_vjp)
+        p, ok, m, sm_vjp = _probs(cfg, s, lse2, q_idx, j * g.bk + kv_iota, masked, v,
+                                  pos_diff=pos_diff)
+        ds, dres = _dscores(p, dp, delta, ok, m, sm_vjp)  # kv-position ones last: not here
         dres_rows = tuple(a + jnp.sum(t, axis=1) for a, t in zip(dres_rows, dres))
         if has_bias:
           # dL/d(bias) of this tile: the score gradient itself, out through SMEM by TMA (its
@@ -709,7 +770,7 @@ class _KvStream:
         if name in _PAIRS + ("tbias",):
           src = _pair_tile(r[name], b, h, rows, cols)
         else:
-          src = _block(r[name], b, hk, cols)
+          src = _block(r[name], b, h if _is_kv_vector(name) else hk, cols)
         plgpu.copy_gmem_to_smem(src, rs[name].at[slot], bar.at[slot])
 
     _produce(self.steps, fill, free)
@@ -729,9 +790,11 @@ class _KvStream:
 
 
 def _launch(kind, cfg, g: C.Geometry, arrays, masked_any, visits=None, *, body=None,
-            out_type=None):
+            out_type=None, pos_diff=(0, 0)):
   """Build and run one kernel ("dkdv", "dq", or "tangent" with its `body` and `out_type`) on
-  the named operand `arrays` (and its visit lists, `_visit_lists`, read from GMEM)."""
+  the named operand `arrays` (and its visit lists, `_visit_lists`, read from GMEM).
+  `pos_diff`: how many leading per-q- / per-kv-position residuals take gradients (the dQ
+  kernel returns the q ones per row, the dK/dV kernel the kv ones per column)."""
   plgpu = _compat.plgpu()
   arrays = {n: x for n, x in arrays.items()
             if n.rstrip("T") not in _PAIRS or n.endswith("T") == (kind == "dkdv")}
@@ -740,27 +803,32 @@ def _launch(kind, cfg, g: C.Geometry, arrays, masked_any, visits=None, *, body=N
   ring, resident = _operands(kind, {n.rstrip("T"): x for n, x in arrays.items()})
   names = list(arrays)
   dt = arrays["q"].dtype
-  n_diff = cfg.num_diff_consts if cfg.score_mod is not None else 0
+  n_diff = (cfg.num_diff_consts if cfg.score_mod is not None else 0) + pos_diff[0]
+  params = {}
   if kind == "tangent":
     grid, grid_names = (g.B, g.H, g.nq), ("b", "h", "q")
   elif kind == "dkdv":
     body, grid, grid_names = _dkdv_kernel, (g.B, g.Hkv, g.nk), ("b", "h", "kv")
     out_type = (jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), dt),
-                jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), dt))
+                jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), dt),
+                *[jax.ShapeDtypeStruct((g.B, g.H, g.Skvp), jnp.float32)] * pos_diff[1])
+    params["pos_diff"] = pos_diff
   else:
     body, grid, grid_names = _dq_kernel, (g.B, g.H, g.nq), ("b", "h", "q")
+    params["pos_diff"] = pos_diff
     out_type = jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dp), dt)
     outs = [out_type]
     if "bias" in arrays:  # dL/d(score) of every visited tile, [B, H, Sqp, Skvp] float32
       outs.append(jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Skvp), jnp.float32))
-    # per-row partial d(residual) of each differentiable score_mod residual, [B, H, Sqp]
+    # per-row partial d(residual) of each differentiable score_mod residual (per (b, h),
+    # then per q position), [B, H, Sqp]
     outs += [jax.ShapeDtypeStruct((g.B, g.H, g.Sqp), jnp.float32)] * n_diff
     out_type = tuple(outs) if len(outs) > 1 else out_type
   kernel = plgpu.kernel(
       functools.partial(body, cfg=cfg, g=g, masked_any=masked_any, names=names, ring=ring,
-                        resident=resident),
+                        resident=resident, **params),
       out_type=out_type,
-      scratch_types=_scratch(kind, arrays, ring, resident, g, n_diff),
+      scratch_types=_scratch(kind, arrays, ring, resident, g, n_diff, pos_diff[1]),
       grid=grid, grid_names=grid_names,
       kernel_name="flashvjp_tangent" if kind == "tangent" else f"flashvjp_bwd_{kind}",
       num_threads=_WARPGROUPS, thread_name="wg",
@@ -800,18 +868,23 @@ def _reduce_dbias(cfg, ds, bias, g: C.Geometry, visits=None):
   return ds.astype(bias.dtype)
 
 
-def _dconsts(split, dres_rows, user_consts, n_user_diff, Sq):
+def _dconsts(split, dres_rows, dkv_cols, user_consts, n_user_diff, Sq, where: C.Positions):
   """Grads of the differentiable score_mod consts from the dQ kernel's per-row partial
-  d(residual) [B, H, Sqp] (summed over the real rows, then `split.to_consts`), in the
-  consts' dtypes; zeros where the scores do not depend on them."""
+  d(residual) [B, H, Sqp] (per-(b, h) residuals: summed over the real rows; then per-q-
+  position ones, as they are) and the dK/dV kernel's d(per-kv-position residual) [B, H,
+  Skvp], mapped by `split.to_consts` (position ones padded to the family's layout `where`),
+  in the consts' dtypes; zeros where the scores do not depend on them."""
   user = user_consts[:n_user_diff]
   if not n_user_diff:
     return ()
-  if split is None or not split.n_diff:
+  if split is None or split.to_consts is None:
     return tuple(jnp.zeros(jnp.shape(c), jnp.result_type(c)) for c in user)
-  dres = tuple(d[:, :, :Sq].sum(axis=2) for d in dres_rows)  # [B, H]: scalar residuals
-  assert split.to_consts is not None  # set whenever n_diff > 0
-  return tuple(d.astype(jnp.result_type(c)) for d, c in zip(split.to_consts(dres), user))
+  dres = tuple(d[:, :, :Sq].sum(axis=2) for d in dres_rows[:split.n_diff])  # [B, H]
+  pad = lambda x, n: jnp.pad(x, ((0, 0), (0, 0), (0, n - x.shape[2])))
+  dq_pos = tuple(pad(d, where.Sqp) for d in dres_rows[split.n_diff:])
+  dkv_pos = tuple(pad(d, where.Skvp) for d in dkv_cols)
+  grads = split.to_consts(dres, dq_pos, dkv_pos)
+  return tuple(d.astype(jnp.result_type(c)) for d, c in zip(grads, user))
 
 
 def check_supported(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, seed, consts, mod=None,
@@ -864,10 +937,11 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     arrays["bias"] = arrays["bias"].astype(jnp.float32)
     arrays["biasT"] = jnp.swapaxes(arrays["bias"], 2, 3)
   g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g, cfg))
-  dk, dv = _launch("dkdv", cfg, g_dkdv, arrays, ins.masked_any,
-                   _visit_lists(cfg, g_dkdv, q_seg, kv_seg, mask, mod, "kv"))
+  dk, dv, *dkv_cols = _launch("dkdv", cfg, g_dkdv, arrays, ins.masked_any,
+                              _visit_lists(cfg, g_dkdv, q_seg, kv_seg, mask, mod, "kv"),
+                              pos_diff=ins.pos_diff)
   dq_visits = _visit_lists(cfg, g, q_seg, kv_seg, mask, mod, "q")
-  outs = _launch("dq", cfg, g, arrays, ins.masked_any, dq_visits)
+  outs = _launch("dq", cfg, g, arrays, ins.masked_any, dq_visits, pos_diff=ins.pos_diff)
   outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
   dq = outs.pop(0)
   dbias = None
@@ -876,7 +950,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   dq = dq[:, :, :Sq, :D]
   dk = dk[:, :, :Skv, :D]
   dv = dv[:, :, :Skv, :Dv]
-  return dq, dk, dv, dbias, _dconsts(ins.split, outs, user_consts, n_user_diff, Sq)
+  return dq, dk, dv, dbias, _dconsts(ins.split, outs, dkv_cols, user_consts, n_user_diff, Sq,
+                                     F.positions(cfg))
 
 
 @dataclasses.dataclass
@@ -889,6 +964,7 @@ class Inputs:
   masked_any: bool
   split: object  # the score_mod's `C.HeadSplit`, or None
   sm_arrays: tuple  # its per-(b, h) scalar residuals [B, H, 1] (float32 / int32)
+  pos_diff: tuple = (0, 0)  # its per-q- / per-kv-position residuals with gradients
 
 
 def _inputs(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod,
@@ -896,15 +972,18 @@ def _inputs(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   """The operands every kernel of this module shares, padded to whole 64-blocks: q, k, v;
   segment ids; dropout's per-row words; the global kv offset, the score_mod's global q
   and per-(b, h) residuals ("res<n>"), the mask_mod's ("qm", "mres<n>"), one word per row;
-  the dense mask (int8) and bias (its own dtype) as [B|1, H|1, Sqp, Skvp] tiles, with
-  transposed copies for the dK/dV kernel ("maskT", "biasT")."""
+  per-position residuals ("qres<n>" [B, H, Sqp] per row, "kvres<n>" [B, H, Skvp]; the
+  mask_mod's "mqres<n>", "mkvres<n>"); the dense mask (int8) and bias (its own dtype) as
+  [B|1, H|1, Sqp, Skvp] tiles, with transposed copies for the dK/dV kernel ("maskT",
+  "biasT")."""
   if cfg.interpret:
     threads = _compat.interpret_threads_problem(_WARPGROUPS, role)
     if threads is not None:
       raise RuntimeError(f"pallas_mosaic_gpu {role} (interpret): {threads}")
   off = C.offset_operand(offsets)
-  cfg, sm_arrays, mm_arrays, split = F.split_mods(cfg, consts, mod, q.shape[0], q.shape[1],
-                                                  offsets, grads=grads, role=role)
+  mods = F.split_mods(cfg, consts, mod, q.shape[0], q.shape[1], offsets, grads=grads,
+                      role=role)
+  cfg, sm_arrays, mm_arrays, split = mods.cfg, mods.sm_arrays, mods.mm_arrays, mods.split
   f32 = jnp.float32
   word = lambda r: r.astype(f32 if jnp.issubdtype(r.dtype, jnp.inexact) else jnp.int32)
   sm_arrays = tuple(word(r) for r in sm_arrays)
@@ -945,6 +1024,12 @@ def _inputs(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     arrays["qm"] = jnp.broadcast_to(qm, rows)
     for n, r in enumerate(mm_arrays):
       arrays[f"mres{n}"] = jnp.broadcast_to(word(r), rows)
+  for prefix, pos in (("", mods.sm_pos), ("m", mods.mm_pos)):  # per-position residuals
+    if pos is not None:
+      for n, r in enumerate(pos.q):
+        arrays[f"{prefix}qres{n}"] = word(r[..., :g.Sqp])
+      for n, r in enumerate(pos.kv):
+        arrays[f"{prefix}kvres{n}"] = word(r[..., :g.Skvp])
   if mask is not None:
     # int8, padded with False; broadcast seq dims materialised (the kernels read whole
     # tiles), broadcast batch / head dims kept (indexed with 0). The dK/dV kernel reads it
@@ -954,7 +1039,9 @@ def _inputs(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     arrays["mask"], arrays["maskT"] = m, jnp.swapaxes(m, 2, 3)
   if bias is not None:
     arrays["bias"] = _pad_pair_tiles(bias, g)
-  return Inputs(cfg, g, arrays, masked_any, split, sm_arrays)
+  pos = mods.sm_pos
+  pos_diff = (0, 0) if pos is None or not grads else (pos.n_q_diff, pos.n_kv_diff)
+  return Inputs(cfg, g, arrays, masked_any, split, sm_arrays, pos_diff)
 
 
 def _pad_pair_tiles(x, g: C.Geometry):

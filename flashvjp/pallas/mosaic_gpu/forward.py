@@ -234,9 +234,12 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
   u32 = jnp.uint32
   pairs = {n: f for n, f in (("bias", bias), ("mask", mask)) if f is not None}
   streamed = [n for n, f in pairs.items() if f.kind != "q"]  # read from the ring slots
-  # per-slot side data (kv ids, bias / mask blocks) is read after the QK product with
-  # generic loads: the K slot is released only after them, behind a proxy fence
-  late_release = segments or bool(streamed)
+  # the mods' per-kv-position words, streamed with K: "modkvi" / "modkvf" [count, bk] a slot
+  col_words = [(kind, count) for kind, count in (("i", mr.n_kv_int), ("f", mr.n_kv_float))
+               if count]
+  # per-slot side data (kv ids, bias / mask blocks, kv words) is read after the QK product
+  # with generic loads: the K slot is released only after them, behind a proxy fence
+  late_release = segments or bool(streamed) or bool(col_words)
 
   def wait(name, barrier):
     if skip_wait != name:
@@ -346,6 +349,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         wait("k_loaded", R["kseg_bar"].at[slot])
       for n in streamed:
         wait("k_loaded", R[n + "_bar"].at[slot])
+      for kind, _ in col_words:
+        wait("k_loaded", R[f"modkv{kind}_bar"].at[slot])
 
     def step(n, carry, masked_step):
       m, l, acc = carry
@@ -375,6 +380,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       dense = None if mask is None else pair_value("mask") != 0.0
       if segments:
         kv_seg = mg.load(R["kseg_s"].at[slot], layout=_compat.wgmma_col_layout())  # [bk]
+      cols = {kind: [mg.load(R[f"modkv{kind}_s"].at[slot, c], layout=_compat.wgmma_col_layout())
+                     for c in range(count)] for kind, count in col_words}
       if late_release and skip_wait != "side_fence":
         mg.commit_smem()  # the slot's side data is read: fence it against the TMA refill
       mg.barrier_arrive(R["k_free"].at[slot])
@@ -389,7 +396,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         else:
           ok = spec.allowed(qi, ki, dense=dense)
         if cfg.mask_mod is not None:  # at positions clamped into the real ones, global
-          ok = ok & mr.allowed(cfg, words, ki, (rows, bk))
+          ok = ok & mr.allowed(cfg, words, ki, (rows, bk), cols)
       if cfg.score_mod is None:
         s = s * scale2
         if bias_v is not None:  # in the exp2 domain: bias * log2(e)
@@ -398,7 +405,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         st = C.masked_scores_for_mod(cfg, s, ok) * f32(cfg.scale)
         if bias_v is not None:
           st = st + bias_v
-        s = mr.score(cfg, words, st, ki) * LOG2E
+        s = mr.score(cfg, words, st, ki, cols) * LOG2E
       if masked_step:
         assert ok is not None
         m_new = jnp.maximum(m, jnp.where(ok, s, neg).max(axis=1))
@@ -503,6 +510,9 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         src = (R[name].at[bb, hb, blk] if pairs[name].kind == "kv"
                else R[name].at[bb, hb, pl_ds(i * p.bq, p.bq), blk])
         mg.copy_gmem_to_smem(src, R[name + "_s"].at[slot], R[name + "_bar"].at[slot])
+      for kind, _ in col_words:
+        mg.copy_gmem_to_smem(R[f"modkv_{kind}"].at[b, h, :, blk], R[f"modkv{kind}_s"].at[slot],
+                             R[f"modkv{kind}_bar"].at[slot])
 
       @_compat.when(n >= slots)
       def _wait_v_free():
@@ -516,7 +526,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
   in_names = (["q", "k", "v"] + (["q_seg", "kv_seg"] if segments else [])
               + (["drop_rows"] if dropout else []) + list(pairs)
               + ([] if not has_mods else ["mod_i"] + (["mod_f"] if mr.n_float else []))
-              + (["visits"] if lists else []))
+              + [f"modkv_{kind}" for kind, _ in col_words] + (["visits"] if lists else []))
   smem = functools.partial(_compat.smem_tile, dtype=dtype)
   tiles = {"q_s": smem((nc, rows, p.Dp)),
            "o_s": None if p.Dvp == p.Dp else smem((nc, rows, p.Dvp)),
@@ -544,6 +554,9 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       if count:
         tiles[f"mod{kind}_s"] = mg.SMEM((nc, count, rows), dt)
         bars[f"mod{kind}_bar"] = mg.Barrier(num_barriers=nc)
+  for kind, count in col_words:
+    tiles[f"modkv{kind}_s"] = mg.SMEM((slots, count, bk), jnp.int32 if kind == "i" else f32)
+    bars[f"modkv{kind}_bar"] = mg.Barrier(num_barriers=slots)
   for n, f in pairs.items():
     shape = {"q": (nc, rows), "kv": (slots, bk), "tile": (slots, p.bq, bk)}[f.kind]
     tiles[n + "_s"] = mg.SMEM(shape, f.dtype)
@@ -634,62 +647,91 @@ class ModRows:
 
   int32 words: 0 the global kv offset kv0, 1 the global q of each row (the score_mod's),
   2 the global q clamped into the real rows (the mask_mod's), then the integer per-(b, h)
-  residuals; float32 words: the float residuals. `order`: per residual of the score_mod
-  (then of the mask_mod), in its tile part's order, ("i" | "f", word index).
+  residuals and per-q-position residuals; float32 words: the float ones. `sm_order` /
+  `mm_order`: per residual of the score_mod / mask_mod tile part, in its order (per-(b, h)
+  ones, then q-position ones), ("i" | "f", word index). Per-kv-position residuals are
+  column words streamed with K (int32 [n_kv_int, bk] and float32 [n_kv_float, bk] per ring
+  slot): `sm_kv` / `mm_kv` ("i" | "f", column word index), after the row ones.
   """
 
   n_int: int
   n_float: int
   sm_order: tuple = ()
   mm_order: tuple = ()
+  n_kv_int: int = 0
+  n_kv_float: int = 0
+  sm_kv: tuple = ()
+  mm_kv: tuple = ()
 
-  def _res(self, words, order, shape):
-    return tuple(_rows(words[kind][n], shape) for kind, n in order)
+  def _res(self, words, order, shape, cols=None, kv_order=()):
+    rows = tuple(_rows(words[kind][n], shape) for kind, n in order)
+    return rows + tuple(lax.broadcast_in_dim(cols[kind][n], shape, [1]) for kind, n in kv_order)
 
-  def score(self, cfg: AttentionConfig, words, st, ki):
+  def score(self, cfg: AttentionConfig, words, st, ki, cols=None):
     """The score_mod's tile part at global positions (b, h folded into its residuals)."""
     assert cfg.score_mod is not None
     score_mod, shape = cfg.score_mod, st.shape
     q = _rows(words["i"][1], shape)
     kv = ki + _rows(words["i"][0], shape)
     mod = jnp.vectorize(lambda x, q_, k_, *r: score_mod(x, 0, 0, q_, k_, *r))
-    return mod(st, q, kv, *self._res(words, self.sm_order, shape))
+    return mod(st, q, kv, *self._res(words, self.sm_order, shape, cols, self.sm_kv))
 
-  def allowed(self, cfg: AttentionConfig, words, ki, shape):
+  def allowed(self, cfg: AttentionConfig, words, ki, shape, cols=None):
     """The mask_mod's tile part at global positions clamped into the real sequences."""
     assert cfg.mask_mod is not None
     mask_mod = cfg.mask_mod
     q = _rows(words["i"][2], shape)
     kv = jnp.minimum(ki, cfg.seq_kv - 1) + _rows(words["i"][0], shape)
     fn = jnp.vectorize(lambda q_, k_, *r: mask_mod(0, 0, q_, k_, *r))
-    return fn(q, kv, *self._res(words, self.mm_order, shape))
+    return fn(q, kv, *self._res(words, self.mm_order, shape, cols, self.mm_kv))
 
 
-def mod_rows(cfg: AttentionConfig, sm_arrays, mm_arrays, p: Plan, offsets=None):
-  """(ModRows, int32 [B, H, n_int, Sqp], float32 [B, H, n_float, Sqp] or None): the per-row
-  words of the score_mod's / mask_mod's tile parts (`ModRows`); `sm_arrays` / `mm_arrays`
-  their per-(b, h) scalar residuals [B, H, 1] (`_common.split_per_head` / `split_mask_mod`,
-  global (b, h) folded in through `offsets`)."""
+def mod_rows(cfg: AttentionConfig, sm_arrays, mm_arrays, p: Plan, offsets=None, sm_pos=None,
+             mm_pos=None):
+  """(ModRows, int32 [B, H, n_int, Sqp], float32 [B, H, n_float, Sqp] or None, int32
+  [B, H, n_kv_int, Skvp] or None, float32 [B, H, n_kv_float, Skvp] or None): the per-row
+  and per-kv-column words of the score_mod's / mask_mod's tile parts (`ModRows`);
+  `sm_arrays` / `mm_arrays` their per-(b, h) scalar residuals [B, H, 1]
+  (`_common.split_per_head` / `split_mask_mod`, global (b, h) folded in through `offsets`),
+  `sm_pos` / `mm_pos` their per-position residuals (`_common.PosResiduals` or None)."""
   _, _, q0, kv0 = (0, 0, 0, 0) if offsets is None else tuple(offsets)
   i32 = lambda o: jnp.asarray(o, jnp.int32)
-  shape = (p.B, p.H, p.Sqp)
   q = jnp.arange(p.Sqp, dtype=jnp.int32)
   ints = [i32(kv0), q + i32(q0), jnp.minimum(q, p.Sq - 1) + i32(q0)]
   floats: list = []
-  orders = []
-  for arrays in (sm_arrays, mm_arrays):
-    order = []
+  kv_ints: list = []
+  kv_floats: list = []
+  orders, kv_orders = [], []
+
+  def place(r, fl, it, order):
+    if jnp.issubdtype(r.dtype, jnp.inexact):
+      order.append(("f", len(fl)))
+      fl.append(r.astype(jnp.float32))
+    else:
+      order.append(("i", len(it)))
+      it.append(r.astype(jnp.int32))
+
+  for arrays, pos in ((sm_arrays, sm_pos), (mm_arrays, mm_pos)):
+    order: list = []
+    kv_order: list = []
     for r in arrays:
-      if jnp.issubdtype(r.dtype, jnp.inexact):
-        order.append(("f", len(floats)))
-        floats.append(r.astype(jnp.float32))
-      else:
-        order.append(("i", len(ints)))
-        ints.append(r.astype(jnp.int32))
+      place(r, floats, ints, order)
+    if pos is not None:
+      for r in pos.q:
+        place(r[..., :p.Sqp], floats, ints, order)
+      for r in pos.kv:
+        place(r[..., :p.Skvp], kv_floats, kv_ints, kv_order)
     orders.append(tuple(order))
-  stack = lambda xs, dt: jnp.stack([jnp.broadcast_to(x, shape).astype(dt) for x in xs], axis=2)
-  rows = ModRows(len(ints), len(floats), orders[0], orders[1])
-  return rows, stack(ints, jnp.int32), (stack(floats, jnp.float32) if floats else None)
+    kv_orders.append(tuple(kv_order))
+
+  def stack(xs, dt, n):
+    shape = (p.B, p.H, n)
+    return jnp.stack([jnp.broadcast_to(x, shape).astype(dt) for x in xs], axis=2) if xs else None
+
+  rows = ModRows(len(ints), len(floats), orders[0], orders[1], len(kv_ints), len(kv_floats),
+                 kv_orders[0], kv_orders[1])
+  return (rows, stack(ints, jnp.int32, p.Sqp), stack(floats, jnp.float32, p.Sqp),
+          stack(kv_ints, jnp.int32, p.Skvp), stack(kv_floats, jnp.float32, p.Skvp))
 
 
 def visit_entries(counts, blocks):
@@ -762,32 +804,83 @@ def dropout_rows(cfg: AttentionConfig, seed, p: Plan, offsets=None):
   return jnp.stack([jnp.broadcast_to(x, shape) for x in words], axis=2)
 
 
+def positions(cfg: AttentionConfig) -> C.Positions:
+  """The family's per-position residual layout (`_common.split_per_head(positions=)`): q and
+  kv positions (no kv_idx - q_idx rows), padded to 128 (every kernel's blocks divide it;
+  each slices its own padded length)."""
+  return C.Positions(cfg.seq_q, cfg.seq_kv, _round_up(cfg.seq_q, 128),
+                     _round_up(cfg.seq_kv, 128), rel=False)
+
+
+@dataclasses.dataclass
+class Mods:
+  """A score_mod / mask_mod split for these kernels (`split_mods`)."""
+
+  cfg: AttentionConfig  # with the tile parts
+  sm_arrays: tuple  # the score_mod's per-(b, h) scalar residuals [B, H, 1]
+  mm_arrays: tuple  # the mask_mod's
+  split: object  # the score_mod's `C.HeadSplit`, or None
+  sm_pos: object  # its per-position residuals (`C.PosResiduals`), or None
+  mm_pos: object  # the mask_mod's
+
+
 def split_mods(cfg: AttentionConfig, consts, mod, B: int, H: int, offsets=None, *,
-               grads: bool = False, role: str = "forward"):
-  """(cfg with the score_mod's and mask_mod's tile parts, the score_mod's per-(b, h) scalar
-  residuals [B, H, 1], the mask_mod's, the `C.HeadSplit` or None) (`_common.split_per_head`
-  with gradients to the differentiable consts when `grads`, `split_mask_mod`; global (b, h)
-  through `offsets`). A residual that is an array per head (a read by position among them)
-  is refused, naming the kernel (`role`: "forward" / "backward")."""
+               grads: bool = False, role: str = "forward") -> Mods:
+  """The score_mod's and mask_mod's tile parts, per-(b, h) scalar residuals and per-position
+  residuals (`_common.split_per_head` with gradients to the differentiable consts when
+  `grads`, `split_mask_mod`; global (b, h) and positions through `offsets`). A residual that
+  is an array per head is refused, naming the kernel (`role`: "forward" / "backward")."""
   f32 = jnp.float32
   sm_arrays: tuple = ()
   split = None
+  where = positions(cfg)
   if cfg.score_mod is not None:
     cfg, consts = C.hoist_score_mod(cfg, consts, f32)
     split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), f32, B, H,
-                             grads=grads, offsets=offsets)
+                             grads=grads, offsets=offsets, positions=where)
     if not all(split.scalar):
       raise NotImplementedError(
           f"the pallas_mosaic_gpu {role} supports a score_mod whose per-head values are"
           " scalars (softcap, ALiBi slopes), not arrays per head; use"
           " implementation='pallas_triton'")
+    if split.pos is not None and split.pos.rel:
+      raise NotImplementedError(
+          f"the pallas_mosaic_gpu {role} does not read tables by kv_idx - q_idx; use"
+          " implementation='pallas_triton'")
     cfg, sm_arrays = split.cfg, split.arrays
-  msplit = C.split_mask_mod(cfg, mod, B, H, offsets)
+  msplit = C.split_mask_mod(cfg, mod, B, H, offsets, where)
   if not all(msplit.scalar):
     raise NotImplementedError(
         f"the pallas_mosaic_gpu {role} supports a mask_mod whose per-head values are scalars,"
         " not arrays per head; use implementation='pallas_triton'")
-  return msplit.cfg, sm_arrays, msplit.arrays, split
+  sm_pos = None if split is None else split.pos
+  cfg = msplit.cfg
+  if cfg.score_mod is not None:
+    cfg = dataclasses.replace(cfg, score_mod=_float32_words(
+        cfg.score_mod, sm_arrays, sm_pos, lead=5))
+  if cfg.mask_mod is not None:
+    cfg = dataclasses.replace(cfg, mask_mod=_float32_words(
+        cfg.mask_mod, msplit.arrays, msplit.pos, lead=4))
+  return Mods(cfg, sm_arrays, msplit.arrays, split, sm_pos, msplit.pos)
+
+
+def _float32_words(tile, arrays, pos, lead: int):
+  """`tile` taking its float residuals as the kernels' float32 words: each is cast back to
+  its own dtype inside (a float64 array under x64 made float64 residuals, and the tile part
+  was traced with them), a score_mod's result to its score's dtype; `tile` itself when
+  every float residual is float32."""
+  dtypes = [x.dtype for x in arrays]
+  if pos is not None:
+    dtypes += [x.dtype for x in pos.q] + [x.dtype for x in pos.kv]
+  if all(not jnp.issubdtype(d, jnp.inexact) or d == jnp.float32 for d in dtypes):
+    return tile
+
+  def cast(*args):
+    res = tuple(jnp.asarray(x).astype(d) if jnp.issubdtype(d, jnp.inexact) else x
+                for x, d in zip(args[lead:], dtypes))
+    out = tile(*args[:lead], *res)
+    return jnp.asarray(out).astype(jnp.asarray(args[0]).dtype) if lead == 5 else out  # s's
+  return cast
 
 
 def pl_ds(start, size):
@@ -824,14 +917,16 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   if problem is not None:
     raise NotImplementedError(f"pallas_mosaic_gpu forward: {problem}")
   forms = [None if x is None else PairForm.of(x) for x in (bias, mask)]
-  cfg, sm_arrays, mm_arrays, _ = split_mods(cfg, consts, mod, q.shape[0], q.shape[1],
-                                             offsets)
+  mods_split = split_mods(cfg, consts, mod, q.shape[0], q.shape[1], offsets)
+  cfg = mods_split.cfg
   has_mods = cfg.score_mod is not None or cfg.mask_mod is not None
+  n_cols = sum(len(x.kv) for x in (mods_split.sm_pos, mods_split.mm_pos) if x is not None)
   p = plan(q.shape, k.shape, v.shape, block_kv=block_kv, slots=slots, consumers=consumers,
            elementwise=(q_seg is not None or cfg.dropout_active or bias is not None
                         or mask is not None or has_mods),
            slot_extra=lambda bq, bk: (4 * bk if q_seg is not None else 0) + sum(
-               f.slot_bytes(bq, bk) for f in forms if f is not None), pingpong=pingpong)
+               f.slot_bytes(bq, bk) for f in forms if f is not None) + 4 * bk * n_cols,
+           pingpong=pingpong)
   if interpret is None and cfg.interpret:
     interpret = _compat.interpret_params(detect_races=True)
   if interpret:
@@ -839,9 +934,11 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     if threads is not None:
       raise RuntimeError(f"pallas_mosaic_gpu forward (interpret): {threads}")
   segments = q_seg is not None
-  mods = words_i = words_f = None
+  mods = words_i = words_f = cols_i = cols_f = None
   if has_mods:
-    mods, words_i, words_f = mod_rows(cfg, sm_arrays, mm_arrays, p, offsets)
+    mods, words_i, words_f, cols_i, cols_f = mod_rows(
+        cfg, mods_split.sm_arrays, mods_split.mm_arrays, p, offsets, mods_split.sm_pos,
+        mods_split.mm_pos)
   q_seg_p = kv_seg_p = None
   if segments:  # padding repeats the edge id (the mask model masks padded positions)
     q_seg_p, kv_seg_p = (x.astype(jnp.int32) for x in C.pad_segments(q_seg, kv_seg, p))
@@ -861,7 +958,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   for x, f in zip((bias, mask), forms):
     if f is not None:
       operands.append(f.operand(x, p))
-  operands += [x for x in (words_i, words_f, visit) if x is not None]
+  operands += [x for x in (words_i, words_f, cols_i, cols_f, visit) if x is not None]
   out, *rows = kernel(*operands)
   # lse (+ the row maxima with cfg.max_logits), -inf at empty rows
   rows = C.neg_inf_at_empty([x[:, :, : p.Sq] for x in rows], jnp.float32)

@@ -34,6 +34,7 @@ from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas.mosaic_gpu import _compat
 from flashvjp.pallas.mosaic_gpu import backward as Bw
+from flashvjp.pallas.mosaic_gpu import forward as F
 
 # Hopper's opt-in shared memory per block (227 KiB).
 SMEM_LIMIT = 232448
@@ -52,7 +53,6 @@ def _tangent_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident
   wg = lax.axis_index("wg")
   rows = pl.ds(i * g.bq, g.bq)
   kv = Bw._KvStream(cfg, g, r, b, h, i)
-  n_tres = Bw._num_res(r, "tres")
   f32 = jnp.float32
 
   @pl.when(wg == 1)
@@ -69,7 +69,6 @@ def _tangent_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident
     lse2 = per_q(plgpu.load(res["lse"], layout=row))
     vecs = {name: per_q(plgpu.load(res[name], layout=row)) for name in res
             if Bw._is_q_vector(name)}
-    tres = tuple(vecs.pop(f"tres{n}") for n in range(n_tres))
     q_idx = i * g.bq + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
     kv_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
 
@@ -93,9 +92,10 @@ def _tangent_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident
         tk_s = rs["tk"].at[slot] if "tk" in rs else None
         s, ts = scores(rs["k"].at[slot], tk_s)
         v = dict(vecs)
-        if "kv_seg" in rs:
-          v["kv_seg"] = lax.broadcast_in_dim(plgpu.load(rs["kv_seg"].at[slot], layout=col),
-                                             shape, [1])
+        for name in rs:  # kv segment ids, per-kv-position residuals (and tangents) per slot
+          if name == "kv_seg" or Bw._is_kv_vector(name):
+            v[name] = lax.broadcast_in_dim(plgpu.load(rs[name].at[slot], layout=col),
+                                           shape, [1])
         if "mask" in rs:
           v["dense"] = Bw._load_mask(rs["mask"].at[slot])
         if "bias" in rs:
@@ -106,7 +106,7 @@ def _tangent_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident
           ts = ts + plgpu.load(rs["tbias"].at[slot], layout=wgmma_layout,
                                optimized=False).astype(f32)
         p, ok, m, ts = Bw._probs(cfg, s, lse2, q_idx, j * g.bk + kv_iota, masked, v,
-                                 tangent=(ts, tres))
+                                 tangent=ts)
         pt = p * ts
         if ok is not None:  # a select: a masked entry contributes exactly nothing
           pt = jnp.where(ok, pt, f32(0.0))
@@ -180,9 +180,15 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   f32 = jnp.float32
   if cfg.score_mod is not None and any(t is not None for t in tconsts):
     hcfg, hconsts = C.hoist_score_mod(cfg, consts, f32)
-    res_t, _ = C.residual_tangents(hcfg, hconsts, tconsts, f32, g.B, g.H, ins.split, offsets)
+    res_t, pos_t = C.residual_tangents(hcfg, hconsts, tconsts, f32, g.B, g.H, ins.split,
+                                       offsets, F.positions(cfg))
     for n, t in enumerate(res_t):  # the first len(res_t) residuals are the float ones
       arrays[f"tres{n}"] = jnp.broadcast_to(t.astype(f32), (g.B, g.H, g.Sqp))
+    if pos_t is not None:  # the float per-position residuals' tangents (floats first)
+      for n, t in enumerate(pos_t.q):
+        arrays[f"tqres{n}"] = t[..., :g.Sqp].astype(f32)
+      for n, t in enumerate(pos_t.kv):
+        arrays[f"tkvres{n}"] = t[..., :g.Skvp].astype(f32)
   cfg = ins.cfg
   if bias is not None:  # a 16-bit bias keeps its dtype (shared memory), else float32
     dt = bias.dtype if jnp.dtype(bias.dtype).itemsize == 2 else f32
