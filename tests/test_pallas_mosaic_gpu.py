@@ -317,6 +317,12 @@ def test_refuses_what_it_does_not_implement():
     assert not ok and word in reason, reason
   ok, reason = _limits.supports(**dict(common, interpret=False), dtype=jnp.bfloat16)
   assert not ok and "CUDA" in reason
+  # compiled, a mod's float64 array (x64) is refused: the kernels read float32 words
+  wide = dict(common, interpret=False, platform="gpu", dtype=jnp.bfloat16, has_score_mod=True,
+              score_mod=lambda s, b, h, i, j, t: s + t[j])
+  ok, reason = _limits.supports(**wide, score_mod_consts=(jnp.ones((64,), jnp.float64),))
+  assert not ok and "float64" in reason and "pallas_triton" in reason, reason
+  assert _limits.supports(**wide, score_mod_consts=(jnp.ones((64,), jnp.float32),))[0]
 
 
 # ---- deviceless sm_90a compile (CUDA plugin, no GPU) ---------------------------------------
@@ -358,6 +364,16 @@ _COMPILE = textwrap.dedent("""
         mcfg = dataclasses.replace(cfg, score_mod=sm, num_diff_consts=1)
         f = lambda q, k, v, sl: F.forward(mcfg, q, k, v, None, None, None, None, None, (sl,))
         args = (q, kv, kv, jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sh))
+      elif variant == "positions":  # arrays read by position: a per-key bias, document ids
+        from flashvjp._mask_mod import ModInputs
+        mcfg = dataclasses.replace(
+            cfg, causal=False, score_mod=lambda s, b, h, i, j, bv: s + bv[b, j],
+            num_diff_consts=1, mask_mod=lambda b, h, i, j, d: (d[b, i] == d[b, j]) & (j <= i),
+            mask_mod_blocks=(32, 64))
+        f = lambda q, k, v, bv, d: F.forward(mcfg, q, k, v, None, None, None, None, None,
+                                             (bv,), ModInputs(None, (d,)))
+        args = (q, kv, kv, jax.ShapeDtypeStruct((1, S), jnp.float32, sharding=sh),
+                jax.ShapeDtypeStruct((1, S), jnp.int32, sharding=sh))
       elif variant == "mask_mod":  # prefix LM lengths per batch
         from flashvjp._mask_mod import ModInputs
         mcfg = dataclasses.replace(cfg, mask_mod=lambda b, h, i, j, n: (j <= i) | (j < n[b]))
@@ -370,7 +386,8 @@ _COMPILE = textwrap.dedent("""
       jax.jit(f).lower(*args).compile()
       print("COMPILED", variant, flush=True)
 """)
-VARIANTS = ("causal", "segments", "dropout", "bias", "mask", "score_mod", "mask_mod")
+VARIANTS = ("causal", "segments", "dropout", "bias", "mask", "score_mod", "mask_mod",
+            "positions")
 
 
 def compile_sm90(D, S, variants, dump_dir):
@@ -408,8 +425,8 @@ def test_parse_ptxas():
                     reason="the deviceless sm_90a compile needs jax-cuda12-plugin")
 @pytest.mark.parametrize("D", [64, 128])
 def test_compiles_for_sm90a_without_spills(D, tmp_path):
-  """Causal forwards (plain, segment ids, dropout, bias, dense mask, a score_mod, a mask_mod)
-  compile for H100 with no register spill and within the SMEM of a Hopper block (227 KiB)."""
+  """Causal forwards (plain, segment ids, dropout, bias, dense mask, a score_mod, a mask_mod,
+  mods reading arrays by position) compile for H100 with no register spill and within the SMEM of a Hopper block (227 KiB)."""
   found = compile_sm90(D, 1024, VARIANTS, tmp_path)
   for variant, (regs, spills, smem) in found.items():
     print(f"sm_90a forward D={D} causal {variant}: {regs} registers (at launch; setmaxnreg"

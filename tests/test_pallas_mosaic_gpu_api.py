@@ -277,3 +277,39 @@ def test_visit_lists_are_the_mask_models_non_empty_blocks():
   check(Bw._visit_lists(cfg, g, ids, ids, mask, None, "q"), g, "q")
   g32 = C.Geometry(B=B, H=H, Hkv=H, Sq=S, Skv=S, D=D, Dv=D, bq=32, bk=64, Dp=64, Dvp=64)
   check(Bw._visit_lists(cfg, g32, ids, ids, mask, None, "kv"), g32, "kv")
+
+
+def test_position_arrays_grads_through_flash_attention_against_float64():
+  """`jax.value_and_grad` through `flash_attention` with a score_mod reading a per-(batch,
+  key) bias (float32) and a per-query temperature (float64 under x64: read as float32 words,
+  cast back inside the tile part) and `document_causal`: the Mosaic-GPU kernels take them
+  (explain says so), and out and the gradients to q, k, v and both arrays match float64."""
+  q, k, v = _qkv(B=2, H=2, Hkv=1, S=160, seed=11)
+  rng = np.random.default_rng(12)
+  bias_vec = jnp.asarray(rng.standard_normal((2, 160)), jnp.float32)
+  temp = jnp.asarray(rng.uniform(0.5, 1.5, (160,)), jnp.float64)
+  ids = jnp.asarray(np.cumsum(rng.random((2, 160)) < 0.02, axis=1), jnp.int32)
+  mask_mod = flashvjp.document_causal(ids)
+
+  def f(impl):
+    def run(q, k, v, bv, t):
+      return flashvjp.flash_attention(q, k, v, implementation=impl, mask_mod=mask_mod,
+                                      score_mod=lambda s, b, h, i, j: s * t[i] + bv[b, j])
+    return run
+
+  assert flashvjp.explain(q, k, v, implementation=IMPL, mask_mod=mask_mod,
+                          score_mod=lambda s, b, h, i, j: s + bias_vec[b, j]).implementation \
+      == IMPL
+  w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  loss = lambda impl: lambda *a: jnp.sum(f(impl)(*a).astype(jnp.float32) * w)
+  got = jax.value_and_grad(loss(IMPL), argnums=(0, 1, 2, 3, 4))(q, k, v, bias_vec, temp)
+  f64 = lambda xs: tuple(x.astype(jnp.float64) for x in xs)
+  ref = jax.value_and_grad(loss("naive"), argnums=(0, 1, 2, 3, 4))(*f64((q, k, v, bias_vec,
+                                                                        temp)))
+  tol = flashvjp._check.tolerance(jnp.bfloat16, IMPL)
+  names = ["out . w", "dq", "dk", "dv", "dbias_vec", "dtemp"]
+  for name, g, r in zip(names, jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+    g, r = np.asarray(jnp.asarray(g, jnp.float64)), np.asarray(r)
+    err = np.abs(g - r).max() / max(np.abs(r).max(), 1e-30)
+    assert np.isfinite(g).all() and err < tol, (name, err, tol)
+  assert got[1][4].dtype == jnp.float64  # the gradient in the array's own dtype

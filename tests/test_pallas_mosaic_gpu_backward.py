@@ -422,7 +422,15 @@ cfg = AttentionConfig(scale=D ** -0.5, causal=True, window=None, seq_q=S, seq_kv
                       mask_mod=(lambda b, h, q, kv, n: (kv <= q) | (kv < n[b]))
                       if "prefix" in features else None)
 mm = ModInputs(None, (jnp.asarray([300], jnp.int32),)) if "prefix" in features else None
+if "pos" in features:  # arrays read by position: a per-key bias (with its gradient), doc ids
+  cfg = AttentionConfig(scale=D ** -0.5, causal=True, window=None, seq_q=S, seq_kv=S,
+                        dropout_rate=rate, blocks=BlockSizes(), interpret=False,
+                        score_mod=lambda s, b, h, q, kv, bv: s + bv[b, kv], num_diff_consts=1,
+                        mask_mod=lambda b, h, q, kv, d: d[b, q] == d[b, kv],
+                        mask_mod_blocks=(32, 64))
+  mm = ModInputs(None, (jnp.zeros((B, S), jnp.int32),))
 consts = (jnp.linspace(0.1, 0.5, H, dtype=jnp.float32),) if "mod" in features else ()
+consts = (jnp.zeros((B, S), jnp.float32),) if "pos" in features else consts
 seed = jnp.asarray([1, 2], jnp.uint32) if rate else None
 mask = jnp.tril(jnp.ones((S, S), bool))[None, None] if "mask" in features else None
 bias = jnp.ones((1, H, S, S), jnp.float32) if "bias" in features else None
@@ -481,10 +489,11 @@ def test_sm90a_sass_has_wgmma_and_tma_in_the_main_loops(tmp_path):
 @pytest.mark.skipif(not _cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
                     "sm_90a compile); no GPU needed")
 @pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (64, "mod+bias+prefix"),
-                                        (128, "seg+drop+mask+bias+off")])
+                                        (128, "seg+drop+mask+bias+off"), (128, "pos")])
 def test_sm90a_compile_no_spills(D, features, tmp_path):
   """Both kernels (causal, GQA, bf16, S=1024; with segment ids, dropout at global offsets, a
-  dense mask, a bias with its gradient, a score_mod, a mask_mod) compile for sm_90a with the CUDA plugin's Mosaic compiler; ptxas reports no spill and
+  dense mask, a bias with its gradient, a score_mod, a mask_mod, arrays read by position) compile
+  for sm_90a with the CUDA plugin's Mosaic compiler; ptxas reports no spill and
   shared memory fits an H100 / H200 block."""
   _compile_sm90a(D, features, tmp_path)
   for kernel in ("flashvjp_bwd_dkdv", "flashvjp_bwd_dq"):

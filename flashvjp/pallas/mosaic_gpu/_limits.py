@@ -64,6 +64,12 @@ def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
       return False, problem
   if interpret:
     return True, f"Mosaic-GPU kernels in interpret mode on {platform!r}"
+  wide = [jnp.dtype(jnp.result_type(c)).name for c in tuple(score_mod_consts or ())
+          + tuple(mask_mod_consts or ()) if jnp.dtype(jnp.result_type(c)).itemsize > 4
+          and jnp.issubdtype(jnp.result_type(c), jnp.inexact)]
+  if wide:
+    return False, (f"a mod closes over {wide[0]} arrays: the compiled Mosaic-GPU kernels read"
+                   " float32 words; pass float32 arrays or use implementation='pallas_triton'")
   if platform not in _COMPILED_PLATFORMS:
     return False, (f"the compiled Mosaic-GPU kernels need a CUDA GPU (sm_90a), not"
                    f" {platform!r}; use interpret=True")

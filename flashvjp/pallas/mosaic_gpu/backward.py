@@ -73,8 +73,12 @@ zeros to a multiple of 64), GQA / MQA, causal, window, segment ids, a dense mask
 and dbias, dropout, any sequence lengths (padded to whole 64-blocks), a cotangent on lse
 (folded into delta), global offsets (a ring chunk pair: dropout and the score_mod read
 them), a score_mod (with differentiable consts) and a mask_mod with scalar per-head
-residuals. Not yet: per-head array residuals; `backward` refuses them by name before any
-kernel runs.
+residuals and arrays read by one position: per-q-position values travel like lse ("qres<n>"),
+per-kv-position ones with the kv blocks ("kvres<n>": the dQ kernel's ring, and in the dK/dV
+kernel's ring per step, by query head); their gradients are the dQ kernel's per-row sums and
+the dK/dV kernel's per-column sums (one [B, H, Skvp] output each, written per query head),
+mapped to the arrays by `HeadSplit.to_consts`. Not yet: per-head array residuals, tables
+read by kv_idx - q_idx; `backward` refuses them by name before any kernel runs.
 """
 from __future__ import annotations
 

@@ -52,8 +52,13 @@ the global kv offset ride as per-row words loaded with Q), as every family appli
 the mask_mod joins the elementwise mask of the PARTIAL blocks (its block classes, at the
 family's finest blocks `_config.PALLAS_MOSAIC_GPU_BLOCKS`, make the visit lists).
 
-Not implemented (refused before any kernel is built): mods reading arrays by position (an
-array residual per head), float32 / float64 inputs, a float32 out.
+Arrays a mod reads by one position (`document_causal`'s ids, a per-key bias, a per-query
+temperature; `_common.PosResiduals`): per-q-position values are more per-row words (loaded
+with Q), per-kv-position ones column words streamed with K (int32 / float32 [n, bk] per
+ring slot, read generically before the slot's release, like the kv ids).
+
+Not implemented (refused before any kernel is built): tables read by kv_idx - q_idx, arrays
+per head, float32 / float64 inputs, a float32 out.
 """
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ returns a (the caller subtracts mu * out where out's rows are, `flashvjp._delta`
 
 Takes what the backward takes: bfloat16 / float16, head dims <= 128, GQA / MQA, causal,
 window, segment ids, a dense mask, a bias (and its tangent), dropout, global offsets, a
-score_mod with per-(b, h) scalar residuals (and the tangents of its float ones) and a
+score_mod with per-(b, h) scalar residuals and arrays read by one position (and the
+tangents of its float ones: per-row words, and column words streamed with K) and a
 mask_mod. Bias tiles keep a 16-bit bias' dtype (else float32); a configuration whose ring
 does not fit Hopper's shared memory is refused by name (`smem_problem`).
 """
