@@ -248,6 +248,7 @@ def mosaic_cases(smoke):
   """[(name, dims, kwargs, None)] of the Mosaic-GPU family in priority order (16-bit only)."""
   S, S2, mask, seg_q, seg_kv = _case_arrays(smoke)
   bias = 0.5 * jax.random.normal(jax.random.key(9), (2, 4, S, S2), jnp.float32)
+  kv_bias = jnp.cos(jnp.arange(2 * S2, dtype=jnp.float32)).reshape(2, S2)  # read by kv position
   base = dict(B=2, H=4, Hkv=2, Sq=S, Skv=S2, D=64, Dv=64, dtype="bfloat16")
   c = [
       ("plain bf16", {}, {}),
@@ -264,6 +265,10 @@ def mosaic_cases(smoke):
        dict(causal=True, score_mod=flashvjp.alibi(flashvjp.alibi_slopes(4)))),
       ("mask_mod prefix_lm", dict(Skv=S),
        dict(mask_mod=flashvjp.prefix_lm(jnp.asarray([S // 3, S // 2], jnp.int32)))),
+      ("score_mod kv_bias[b, kv] (per kv position)", {},
+       dict(causal=True, score_mod=lambda s, b, h, i, j: s + kv_bias[b, j])),
+      ("mask_mod document_causal (ids by position)", dict(Skv=S),
+       dict(mask_mod=flashvjp.document_causal(jnp.asarray(seg_q)))),
       ("plain f16", dict(dtype="float16"), {}),
       ("mqa", dict(Hkv=1), dict(causal=True)),
       ("head_dim 256 causal", dict(D=256, Dv=256), dict(causal=True)),
