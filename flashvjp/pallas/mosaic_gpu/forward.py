@@ -824,9 +824,9 @@ class Mods:
   cfg: AttentionConfig  # with the tile parts
   sm_arrays: tuple  # the score_mod's per-(b, h) scalar residuals [B, H, 1]
   mm_arrays: tuple  # the mask_mod's
-  split: object  # the score_mod's `C.HeadSplit`, or None
-  sm_pos: object  # its per-position residuals (`C.PosResiduals`), or None
-  mm_pos: object  # the mask_mod's
+  split: C.HeadSplit | None  # the score_mod's split
+  sm_pos: C.PosResiduals | None  # its per-position residuals
+  mm_pos: C.PosResiduals | None  # the mask_mod's
 
 
 def split_mods(cfg: AttentionConfig, consts, mod, B: int, H: int, offsets=None, *,
