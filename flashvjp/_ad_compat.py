@@ -138,7 +138,7 @@ _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
            "remat": "jaxpr", "checkpoint": "jaxpr"}
 
 
-def eval_jaxpr_varying(jaxpr, consts, *args, override=None):
+def eval_jaxpr_varying(jaxpr, consts, *args, override=None, add_any_as_add: bool = False):
   """`jax.core.eval_jaxpr`, for a jaxpr traced outside shard_map evaluated inside it.
 
   With check_vma every primitive's operands must agree on their varying axes, and a
@@ -147,10 +147,13 @@ def eval_jaxpr_varying(jaxpr, consts, *args, override=None):
   calls) are inlined so that their bodies get the same treatment (a custom rule's body is
   then differentiated by JAX directly). Without any varying operand this is eval_jaxpr.
   `override(n, invals) -> invals`: rewrites the operands of top-level equation n
-  (`flashvjp._aligned`: a slice of a local array at a shifted start).
+  (`flashvjp._aligned`: a slice of a local array at a shifted start). `add_any_as_add`:
+  autodiff's accumulation primitive (`add_any`, which the Mosaic-GPU lowering has no rule
+  for) is evaluated as `lax.add`, in inlined bodies too.
   """
   from jax.extend import core as ext_core
-  if override is None and not any(varying_axes(x) for x in (*consts, *args)):
+  if (override is None and not add_any_as_add
+      and not any(varying_axes(x) for x in (*consts, *args))):
     return jax.core.eval_jaxpr(jaxpr, consts, *args)
   env: dict = {}
 
@@ -168,7 +171,9 @@ def eval_jaxpr_varying(jaxpr, consts, *args, override=None):
       body = eqn.params[_INLINE[name]]
       inner = getattr(body, "jaxpr", body)
       inner_consts = list(getattr(body, "consts", ()))
-      ans = eval_jaxpr_varying(inner, inner_consts, *invals)
+      ans = eval_jaxpr_varying(inner, inner_consts, *invals, add_any_as_add=add_any_as_add)
+    elif add_any_as_add and name == "add_any":
+      ans = jax.lax.add(*unify_varying(*invals))
     else:
       invals = list(unify_varying(*invals))
       bp = eqn.primitive.get_bind_params(eqn.params)

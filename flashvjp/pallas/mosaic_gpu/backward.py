@@ -91,6 +91,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from flashvjp import _ad_compat as _ac
 from flashvjp import _delta
 from flashvjp import _dropout
 from flashvjp import _mask
@@ -222,6 +223,19 @@ def _residual_tiles(v, prefix=""):
   return get("res"), get("qres"), get("kvres")
 
 
+def _plain_adds(fn):
+  """`fn` with autodiff's `add_any` (the sum of a jvp's tangent terms, a vjp's fan-in of
+  cotangents) evaluated as `lax.add`: the Mosaic-GPU lowering has no rule for add_any, and
+  a score_mod's jvp / vjp in the kernels makes one whenever a value and an array it reads
+  both carry tangents (``s * temp[q_idx]``) or a value is used twice."""
+  def run(*args):
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+    out = _ac.eval_jaxpr_varying(closed.jaxpr, closed.consts, *jax.tree.leaves(args),
+                                 add_any_as_add=True)
+    return jax.tree.unflatten(jax.tree.structure(shapes), out)
+  return run
+
+
 def _with(fn, args, idx):
   """fn(x, *args) as a function of (x, *args[i] for i in idx)."""
   def f(x, *d):
@@ -285,11 +299,12 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v, tangent=None, pos_diff=(0, 0)
       ts = tangent if ok is None else jnp.where(ok, tangent, f32(0.0))
       t_res, t_q, t_kv = _residual_tiles(v, "t")
       idx = at(len(t_res), len(t_q), len(t_kv))
-      st, sm_vjp = jax.jvp(_with(fn, args, idx), (st, *(args[i] for i in idx)),
-                           (ts, *t_res, *t_q, *t_kv))
+      st, sm_vjp = _plain_adds(lambda p, t: jax.jvp(_with(fn, args, idx), p, t))(
+          (st, *(args[i] for i in idx)), (ts, *t_res, *t_q, *t_kv))
     else:  # the differentiable residuals take gradients (per element)
       idx = at(cfg.num_diff_consts, *pos_diff)
-      st, sm_vjp = jax.vjp(_with(fn, args, idx), st, *(args[i] for i in idx))
+      st, vjp = jax.vjp(_with(fn, args, idx), st, *(args[i] for i in idx))
+      sm_vjp = _plain_adds(vjp)
     d = st * f32(LOG2E) - lse2
   if ok is not None:
     d = jnp.where(ok, d, C.mask_value(f32))
