@@ -454,13 +454,15 @@ def _cuda_plugin() -> bool:
     return False
 
 
-def _compile_sm90a(D, features, dump_dir):
-  """Compile both backward kernels for H100 in a fresh process; their PTX, ptxas report and
-  resources land in dump_dir (the MLIR pass logs, tens of MB each, are deleted)."""
+def _compile_sm90a(D, features, dump_dir, script=None):
+  """Compile both backward kernels (or what `script` compiles, with the same arguments) for
+  H100 in a fresh process; their PTX, ptxas report and resources land in dump_dir (the MLIR
+  pass logs, tens of MB each, are deleted)."""
   root = pathlib.Path(__file__).resolve().parent.parent
   env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(dump_dir),
              MOSAIC_GPU_DUMP_PTXAS="1", PYTHONPATH=str(root))
-  proc = subprocess.run([sys.executable, "-c", _COMPILE, str(_TARGET), str(D), features],
+  proc = subprocess.run([sys.executable, "-c", script or _COMPILE, str(_TARGET), str(D),
+                         features],
                         env=env, cwd=root, capture_output=True, text=True, timeout=600)
   for log in dump_dir.glob("*.mlir-passes.log"):
     log.unlink()

@@ -255,34 +255,16 @@ print("COMPILED")
 
 
 def _compile_sm90a(D, features, dump_dir):
-  import os
-  import pathlib
-  import subprocess
-  import sys
-  root = pathlib.Path(__file__).resolve().parent.parent
-  target = root / "flashvjp" / "targets" / "h100_sxm.txtpb"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(dump_dir),
-             MOSAIC_GPU_DUMP_PTXAS="1", PYTHONPATH=str(root))
-  proc = subprocess.run([sys.executable, "-c", _COMPILE, str(target), str(D), features],
-                        env=env, cwd=root, capture_output=True, text=True, timeout=600)
-  for log in dump_dir.glob("*.mlir-passes.log"):
-    log.unlink()
-  assert "COMPILED" in proc.stdout, proc.stderr[-4000:]
+  """The tangent kernel compiled for H100 (the backward tests' subprocess recipe): its ptxas
+  report, resources and PTX file."""
+  _backward_tests._compile_sm90a(D, features, dump_dir, script=_COMPILE)
   (ptxas,) = dump_dir.glob("flashvjp_tangent_*.ptxas")
   (resources,) = dump_dir.glob("flashvjp_tangent_*.resources.txt")
   (ptx,) = dump_dir.glob("flashvjp_tangent_*.ptx")
   return ptxas.read_text(), resources.read_text(), ptx
 
 
-def _cuda_plugin() -> bool:
-  import importlib.util
-  try:
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-  except ModuleNotFoundError:
-    return False
-
-
-@pytest.mark.skipif(not _cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
+@pytest.mark.skipif(not _backward_tests._cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
                     "sm_90a compile); no GPU needed")
 @pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (64, "seg+drop+mask+bias+mod"),
                                         (128, "seg+drop+mod"), (128, "pos")])

@@ -631,10 +631,8 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, p
           dkv_rows = run(_i32(0), n_partial, True, zero)
           dkv_rows = run(n_partial, n_partial + n_full, False, dkv_rows)
           steps = n_partial + n_full
-        else:
-          # no FULL blocks by the static bounds alone
-          elementwise = "q_seg" in rs or "maskT" in rs or cfg.mask_mod is not None
-          full = None if elementwise else spec.full_q_block_range(j, g.bq, g.bk, g.nq)
+        else:  # causal / window / padding only (`_launch`: the rest comes with lists)
+          full = spec.full_q_block_range(j, g.bq, g.bk, g.nq)
           dkv_rows = _visit(lambda a, z, m, c: run(a - lo, z - lo, m, c), lo, hi, full,
                             masked_any, zero)
           steps = n
@@ -689,17 +687,10 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, pos
 
   @pl.when(wg == 0)
   def _compute():
-    _load_resident([_block(r[x], b, h, rows) for x in resident],
-                   [res[x] for x in resident], res_bars)
+    lse2, vecs, q_idx, kv_iota = kv.load_rows(resident, res, res_bars)
     q_smem, do_smem = res["q"], res["do"]
     shape = (g.bq, g.bk)
-    per_q = lambda x: lax.broadcast_in_dim(x, shape, [0])
-    lse2 = per_q(plgpu.load(res["lse"], layout=row))
-    delta = per_q(plgpu.load(res["delta"], layout=row))
-    vecs = {name: per_q(plgpu.load(res[name], layout=row)) for name in res
-            if _is_q_vector(name)}
-    q_idx = i * g.bq + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
-    kv_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
+    delta = lax.broadcast_in_dim(plgpu.load(res["delta"], layout=row), shape, [0])
 
     def scope(dq_acc):
       def step(n, masked, dres_rows):
@@ -708,15 +699,7 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, pos
         k_s, v_s = rs["k"].at[slot], rs["v"].at[slot]
         _wait_loaded(loaded, slot)
         s, dp = _mm_t2(shape, q_smem, k_s, do_smem, v_s)
-        v = dict(vecs)
-        for name in rs:  # kv segment ids, per-kv-position residuals: [bk] per slot
-          if name == "kv_seg" or _is_kv_vector(name):
-            v[name] = lax.broadcast_in_dim(plgpu.load(rs[name].at[slot], layout=col),
-                                           shape, [1])
-        if "mask" in rs:
-          v["dense"] = _load_mask(rs["mask"].at[slot])
-        if has_bias:
-          v["bias"] = plgpu.load(rs["bias"].at[slot], layout=wgmma_layout, optimized=False)
+        v = kv.slot_inputs(rs, slot, vecs)
         p, ok, m, sm_vjp = _probs(cfg, s, lse2, q_idx, j * g.bk + kv_iota, masked, v,
                                   pos_diff=pos_diff)
         ds, dres = _dscores(p, dp, delta, ok, m, sm_vjp)  # kv-position ones last: not here
@@ -742,8 +725,7 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, pos
         return lax.fori_loop(start, stop, lambda n, c: step(n, masked, c), carry)
 
       zero = plgpu.layout_cast(jnp.zeros((g.bq,), jnp.float32), row)
-      elementwise = "q_seg" in res or "mask" in rs or cfg.mask_mod is not None
-      dres_rows = kv.visit(run, masked_any, elementwise, (zero,) * n_diff)
+      dres_rows = kv.visit(run, masked_any, (zero,) * n_diff)
       return dq_acc[...], dres_rows
 
     dq, dres_rows = pl.run_scoped(scope, plgpu.ACC((g.bq, g.Dp), jnp.float32))
@@ -794,16 +776,49 @@ class _KvStream:
 
     _produce(self.steps, fill, free)
 
-  def visit(self, run, masked_any, elementwise, carry):
+  def load_rows(self, resident, res, res_bars):
+    """The compute warpgroup's start: the q block's resident tiles in (TMA), then (lse2, the
+    per-q vectors, the q indices, the kv iota), each a [bq, bk] tile."""
+    plgpu = _compat.plgpu()
+    wgmma_layout, row, _ = _compat.layouts()
+    g, r, b, h, i = self.g, self.r, self.b, self.h, self.i
+    rows = pl.ds(i * g.bq, g.bq)
+    _load_resident([_block(r[x], b, h, rows) for x in resident],
+                   [res[x] for x in resident], res_bars)
+    shape = (g.bq, g.bk)
+    per_q = lambda x: lax.broadcast_in_dim(plgpu.load(x, layout=row), shape, [0])
+    vecs = {name: per_q(res[name]) for name in res if _is_q_vector(name)}
+    q_idx = i * g.bq + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
+    kv_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
+    return per_q(res["lse"]), vecs, q_idx, kv_iota
+
+  def slot_inputs(self, rs, slot, vecs):
+    """`vecs` with the kv side of ring slot `slot` read generically: kv segment ids and
+    per-kv-position words ([bk] each, broadcast), the dense mask ("dense") and the bias
+    (float32) tiles."""
+    plgpu = _compat.plgpu()
+    wgmma_layout, _, col = _compat.layouts()
+    shape = (self.g.bq, self.g.bk)
+    v = dict(vecs)
+    for name in rs:
+      if name == "kv_seg" or _is_kv_vector(name):
+        v[name] = lax.broadcast_in_dim(plgpu.load(rs[name].at[slot], layout=col), shape, [1])
+    if "mask" in rs:
+      v["dense"] = _load_mask(rs["mask"].at[slot])
+    if "bias" in rs:
+      v["bias"] = plgpu.load(rs["bias"].at[slot], layout=wgmma_layout,
+                             optimized=False).astype(jnp.float32)
+    return v
+
+  def visit(self, run, masked_any, carry):
     """`run(start, stop, masked, carry)` over the steps: with lists, the PARTIAL blocks
-    masked then the FULL ones not; else masked / unmasked / masked by the static bounds
-    (every block masked when `elementwise`: no FULL blocks by the static bounds alone)."""
+    masked then the FULL ones not; else (causal / window / padding only: `_launch`)
+    masked / unmasked / masked by the static bounds."""
     if self.listed is not None:
       carry = run(_i32(0), self.listed[0], True, carry)
       return run(self.listed[0], self.steps, False, carry)
     g, lo = self.g, self.lo
-    full = None if elementwise else C.mask_spec(self.cfg).full_kv_block_range(self.i, g.bq,
-                                                                              g.bk)
+    full = C.mask_spec(self.cfg).full_kv_block_range(self.i, g.bq, g.bk)
     return _visit(lambda a, z, m, c: run(a - lo, z - lo, m, c), lo, self.hi, full, masked_any,
                   carry)
 
@@ -815,6 +830,9 @@ def _launch(kind, cfg, g: C.Geometry, arrays, masked_any, visits=None, *, body=N
   `pos_diff`: how many leading per-q- / per-kv-position residuals take gradients (the dQ
   kernel returns the q ones per row, the dK/dV kernel the kv ones per column)."""
   plgpu = _compat.plgpu()
+  # segment ids, a dense mask and a mask_mod always come with visit lists (`_visit_lists`):
+  # the static-bounds loops take FULL blocks from causal / window / padding alone
+  assert visits is not None or not ({"q_seg", "mask"} & set(arrays) or cfg.mask_mod is not None)
   arrays = {n: x for n, x in arrays.items()
             if n.rstrip("T") not in _PAIRS or n.endswith("T") == (kind == "dkdv")}
   if visits is not None:

@@ -224,6 +224,9 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
   """
   if skip_wait is not None and skip_wait not in SKIPPABLE_WAITS:
     raise ValueError(f"skip_wait must be one of {SKIPPABLE_WAITS}, got {skip_wait!r}")
+  # segment ids, a dense mask and a mask_mod always come with visit lists (`visit_lists`):
+  # without them the unmasked blocks come from causal / window / padding alone
+  assert lists or not (segments or mask is not None or cfg.mask_mod is not None)
   mg = _compat.plgpu()
   f32 = jnp.float32
   spec = C.mask_spec(cfg)
@@ -256,16 +259,13 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
     return i32(lo), i32(hi)
 
   def own_blocks(r, lo, hi):
-    """Within [lo, hi): the kv blocks of row block r (64 rows), and the unmasked ones
-    (none with segment ids, a dense mask or a mask_mod without visit lists: every block
-    is masked elementwise)."""
+    """Within [lo, hi): the kv blocks of row block r (64 rows), and the unmasked ones (no
+    visit lists: causal / window / padding only)."""
     a, z = spec.kv_block_range(r, rows, bk, p.nk)
     a = jnp.clip(i32(a), lo, hi)
     z = jnp.clip(i32(z), a, hi)
     if not masked:
       return a, z, a, z
-    if segments or mask is not None or cfg.mask_mod is not None:
-      return a, z, z, z
     f_lo, f_hi = spec.full_kv_block_range(r, rows, bk)
     f_lo = jnp.clip(i32(f_lo), a, z)
     f_hi = jnp.clip(i32(f_hi), f_lo, z)

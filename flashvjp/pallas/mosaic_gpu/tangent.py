@@ -26,6 +26,8 @@ does not fit Hopper's shared memory is refused by name (`smem_problem`).
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -62,16 +64,9 @@ def _tangent_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident
 
   @pl.when(wg == 0)
   def _compute():
-    Bw._load_resident([Bw._block(r[x], b, h, rows) for x in resident],
-                      [res[x] for x in resident], res_bars)
+    lse2, vecs, q_idx, kv_iota = kv.load_rows(resident, res, res_bars)
     q_smem = res["q"]
     shape = (g.bq, g.bk)
-    per_q = lambda x: lax.broadcast_in_dim(x, shape, [0])
-    lse2 = per_q(plgpu.load(res["lse"], layout=row))
-    vecs = {name: per_q(plgpu.load(res[name], layout=row)) for name in res
-            if Bw._is_q_vector(name)}
-    q_idx = i * g.bq + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
-    kv_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
 
     def scores(k_s, tk_s):
       """(q k^T, t_q k^T + q t_k^T) of one slot, issued together (one wgmma wait)."""
@@ -92,16 +87,7 @@ def _tangent_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident
         Bw._wait_loaded(loaded, slot)
         tk_s = rs["tk"].at[slot] if "tk" in rs else None
         s, ts = scores(rs["k"].at[slot], tk_s)
-        v = dict(vecs)
-        for name in rs:  # kv segment ids, per-kv-position residuals (and tangents) per slot
-          if name == "kv_seg" or Bw._is_kv_vector(name):
-            v[name] = lax.broadcast_in_dim(plgpu.load(rs[name].at[slot], layout=col),
-                                           shape, [1])
-        if "mask" in rs:
-          v["dense"] = Bw._load_mask(rs["mask"].at[slot])
-        if "bias" in rs:
-          v["bias"] = plgpu.load(rs["bias"].at[slot], layout=wgmma_layout,
-                                 optimized=False).astype(f32)
+        v = kv.slot_inputs(rs, slot, vecs)
         ts = ts * f32(cfg.scale)
         if "tbias" in rs:
           ts = ts + plgpu.load(rs["tbias"].at[slot], layout=wgmma_layout,
@@ -129,8 +115,7 @@ def _tangent_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident
         return lax.fori_loop(start, stop, lambda n, c: step(n, masked, c), carry)
 
       zero = plgpu.layout_cast(jnp.zeros((g.bq,), f32), row)
-      elementwise = "q_seg" in res or "mask" in rs or cfg.mask_mod is not None
-      mu = kv.visit(run, masked_any, elementwise, zero)
+      mu = kv.visit(run, masked_any, zero)
       return a_acc[...], mu
 
     a, mu = pl.run_scoped(scope, plgpu.ACC((g.bq, g.Dvp), f32))
@@ -148,17 +133,11 @@ def _tangent_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident
 
 
 def smem_bytes(g: C.Geometry, arrays) -> int:
-  """Shared memory of the tangent kernel on these operands (`backward._scratch`'s sizes)."""
+  """Shared memory of the tangent kernel on these operands: its `backward._scratch` buffers
+  (rings, resident tiles, P tiles, staging), barriers aside."""
   ring, resident = Bw._operands("tangent", arrays)
-  tile = g.bq * g.bk
-  size = lambda name, block: (tile if name in Bw._PAIRS + ("tbias",) else
-                              block * (arrays[name].shape[3] if arrays[name].ndim == 4 else 1)
-                              ) * arrays[name].dtype.itemsize
-  total = sum(size(n, g.bk) for n in ring) * Bw._STAGES + sum(size(n, g.bq) for n in resident)
-  total += 2 * tile * arrays["q"].dtype.itemsize + 4 * g.bq
-  if g.Dvp != g.Dp:
-    total += g.bq * g.Dvp * arrays["q"].dtype.itemsize
-  return total
+  smem = Bw._scratch("tangent", arrays, ring, resident, g)[0]
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for part in smem for x in part)
 
 
 def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
