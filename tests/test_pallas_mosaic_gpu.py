@@ -305,14 +305,17 @@ def test_refuses_what_it_does_not_implement():
                 value_shape=v.shape)
   assert _limits.supports(dtype=jnp.bfloat16, **common)[0]
   assert _limits.supports(dtype=jnp.bfloat16, has_dropout=True, **common)[0]  # both kernels
-  big = dict(common, query_shape=(1, 2, 64, 256), key_shape=(1, 1, 64, 256),
-             value_shape=(1, 1, 64, 256))
+  big = dict(common, query_shape=(1, 2, 64, 320), key_shape=(1, 1, 64, 320),
+             value_shape=(1, 1, 64, 320))
+  wide = dict(common, query_shape=(1, 2, 64, 256), key_shape=(1, 1, 64, 256),
+              value_shape=(1, 1, 64, 256))
+  assert _limits.supports(dtype=jnp.bfloat16, **wide)[0]  # every kernel takes head dim 256
   for kw, word in ((dict(dtype=jnp.float32, **common), "float32"),
                    (dict(dtype=jnp.bfloat16, has_score_mod=True, score_mod_consts=(
                        jnp.ones((17,)),),
                          score_mod=lambda s, b, h, i, j, t: s + t[jnp.clip(j - i, -8, 8) + 8],
                          **common), "score_mod uses dynamic_slice"),
-                   (dict(dtype=jnp.bfloat16, **big), "backward supports head dims up to 128")):
+                   (dict(dtype=jnp.bfloat16, **big), "head dims up to 256")):
     ok, reason = _limits.supports(**kw)
     assert not ok and word in reason, reason
   ok, reason = _limits.supports(**dict(common, interpret=False), dtype=jnp.bfloat16)

@@ -83,6 +83,9 @@ CASES = {
     "causal_kv_blocks_unseen": (1, 1, 1, 64, 192, 64, jnp.float16, True, None, False),
     "empty_rows": (1, 2, 1, 128, 128, 64, jnp.bfloat16, False, (None, -70), True),
     "mqa_h4_window_causal": (1, 4, 1, 130, 130, 64, jnp.bfloat16, True, (70, None), False),
+    # above head dim 128 two programs share each block's output columns (`_parts`)
+    "causal_gqa_d256_dlse": (1, 2, 1, 130, 100, 256, jnp.bfloat16, True, None, True),
+    "padded_d192_f16": (1, 1, 1, 64, 96, 192, jnp.float16, False, None, False),
 }
 
 
@@ -186,9 +189,11 @@ def test_dropout():
   _util.assert_close(got[:3], ref, jnp.bfloat16, what="mosaic_gpu backward dropout")
 
 
-def test_value_head_dim_differs_under_jit():
-  """Dv = 128 != D = 64 (dV / dO tiles wider than Q / K), causal, through jax.jit."""
-  B, H, Hkv, Sq, Skv, D, Dv = 1, 2, 2, 100, 120, 64, 128
+@pytest.mark.parametrize("D,Dv", [(64, 128), (256, 64)])
+def test_value_head_dim_differs_under_jit(D, Dv):
+  """Dv != D (dV / dO tiles wider than Q / K; or, at D = 256, the two programs' halves of a
+  value dim padded to 128), causal, through jax.jit."""
+  B, H, Hkv, Sq, Skv = 1, 2, 2, 100, 120
   cfg = _cfg(Sq, Skv, D, causal=True)
   q, k, v, do, dlse = _inputs(B, H, Hkv, Sq, Skv, D, jnp.bfloat16, seed=9, Dv=Dv)
   out, lse, ref = _reference(cfg, q, k, v, do, dlse)
@@ -237,13 +242,14 @@ def _alibi_softcap(s, b, h, q_idx, kv_idx, slopes):
   return 20.0 * jnp.tanh(s / 20.0)
 
 
-@pytest.mark.parametrize("offsets", [None, (1, 1, 64, 0)])
-def test_score_mod(offsets):
+@pytest.mark.parametrize("offsets,D", [(None, 64), ((1, 1, 64, 0), 64), (None, 256)])
+def test_score_mod(offsets, D):
   """score_mod (ALiBi + softcap: per-head residual, global indices, a nonlinear vjp) with
   differentiable slopes, causal (None) or a chunk pair at global offsets (batch 1, head 1,
   q rows 64..: its dQ / dK / dV / dslopes against the global float64 problem with dO zero
-  elsewhere), with a bias."""
-  B, H, S, D = 2, 2, 128, 64
+  elsewhere), with a bias; at head dim 256 both programs of a block compute dbias and
+  dslopes' rows, the first writes them."""
+  B, H, S = 2, 2, 128
   slopes = jnp.asarray([0.5, 0.125], jnp.float32)
   causal = offsets is None
   cfg = _cfg(S, S, D, causal=causal, score_mod=_alibi_softcap, num_diff_consts=1)
@@ -389,7 +395,7 @@ def test_unsupported_features_are_named():
   with pytest.raises(ValueError, match="bfloat16 or float16"):
     call(q=q.astype(jnp.float32))
   with pytest.raises(ValueError, match="head dims"):
-    call(q=jnp.zeros((1, 1, S, 256), jnp.bfloat16))
+    call(q=jnp.zeros((1, 1, S, 320), jnp.bfloat16))
 
 
 # ---- deviceless sm_90a compile (the CUDA plugin's Mosaic compiler and ptxas, no GPU) ----------
@@ -491,7 +497,8 @@ def test_sm90a_sass_has_wgmma_and_tma_in_the_main_loops(tmp_path):
 @pytest.mark.skipif(not _cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
                     "sm_90a compile); no GPU needed")
 @pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (64, "mod+bias+prefix"),
-                                        (128, "seg+drop+mask+bias+off"), (128, "pos")])
+                                        (128, "seg+drop+mask+bias+off"), (128, "pos"),
+                                        (256, ""), (256, "seg+mask+bias+off")])
 def test_sm90a_compile_no_spills(D, features, tmp_path):
   """Both kernels (causal, GQA, bf16, S=1024; with segment ids, dropout at global offsets, a
   dense mask, a bias with its gradient, a score_mod, a mask_mod, arrays read by position) compile

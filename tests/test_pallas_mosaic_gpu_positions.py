@@ -55,8 +55,9 @@ def _reference(cfg, qkv, consts, mod):
   return fwd, tuple(f64(x) for x in qkv + consts)
 
 
-def test_forward_backward_and_array_gradients():
-  cfg, qkv, consts, mod = _problem()
+@pytest.mark.parametrize("D", [64, 256])
+def test_forward_backward_and_array_gradients(D):
+  cfg, qkv, consts, mod = _problem(D=D)
   fwd, primals = _reference(cfg, qkv, consts, mod)
   (out, lse), vjp = jax.vjp(fwd, *primals)
   do = jax.random.normal(jax.random.key(1), out.shape, jnp.float64).astype(jnp.bfloat16)
@@ -76,8 +77,9 @@ def test_forward_backward_and_array_gradients():
   assert all(float(jnp.abs(d).max()) > 0 for d in got[4])  # the arrays do get gradients
 
 
-def test_tangent_along_inputs_and_arrays():
-  cfg, qkv, consts, mod = _problem(seed=1)
+@pytest.mark.parametrize("D", [64, 256])
+def test_tangent_along_inputs_and_arrays(D):
+  cfg, qkv, consts, mod = _problem(seed=1, D=D)
   fwd, primals = _reference(cfg, qkv, consts, mod)
   rng = np.random.default_rng(2)
   tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in qkv + consts)

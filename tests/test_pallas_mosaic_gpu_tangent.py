@@ -58,6 +58,9 @@ CASES = {
                           "slopes"),
     "mask_mod_window": (2, 2, 1, 100, 100, 64, 64, jnp.bfloat16,
                         dict(window=(60, None), mask_mod=_prefix_lm), "prefix"),
+    # head dim 256: two programs per q block, each t_out's half (t_out = a - mu out by chunk)
+    "causal_d256_gqa": (1, 2, 1, 130, 100, 256, 256, jnp.bfloat16, dict(causal=True), ""),
+    "d256_dv64_out_none": (1, 2, 1, 96, 96, 256, 64, jnp.bfloat16, {}, "out_none"),
 }
 
 
@@ -267,7 +270,8 @@ def _compile_sm90a(D, features, dump_dir):
 @pytest.mark.skipif(not _backward_tests._cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
                     "sm_90a compile); no GPU needed")
 @pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (64, "seg+drop+mask+bias+mod"),
-                                        (128, "seg+drop+mod"), (128, "pos")])
+                                        (128, "seg+drop+mod"), (128, "pos"), (256, ""),
+                                        (256, "seg+drop+mod")])
 def test_sm90a_compile_no_spills(D, features, tmp_path):
   """The tangent kernel (causal, GQA, bf16, S=1024, every tangent; with segment ids, dropout,
   a dense mask, a bf16 bias and its tangent, a score_mod with a tangent on its slopes or on

@@ -12,8 +12,9 @@ window, segment ids, dropout, bias, dense masks, global offsets (ring chunk pair
 sequence lengths (padded to whole blocks), score_mod / mask_mod whose per-(b, h) values are
 scalars (softcap, ALiBi, prefix LM) and that read arrays by one q or kv position
 (`document_causal`, a per-key bias; `score_mod_problem`). Not yet: a float32 out (a traced
-scale), float32 / float64 inputs, tables read by kv_idx - q_idx. Backward: the same, with
-head dims up to 128 (`BACKWARD_MAX_HEAD_DIM`). So the family: 16-bit, head dims <= 128.
+scale), float32 / float64 inputs, tables read by kv_idx - q_idx. Backward and tangent: the
+same (above head dim 128 two programs share each block's output columns). So the family:
+16-bit, head dims <= 256.
 """
 from __future__ import annotations
 
@@ -22,8 +23,7 @@ import jax.numpy as jnp
 from flashvjp.pallas import _limits as shared
 from flashvjp.pallas.mosaic_gpu import _compat
 
-MAX_HEAD_DIM = 256  # the forward's
-BACKWARD_MAX_HEAD_DIM = 128  # the backward's (flashvjp/pallas/mosaic_gpu/backward.py)
+MAX_HEAD_DIM = 256  # every kernel's (flashvjp/pallas/mosaic_gpu/backward.py: `_MAX_HEAD_DIM`)
 DTYPES = (jnp.float16, jnp.bfloat16)
 # Hopper's per-block SMEM (227 KiB) less a margin for barriers and alignment.
 SMEM_BUDGET = 220 * 1024
@@ -43,13 +43,9 @@ def supports(*, platform, interpret, query_shape, key_shape, value_shape, dtype,
   if missing is not None:
     return False, missing
   D, Dv = query_shape[-1], value_shape[-1]
-  if max(D, Dv) > BACKWARD_MAX_HEAD_DIM:
-    return False, (f"head_dim {D} / head_dim_v {Dv}: the Mosaic-GPU backward supports head"
-                   f" dims up to {BACKWARD_MAX_HEAD_DIM} (the forward {MAX_HEAD_DIM});"
-                   " implementation='pallas_triton' takes them")
   if max(D, Dv) > MAX_HEAD_DIM:
     return False, (f"head_dim {D} / head_dim_v {Dv}: the Mosaic-GPU kernels support head"
-                   f" dims up to {MAX_HEAD_DIM}")
+                   f" dims up to {MAX_HEAD_DIM}; implementation='blockwise' takes them")
   dt = jnp.dtype(dtype)
   if not any(dt == jnp.dtype(d) for d in DTYPES):
     return False, (f"dtype {dt.name}: the Mosaic-GPU kernels support float16 and bfloat16"

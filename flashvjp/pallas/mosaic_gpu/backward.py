@@ -68,8 +68,21 @@ consts were differentiable); at head dim 128 a score_mod spills with dropout (wi
 dK/dV 16 B, dQ 44 B; every feature at once: dK/dV 48 B), and the dQ kernel with a
 differentiable score_mod const alone (4 B).
 
-Supported: bfloat16 / float16 inputs (float32 accumulation), head dims <= 128 (padded with
-zeros to a multiple of 64), GQA / MQA, causal, window, segment ids, a dense mask, a bias
+Head dims above 128 (up to 256, padded to a multiple of 128): the output accumulators do
+not fit one warpgroup's registers ([64, 256] float32 dK and dV: 256 registers a thread), so
+two programs share each block (the grid's last axis, `_parts`): each recomputes the block's
+scores and dP in full (wgmmas over the whole head dim) and accumulates half of the output
+columns (wgmma B operands sliced at whole swizzle tiles, `_cols`), written through the P / dS
+tiles a chunk at a time (`_store_chunks`); what both compute (dbias, the residuals' row and
+column gradients) the first writes. The cost: the dK/dV kernel's matmuls 1.5x, the dQ
+kernel's 1.67x those of one program per block. The dQ (and tangent) kernel then streams kv
+blocks of 32 rows (`_stream_block`): two slots of [64, 256] K and V beside the resident Q and
+dO would not fit shared memory. sm_90a ptxas at head dim 256 (causal GQA bf16, S=1024): 0
+spills plain and with segment ids + a dense mask + a bias + offsets (dK/dV 255 registers,
+dQ 199); with dropout added as well the dK/dV kernel spills 16 B.
+
+Supported: bfloat16 / float16 inputs (float32 accumulation), head dims <= 256 (padded with
+zeros to a multiple of 64; of 128 above 128), GQA / MQA, causal, window, segment ids, a dense mask, a bias
 and dbias, dropout, any sequence lengths (padded to whole 64-blocks), a cotangent on lse
 (folded into delta), global offsets (a ring chunk pair: dropout and the score_mod read
 them), a score_mod (with differentiable consts) and a mask_mod with scalar per-head
@@ -103,7 +116,10 @@ from flashvjp.pallas.mosaic_gpu import forward as F
 LOG2E = math.log2(math.e)
 _STAGES = 2  # ring slots of the streamed operands
 _BLOCK = 64  # block_q = block_kv: one wgmma M tile per compute warpgroup
-_MAX_HEAD_DIM = 128
+_MAX_HEAD_DIM = 256
+# The widest output accumulator a compute warpgroup holds: above it (head dims 129..256) the
+# output columns are split over two programs per block (`_parts`).
+_ACC_DIM = 128
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 _WARPGROUPS = 2  # per CTA (both kernels)
@@ -116,8 +132,52 @@ _TEST_MUTATION: str | None = None
 _DETECT_RACES = True  # interpret mode: race detection on (the tests assert none)
 
 
-def _pad_head(d: int) -> int:
-  return -(-d // 64) * 64
+def _pad_head(d: int, parts: int = 1) -> int:
+  """d zero-padded to a multiple of 64 per output part (`_parts`)."""
+  return -(-d // (64 * parts)) * 64 * parts
+
+
+def _head_parts(D: int, Dv: int) -> int:
+  """How many programs share one block's output columns: 1 up to head dim `_ACC_DIM`, else 2
+  (each holds half of the dK and dV, dQ, or t_out accumulator's columns and recomputes the
+  block's scores in full: head dim 256 has no room for a [64, 256] float32 accumulator pair
+  in one warpgroup's registers)."""
+  return 1 if max(D, Dv) <= _ACC_DIM else 2
+
+
+def _parts(g: C.Geometry) -> int:
+  return _head_parts(g.Dp, g.Dvp)
+
+
+def _stream_block(g: C.Geometry) -> int:
+  """The kv block of the dQ and tangent kernels (their streamed K / V rows): 64, and 32 with
+  two output parts (`_parts`), where a 2-slot ring of [64, 256] K and V tiles (and their
+  tangents) would not fit shared memory beside the resident Q and dO (or t_q)."""
+  return _BLOCK if _parts(g) == 1 else _BLOCK // 2
+
+
+def _cols(ref, part, width, parts):
+  """Columns [part * width, (part + 1) * width) of an SMEM operand tile (the whole tile with
+  one part): a wgmma B operand sliced at whole swizzle tiles."""
+  return ref if parts == 1 else ref.at[:, pl.ds(part * width, width)]
+
+
+def _store_chunks(pairs, bufs):
+  """Write register tiles to GMEM through SMEM staging tiles, a chunk of `bufs[0]`'s width
+  at a time: `pairs` are (x [rows, W], dst), dst(c0, w) the GMEM ref of x's columns [c0, c0 +
+  w); `bufs` (the kernel's P / dS tiles, [rows, w] each, free by now) are used in turn, each
+  reused once its previous TMA store has read it."""
+  plgpu = _compat.plgpu()
+  w = bufs[0].shape[1]
+  chunks = [(x[:, c:c + w], functools.partial(dst, c, w))
+            for x, dst in pairs for c in range(0, x.shape[1], w)]
+  for n, (x, dst) in enumerate(chunks):
+    buf = bufs[n % len(bufs)]
+    if n >= len(bufs):  # its store of chunk n - len(bufs) has read it
+      plgpu.wait_smem_to_gmem(len(bufs) - 1, wait_read_only=True)
+    buf[...] = x.astype(buf.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(buf, dst())
 
 
 def _dkdv_block_q(g: C.Geometry, cfg) -> int:
@@ -460,7 +520,7 @@ def _scratch(kind, arrays, ring, resident, g: C.Geometry, n_diff=0, n_kvd=0):
   tile_bufs = tuple(_smem(tile, dt, minor) for _ in range(tiles))
   if kind == "tangent":  # t_lse on its way out; t_out's staging unless q's buffer fits it
     tile_bufs += (plgpu.SMEM((g.bq,), jnp.float32),)
-    if g.Dvp != g.Dp:
+    if g.Dvp != g.Dp and _parts(g) == 1:  # (two parts stage t_out in the P tiles)
       tile_bufs += (_smem((g.bq, g.Dvp), dt, minor),)
   if kind == "dq" and "bias" in arrays:  # dS in float32 on its way to the dbias output
     tile_bufs += (plgpu.SMEM(tile, jnp.float32),)
@@ -530,7 +590,9 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, p
   rs = dict(zip(ring, ring_smem))
   res = dict(zip(resident, res_smem))
   b, hk, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("kv")
-  wg = lax.axis_index("wg")
+  wg, part = lax.axis_index("wg"), lax.axis_index("d")
+  parts = _parts(g)
+  wk, wv = g.Dp // parts, g.Dvp // parts  # this program's dK / dV columns
   spec = C.mask_spec(cfg)
   lo, hi = spec.q_block_range(j, g.bq, g.bk, g.nq)
   lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
@@ -611,8 +673,8 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, p
           # the P / dS stores) before the async proxy: the wgmmas below and the producer's
           # TMA refill of this slot.
           plgpu.commit_smem()
-        plgpu.wgmma(dv_acc, p_smem, do_s)
-        plgpu.wgmma(dk_acc, ds_smem, q_s)
+        plgpu.wgmma(dv_acc, p_smem, _cols(do_s, part, wv, parts))
+        plgpu.wgmma(dk_acc, ds_smem, _cols(q_s, part, wk, parts))
         plgpu.wgmma_wait(0)  # the slot's Q / dO are read: hand it back
         plgpu.barrier_arrive(free.at[slot])
         return dkv_rows
@@ -640,14 +702,23 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, p
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous head's store read it
           buf[...] = x
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(buf, ref.at[b, hk * G + gi, cols])
+
+          @pl.when(part == 0)  # every part computes them; the first writes them
+          def _store(buf=buf, ref=ref):
+            plgpu.copy_smem_to_gmem(buf, ref.at[b, hk * G + gi, cols])
         return base + steps
 
       lax.fori_loop(_i32(0), _i32(G), group, _i32(0))
       return dk_acc[...], dv_acc[...]
 
-    dk, dv = pl.run_scoped(scope, plgpu.ACC((g.bk, g.Dp), jnp.float32),
-                           plgpu.ACC((g.bk, g.Dvp), jnp.float32))
+    dk, dv = pl.run_scoped(scope, plgpu.ACC((g.bk, wk), jnp.float32),
+                           plgpu.ACC((g.bk, wv), jnp.float32))
+    if parts > 1:  # half the columns: out through the P / dS tiles, a chunk at a time
+      _store_chunks(((dk, lambda c, w: dk_ref.at[b, hk, cols, pl.ds(part * wk + c, w)]),
+                     (dv, lambda c, w: dv_ref.at[b, hk, cols, pl.ds(part * wv + c, w)])),
+                    (p_smem, ds_smem))
+      plgpu.wait_smem_to_gmem(0)
+      return
     k_smem[...] = dk.astype(k_smem.dtype)
     v_smem[...] = dv.astype(v_smem.dtype)
     plgpu.commit_smem()
@@ -676,7 +747,9 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, pos
   rs = dict(zip(ring, ring_smem))
   res = dict(zip(resident, res_smem))
   b, h, i = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
-  wg = lax.axis_index("wg")
+  wg, part = lax.axis_index("wg"), lax.axis_index("d")
+  parts = _parts(g)
+  wq = g.Dp // parts  # this program's dQ columns
   rows = pl.ds(i * g.bq, g.bq)
   kv = _KvStream(cfg, g, r, b, h, i)
   block_of = kv.block_of
@@ -715,8 +788,10 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, pos
         # mask, bias) before the producer's TMA refill of this slot.
         plgpu.commit_smem()
         if dbias_ref is not None:
-          plgpu.copy_smem_to_gmem(tiles[1], dbias_ref.at[b, h, rows, pl.ds(j * g.bk, g.bk)])
-        plgpu.wgmma(dq_acc, ds_smem, k_s)
+          @pl.when(part == 0)  # every part computes it; the first writes it
+          def _store_dbias():
+            plgpu.copy_smem_to_gmem(tiles[1], dbias_ref.at[b, h, rows, pl.ds(j * g.bk, g.bk)])
+        plgpu.wgmma(dq_acc, ds_smem, _cols(k_s, part, wq, parts))
         plgpu.wgmma_wait(0)  # the slot's K / V are read: hand it back
         plgpu.barrier_arrive(free.at[slot])
         return dres_rows
@@ -728,14 +803,21 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, pos
       dres_rows = kv.visit(run, masked_any, (zero,) * n_diff)
       return dq_acc[...], dres_rows
 
-    dq, dres_rows = pl.run_scoped(scope, plgpu.ACC((g.bq, g.Dp), jnp.float32))
-    q_smem[...] = dq.astype(q_smem.dtype)
+    dq, dres_rows = pl.run_scoped(scope, plgpu.ACC((g.bq, wq), jnp.float32))
     for buf, x in zip(dres_smem, dres_rows):  # per-row partial d(residual)
       buf[...] = x
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, rows, :])
-    for buf, ref in zip(dres_smem, dres_refs):
-      plgpu.copy_smem_to_gmem(buf, ref.at[b, h, rows])
+    if parts > 1:  # half the columns: out through the dS tile, a chunk at a time
+      _store_chunks(((dq, lambda c, w: dq_ref.at[b, h, rows, pl.ds(part * wq + c, w)]),),
+                    (ds_smem,))
+    else:
+      q_smem[...] = dq.astype(q_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, rows, :])
+
+    @pl.when(part == 0)  # every part computes them; the first writes them
+    def _store_rows():
+      for buf, ref in zip(dres_smem, dres_refs):
+        plgpu.copy_smem_to_gmem(buf, ref.at[b, h, rows])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -842,16 +924,17 @@ def _launch(kind, cfg, g: C.Geometry, arrays, masked_any, visits=None, *, body=N
   dt = arrays["q"].dtype
   n_diff = (cfg.num_diff_consts if cfg.score_mod is not None else 0) + pos_diff[0]
   params = {}
+  # the last grid axis ("d"): the programs sharing one block's output columns (`_parts`)
   if kind == "tangent":
-    grid, grid_names = (g.B, g.H, g.nq), ("b", "h", "q")
+    grid, grid_names = (g.B, g.H, g.nq, _parts(g)), ("b", "h", "q", "d")
   elif kind == "dkdv":
-    body, grid, grid_names = _dkdv_kernel, (g.B, g.Hkv, g.nk), ("b", "h", "kv")
+    body, grid, grid_names = _dkdv_kernel, (g.B, g.Hkv, g.nk, _parts(g)), ("b", "h", "kv", "d")
     out_type = (jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dp), dt),
                 jax.ShapeDtypeStruct((g.B, g.Hkv, g.Skvp, g.Dvp), dt),
                 *[jax.ShapeDtypeStruct((g.B, g.H, g.Skvp), jnp.float32)] * pos_diff[1])
     params["pos_diff"] = pos_diff
   else:
-    body, grid, grid_names = _dq_kernel, (g.B, g.H, g.nq), ("b", "h", "q")
+    body, grid, grid_names = _dq_kernel, (g.B, g.H, g.nq, _parts(g)), ("b", "h", "q", "d")
     params["pos_diff"] = pos_diff
     out_type = jax.ShapeDtypeStruct((g.B, g.H, g.Sqp, g.Dp), dt)
     outs = [out_type]
@@ -977,13 +1060,14 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   dk, dv, *dkv_cols = _launch("dkdv", cfg, g_dkdv, arrays, ins.masked_any,
                               _visit_lists(cfg, g_dkdv, q_seg, kv_seg, mask, mod, "kv"),
                               pos_diff=ins.pos_diff)
-  dq_visits = _visit_lists(cfg, g, q_seg, kv_seg, mask, mod, "q")
-  outs = _launch("dq", cfg, g, arrays, ins.masked_any, dq_visits, pos_diff=ins.pos_diff)
+  g_dq = dataclasses.replace(g, bk=_stream_block(g))
+  dq_visits = _visit_lists(cfg, g_dq, q_seg, kv_seg, mask, mod, "q")
+  outs = _launch("dq", cfg, g_dq, arrays, ins.masked_any, dq_visits, pos_diff=ins.pos_diff)
   outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
   dq = outs.pop(0)
   dbias = None
   if bias is not None:
-    dbias = _reduce_dbias(cfg, outs.pop(0), bias, g, dq_visits)
+    dbias = _reduce_dbias(cfg, outs.pop(0), bias, g_dq, dq_visits)
   dq = dq[:, :, :Sq, :D]
   dk = dk[:, :, :Skv, :D]
   dv = dv[:, :, :Skv, :Dv]
@@ -1026,8 +1110,9 @@ def _inputs(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   sm_arrays = tuple(word(r) for r in sm_arrays)
   B, H, Sq, D = q.shape
   Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
+  parts = _head_parts(D, Dv)
   g = C.Geometry(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=Dv, bq=_BLOCK, bk=_BLOCK,
-                 Dp=_pad_head(D), Dvp=_pad_head(Dv))
+                 Dp=_pad_head(D, parts), Dvp=_pad_head(Dv, parts))
   segs = None
   if q_seg is not None:  # padding repeats the edge id (padded positions are masked anyway)
     segs = (_mask.pad_axis(q_seg, 1, g.Sqp, "edge", keep_broadcast=False).astype(jnp.int32),

@@ -17,7 +17,8 @@ then t_out = a - mu * out (out loaded into Q's SMEM after the loop) and t_lse = 
 [64, Dv] accumulator and a row, nothing of size [seq_q, seq_kv]. With out=None the kernel
 returns a (the caller subtracts mu * out where out's rows are, `flashvjp._delta`).
 
-Takes what the backward takes: bfloat16 / float16, head dims <= 128, GQA / MQA, causal,
+Takes what the backward takes: bfloat16 / float16, head dims <= 256 (above 128, as the
+backward: two programs per q block, each t_out's half, kv blocks of 32), GQA / MQA, causal,
 window, segment ids, a dense mask, a bias (and its tangent), dropout, global offsets, a
 score_mod with per-(b, h) scalar residuals and arrays read by one position (and the
 tangents of its float ones: per-row words, and column words streamed with K) and a
@@ -26,6 +27,7 @@ does not fit Hopper's shared memory is refused by name (`smem_problem`).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -39,8 +41,13 @@ from flashvjp.pallas.mosaic_gpu import _compat
 from flashvjp.pallas.mosaic_gpu import backward as Bw
 from flashvjp.pallas.mosaic_gpu import forward as F
 
-# Hopper's opt-in shared memory per block (227 KiB).
+# Hopper's opt-in shared memory per block (227 KiB), less room for the barriers and the
+# compiler's own scratch: the compiler's count exceeds `smem_bytes` by 2272 bytes for the
+# largest rings (sm_90a, every feature and tangent: 233696 against 231424 at head dim 128,
+# 237792 against 235520 at 256, both over the limit and refused).
 SMEM_LIMIT = 232448
+_OVERHEAD = 4096
+_ALIGN = 1024  # every SMEM buffer starts at a multiple (jax's mosaic_gpu SMEM_ALIGNMENT)
 
 
 def _tangent_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident):
@@ -53,7 +60,9 @@ def _tangent_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident
   rs = dict(zip(ring, ring_smem))
   res = dict(zip(resident, res_smem))
   b, h, i = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
-  wg = lax.axis_index("wg")
+  wg, part = lax.axis_index("wg"), lax.axis_index("d")
+  parts = Bw._parts(g)
+  wv = g.Dvp // parts  # this program's t_out columns
   rows = pl.ds(i * g.bq, g.bq)
   kv = Bw._KvStream(cfg, g, r, b, h, i)
   f32 = jnp.float32
@@ -104,9 +113,9 @@ def _tangent_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident
         # the P stores before the wgmmas read them; the kv-side loads (segment ids, mask,
         # bias tiles) before the producer's TMA refill of this slot
         plgpu.commit_smem()
-        plgpu.wgmma(a_acc, pt_smem, rs["v"].at[slot])
+        plgpu.wgmma(a_acc, pt_smem, Bw._cols(rs["v"].at[slot], part, wv, parts))
         if "tv" in rs:
-          plgpu.wgmma(a_acc, pd_smem, rs["tv"].at[slot])
+          plgpu.wgmma(a_acc, pd_smem, Bw._cols(rs["tv"].at[slot], part, wv, parts))
         plgpu.wgmma_wait(0)  # the slot's tiles are read: hand it back
         plgpu.barrier_arrive(free.at[slot])
         return mu
@@ -118,26 +127,41 @@ def _tangent_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident
       mu = kv.visit(run, masked_any, zero)
       return a_acc[...], mu
 
-    a, mu = pl.run_scoped(scope, plgpu.ACC((g.bq, g.Dvp), f32))
-    stage = q_smem if g.Dvp == g.Dp else tiles[3]  # Q is read: its buffer stages t_out
-    if "out" in r:  # t_out = a - mu * out, out loaded into the staging buffer first
-      plgpu.copy_gmem_to_smem(Bw._block(r["out"], b, h, rows), stage, res_bars.at[0])
-      plgpu.barrier_wait(res_bars.at[0])
-      a = a - lax.broadcast_in_dim(mu, a.shape, [0]) * stage[...].astype(f32)
-    stage[...] = a.astype(stage.dtype)
+    a, mu = pl.run_scoped(scope, plgpu.ACC((g.bq, wv), f32))
     mu_smem[...] = mu
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(stage, t_out_ref.at[b, h, rows, :])
-    plgpu.copy_smem_to_gmem(mu_smem, t_lse_ref.at[b, h, rows])
+    stages: tuple
+    if parts > 1:  # half the columns, in [bq, bk] chunks staged in the P tiles by turns
+      stages, w = (pt_smem, pd_smem), g.bk
+      out_cols = lambda ref, c: ref.at[b, h, rows, pl.ds(part * wv + c * w, w)]
+    else:  # Q is read: its buffer stages t_out
+      stages, w = (q_smem if g.Dvp == g.Dp else tiles[3],), wv
+      out_cols = lambda ref, c: ref.at[b, h, rows, :]
+    for c in range(wv // w):
+      stage, x = stages[c % len(stages)], a[:, c * w:(c + 1) * w]
+      if c >= len(stages):  # its store of chunk c - len(stages) has read it
+        plgpu.wait_smem_to_gmem(len(stages) - 1, wait_read_only=True)
+      if "out" in r:  # t_out = a - mu * out, out loaded into the staging buffer first
+        plgpu.copy_gmem_to_smem(out_cols(r["out"], c), stage, res_bars.at[0])
+        plgpu.barrier_wait(res_bars.at[0])
+        x = x - lax.broadcast_in_dim(mu, x.shape, [0]) * stage[...].astype(f32)
+      stage[...] = x.astype(stage.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(stage, out_cols(t_out_ref, c))
+
+    @pl.when(part == 0)  # every part computes it; the first writes it
+    def _store_t_lse():
+      plgpu.copy_smem_to_gmem(mu_smem, t_lse_ref.at[b, h, rows])
     plgpu.wait_smem_to_gmem(0)
 
 
 def smem_bytes(g: C.Geometry, arrays) -> int:
   """Shared memory of the tangent kernel on these operands: its `backward._scratch` buffers
-  (rings, resident tiles, P tiles, staging), barriers aside."""
+  (rings, resident tiles, P tiles, staging), each starting at a 1024-byte boundary as Pallas
+  Mosaic-GPU allocates them; barriers aside."""
   ring, resident = Bw._operands("tangent", arrays)
   smem = Bw._scratch("tangent", arrays, ring, resident, g)[0]
-  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for part in smem for x in part)
+  return sum(-(-math.prod(x.shape) * jnp.dtype(x.dtype).itemsize // _ALIGN) * _ALIGN
+             for part in smem for x in part)
 
 
 def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
@@ -156,7 +180,7 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   tconsts = tuple(tconsts) if tconsts is not None else (None,) * n_user
   ins = Bw._inputs(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, offsets,
                    role="tangent", grads=False)
-  g, arrays = ins.g, ins.arrays
+  g, arrays = dataclasses.replace(ins.g, bk=Bw._stream_block(ins.g)), ins.arrays
   f32 = jnp.float32
   if cfg.score_mod is not None and any(t is not None for t in tconsts):
     hcfg, hconsts = C.hoist_score_mod(cfg, consts, f32)
@@ -202,11 +226,12 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
 def smem_problem(g: C.Geometry, arrays) -> str | None:
   """Why the tangent kernel's tiles do not fit a Hopper block's shared memory, or None."""
   need = smem_bytes(g, {n: x for n, x in arrays.items() if n not in ("maskT", "biasT")})
-  if need <= SMEM_LIMIT:
+  if need + _OVERHEAD <= SMEM_LIMIT:
     return None
   return (f"the pallas_mosaic_gpu tangent kernel needs {need} bytes of shared memory here"
           f" (head dim {g.D}, the tangents of q / k / v / bias and the bias / mask tiles in a"
-          f" {Bw._STAGES}-slot ring), over Hopper's {SMEM_LIMIT}; use"
+          f" {Bw._STAGES}-slot ring) and {_OVERHEAD} for barriers, over Hopper's {SMEM_LIMIT};"
+          " use"
           " implementation='pallas_triton'")
 
 
