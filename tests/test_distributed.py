@@ -353,6 +353,32 @@ def test_sharded_attention_batch_heads_and_ring():
                      (ref_out, ref_lse), jnp.float64, "batch x ring, bias")
 
 
+def test_sharded_attention_called_eagerly_is_one_program():
+  """Outside jit the wrapper compiles its shard_map as one program (before: shard_map ran
+  the ring op by op on every device, 194 small programs and 20 s a call for the docs'
+  [2, 4, 512, 32] example), with the same result as under jit."""
+  import logging
+  mesh = _mesh((4,), ("sp",))
+  q = jax.random.normal(jax.random.key(0), (1, 2, 256, 16), jnp.float32)
+  seen = []
+
+  class Compiles(logging.Handler):
+    def emit(self, record):
+      if record.getMessage().startswith("Compiling"):
+        seen.append(record.getMessage()[:60])
+
+  handler, log = Compiles(), logging.getLogger("jax")
+  log.addHandler(handler)
+  try:
+    with jax.log_compiles():
+      out = flashvjp.sharded_attention(q, q, q, mesh=mesh, seq_axis="sp", causal=True)
+  finally:
+    log.removeHandler(handler)
+  assert 1 <= len(seen) <= 3, seen
+  ref = flashvjp.flash_attention(q, q, q, causal=True, implementation="naive")
+  _util.assert_close(out, ref, jnp.float32, "eager sharded_attention")
+
+
 # ---- helpers and errors ------------------------------------------------------------
 
 def test_zigzag_order_and_roundtrip():
