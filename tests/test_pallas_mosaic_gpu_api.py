@@ -313,3 +313,64 @@ def test_position_arrays_grads_through_flash_attention_against_float64():
     err = np.abs(g - r).max() / max(np.abs(r).max(), 1e-30)
     assert np.isfinite(g).all() and err < tol, (name, err, tol)
   assert got[1][4].dtype == jnp.float64  # the gradient in the array's own dtype
+
+
+@pytest.mark.parametrize("cp,causal", [("ring", False), ("ulysses", True)])
+def test_sequence_sharded_under_plain_jit_runs_the_family(cp, causal):
+  """Plain-jit sequence sharding over 2 devices: the ring (the family's kernels on chunk pairs
+  at global offsets; ALiBi reads them) or Ulysses (its kernels on each device's heads).
+  value_and_grad (dq, dk, dv, the slopes' gradient) and jvp equal float64 naive attention at
+  the family's tolerance; the recorded decisions name the family and the strategy, and the
+  compiled program gathers no whole sequence.
+
+  The Mosaic-GPU interpreter meets every device of the program at each kernel's start and
+  end (a `threading.Barrier` over the devices, jax 0.12), so in interpret mode the devices
+  must run the same kernels in the same order: a causal ring, whose devices skip different
+  chunk pairs, never gets past that barrier (seen: no device reached the next all-reduce in
+  900 s). On a GPU each device runs its own kernels. Hence the ring here is bidirectional."""
+  from jax.sharding import Mesh
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from tests import test_partition_seq as seq
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  mesh = Mesh(np.asarray(jax.devices()[:2]), ("sp",))
+  q, k, v = _qkv(B=1, H=2, Hkv=2, S=256, seed=3)
+  slopes = flashvjp.alibi_slopes(2)
+  w = jnp.asarray(np.random.default_rng(4).standard_normal(q.shape), jnp.float32)
+  t = _qkv(B=1, H=2, Hkv=2, S=256, seed=5)
+
+  def attn(impl, q, k, v, sl):
+    return flashvjp.flash_attention(q, k, v, causal=causal, implementation=impl,
+                                    context_parallel=None if impl == "naive" else cp,
+                                    score_mod=flashvjp.alibi(sl))
+
+  def loss(impl):
+    return lambda q, k, v, sl: jnp.sum(attn(impl, q, k, v, sl).astype(w.dtype) * w)
+
+  def jvp(impl):
+    return lambda q, k, v, sl, *t: jax.jvp(lambda q, k, v: attn(impl, q, k, v, sl), (q, k, v), t)
+
+  sh = NamedSharding(mesh, P(None, None, "sp", None))
+  placed = [jax.device_put(x, sh) for x in (q, k, v)] + [slopes]
+  grad = jax.jit(jax.grad(loss(IMPL), argnums=(0, 1, 2, 3)))
+  with flashvjp.record_decisions() as events:
+    got = grad(*placed)
+    got_jvp = jax.jit(jvp(IMPL))(*placed, *[jax.device_put(x, sh) for x in t])
+  calls = [e.detail for e in events if e.stage == "dispatch"]
+  assert calls and all(d.implementation == IMPL for d in calls), [str(d) for d in calls]
+  parts = [e for e in events if e.stage == "partition"]
+  assert {e.kind for e in parts} >= {"forward", "backward", "tangent"}, [str(e) for e in parts]
+  assert all(e.detail is not None and e.detail.name == cp for e in parts), [str(e) for e in parts]
+  f64 = lambda xs: tuple(x.astype(jnp.float64) for x in xs)
+  ref = jax.grad(loss("naive"), argnums=(0, 1, 2, 3))(*f64((q, k, v)), slopes.astype(jnp.float64))
+  ref_jvp = jvp("naive")(*f64((q, k, v)), slopes.astype(jnp.float64), *f64(t))
+  tol = flashvjp._check.tolerance(jnp.bfloat16, IMPL)
+  for name, g, r in zip(("dq", "dk", "dv", "dslopes", "out", "t_out"), got + got_jvp,
+                        ref + ref_jvp):
+    g, r = np.asarray(g.astype(jnp.float64)), np.asarray(r)
+    err = np.abs(g - r).max() / np.abs(r).max()
+    assert np.isfinite(g).all() and err < tol, (name, err, tol)
+  hlo = grad.lower(*placed).compile().as_text()
+  assert not seq.whole_sequence_gathers(hlo, 256), hlo

@@ -90,6 +90,7 @@ SKIPPABLE_WAITS = ("k_loaded", "v_loaded", "k_consumed", "v_consumed", "q_loaded
                    "side_fence")
 # setmaxnreg with two consumer warpgroups (3 x 128 threads share 64K registers): the
 # consumers get what the TMA producer gives up (2 x 232 + 40 <= 512 per thread slot).
+V_PART = 128  # value columns of one forward kernel (`forward` splits wider values)
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 # A CTA's visit list (`visit_lists`): n_partial, n_full, then per consumer warpgroup w the
@@ -178,8 +179,9 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
   ring slot holds besides K and V. `pingpong`: with two consumers, FA3's schedule barrier
   (one consumer's softmax overlaps the other's wgmma).
 
-  Head dim 256 spills on sm_90a either way (ptxas, causal, S=2048: two consumers 548 bytes,
-  one consumer at 255 registers 356 bytes); two are kept, unmeasured on a GPU."""
+  A plan of more than 128 value columns spills on sm_90a either way (ptxas, causal, S=2048:
+  two consumers 548 bytes, one consumer at 255 registers 356 bytes): `forward` runs two
+  kernels of at most `V_PART` value columns each instead."""
   B, H, Sq, D = q_shape
   Hkv, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
   Dp, Dvp = _round_up(D, 64), _round_up(Dv, 64)
@@ -921,6 +923,18 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
                                     offsets=offsets)
   if problem is not None:
     raise NotImplementedError(f"pallas_mosaic_gpu forward: {problem}")
+  if v.shape[3] > V_PART:
+    # Above 128 value columns the running output ([64, 256] float32: 128 registers a thread)
+    # and a P V accumulator spill (sm_90a ptxas, causal, head dim 256: 2176 bytes; P V chunks
+    # of 64: 1296; one consumer: 1540). Two kernels, each computing the scores in full and
+    # half of out (the backward's column split, here by XLA): 0 spills (168 registers), at
+    # 1.5x the matmuls. Both return the same lse.
+    kw = dict(mod=mod, offsets=offsets, block_kv=block_kv, slots=slots, consumers=consumers,
+              pingpong=pingpong, interpret=interpret, _skip_wait=_skip_wait)
+    args = (bias, mask, q_seg, kv_seg, seed, consts)
+    first, *rows = forward(cfg, q, k, v[..., :V_PART], *args, **kw)
+    second = forward(cfg, q, k, v[..., V_PART:], *args, **kw)[0]
+    return (jnp.concatenate([first, second], axis=-1), *rows)
   forms = [None if x is None else PairForm.of(x) for x in (bias, mask)]
   mods_split = split_mods(cfg, consts, mod, q.shape[0], q.shape[1], offsets)
   cfg = mods_split.cfg
