@@ -151,6 +151,23 @@ def test_forward_matches_float64_reference_without_races(name):
   _util.assert_close(lse, ref_lse, dtype, what=f"{name}/lse")
 
 
+@pytest.mark.parametrize("D", [64, 256])
+def test_float32_out(D):
+  """cfg.out_f32 (a traced scale folded into the score_mod): out leaves the kernel in float32
+  (its own staging tile; at head dim 256 both kernels' halves), not rounded to bfloat16."""
+  q, k, v = _util.random_qkv(3, 1, 2, 1, 130, 100, D, dtype=jnp.bfloat16)
+  cfg = dataclasses.replace(_cfg(130, 100, D, causal=True), out_f32=True)
+  _compat.reset_interpret_state()
+  out, lse = _forward(cfg, q, k, v, None, None, None, None, None, ())
+  assert not _compat.interpret_races_found()
+  assert out.dtype == jnp.float32 and out.shape == (1, 2, 130, D)
+  rounded = out.astype(jnp.bfloat16).astype(jnp.float32)
+  assert float(jnp.mean(out != rounded)) > 0.9  # float32 values, not bfloat16 ones
+  ref_out, ref_lse = reference.attention(cfg, *_util.as64((q, k, v)), None, None, None, None,
+                                         None, ())
+  _util.assert_close((out, lse), (ref_out, ref_lse), jnp.bfloat16, what="out_f32")
+
+
 @pytest.mark.parametrize("consumers", [1, 2])
 @pytest.mark.parametrize("skip", ["k_loaded", "v_loaded", "k_consumed", "v_consumed"])
 def test_interpreter_reports_a_removed_barrier_wait(skip, consumers):
@@ -377,6 +394,10 @@ _COMPILE = textwrap.dedent("""
                                              (bv,), ModInputs(None, (d,)))
         args = (q, kv, kv, jax.ShapeDtypeStruct((1, S), jnp.float32, sharding=sh),
                 jax.ShapeDtypeStruct((1, S), jnp.int32, sharding=sh))
+      elif variant == "out_f32":  # a float32 out (a traced scale folded into the score_mod)
+        f = lambda q, k, v: F.forward(dataclasses.replace(cfg, out_f32=True), q, k, v, None,
+                                      None, None, None, None, ())
+        args = (q, kv, kv)
       elif variant == "mask_mod":  # prefix LM lengths per batch
         from flashvjp._mask_mod import ModInputs
         mcfg = dataclasses.replace(cfg, mask_mod=lambda b, h, i, j, n: (j <= i) | (j < n[b]))
@@ -390,7 +411,7 @@ _COMPILE = textwrap.dedent("""
       print("COMPILED", variant, flush=True)
 """)
 VARIANTS = ("causal", "segments", "dropout", "bias", "mask", "score_mod", "mask_mod",
-            "positions")
+            "positions", "out_f32")
 
 
 def compile_sm90(D, S, variants, dump_dir):
@@ -429,7 +450,7 @@ def test_parse_ptxas():
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_compiles_for_sm90a_without_spills(D, tmp_path):
   """Causal forwards (plain, segment ids, dropout, bias, dense mask, a score_mod, a mask_mod,
-  mods reading arrays by position; at head dim 256 plain and segment ids, each of its two
+  mods reading arrays by position, a float32 out; at head dim 256 plain and segment ids, each of its two
   kernels computing half of out) compile for H100 with no register spill and within the SMEM of a Hopper block (227 KiB). The plain causal
   forward's SASS (two consumers and the producer; when nvdisasm is installed): HGMMA (QK^T
   and PV of each consumer) and UTMALDG (K and V into a ring slot) inside loops, and the

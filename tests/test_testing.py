@@ -14,6 +14,7 @@ from hypothesis import settings
 import flashvjp
 from flashvjp import _score_mod
 from flashvjp import testing
+from flashvjp.pallas.mosaic_gpu import _compat as _mgpu_compat
 from flashvjp.testing import strategies
 
 B, H, HKV, SQ, SKV, D = 1, 2, 1, 19, 23, 8
@@ -179,19 +180,27 @@ def _dscale_errors(impl, shape, seeds, block=None):
   return np.asarray(errs)
 
 
-@pytest.mark.parametrize("impl, shape, block", [
-    ("blockwise", (2, 4, 1, 233, 130, 64), None),  # the shape the differential fuzz found
-    ("pallas_triton", (1, 2, 1, 97, 70, 32), 32),
-    ("pallas_tpu", (1, 2, 1, 97, 70, 32), 32),
+@pytest.mark.parametrize("impl, shape, block, factor", [
+    ("blockwise", (2, 4, 1, 233, 130, 64), None, 2),  # the shape the differential fuzz found
+    ("pallas_triton", (1, 2, 1, 97, 70, 32), 32, 2),
+    ("pallas_tpu", (1, 2, 1, 97, 70, 32), 32, 2),
+    pytest.param("pallas_mosaic_gpu", (1, 2, 1, 97, 70, 64), None, 5, marks=pytest.mark.skipif(
+        _mgpu_compat.unavailable() is not None, reason=str(_mgpu_compat.unavailable()))),
 ])
-def test_bf16_learned_scale_gradient_within_2x_of_naive_bf16(impl, shape, block):
+def test_bf16_learned_scale_gradient_within_2x_of_naive_bf16(impl, shape, block, factor):
   """d scale for bfloat16 inputs: the traced scale is the score_mod's first step (float32
   accumulation from the score tiles) and out stays float32 inside the op (exact delta);
-  it was 2.3e-2 vs naive bfloat16 autodiff's 4.5e-3 (blockwise, seed 1) before."""
+  it was 2.3e-2 vs naive bfloat16 autodiff's 4.5e-3 (blockwise, seed 1) before.
+
+  The Mosaic-GPU kernels run 16-bit wgmma in interpret mode as on the GPU: the forward's
+  P V takes P rounded to bfloat16, so delta = rowsum(dO * O) misses the backward's float32
+  probabilities by a per-row rounding that d scale (a sum over every score) does not cancel:
+  4.2x naive's worst error over these seeds (9.7e-3 against 2.3e-3; seeds 0-4: 2.5e-4 to
+  9.7e-3; the interpret-mode Triton kernels: 2.5e-7 to 7e-6 at this shape)."""
   seeds = (0, 1, 2)
   got = _dscale_errors(impl, shape, seeds, block)
   naive = _dscale_errors("naive", shape, seeds)
-  assert np.all(np.isfinite(got)) and got.max() <= 2 * naive.max(), (got, naive)
+  assert np.all(np.isfinite(got)) and got.max() <= factor * naive.max(), (got, naive)
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])

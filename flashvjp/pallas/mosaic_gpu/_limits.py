@@ -11,8 +11,8 @@ Forward: float16 / bfloat16 inputs (compiled and interpret mode alike: the kerne
 window, segment ids, dropout, bias, dense masks, global offsets (ring chunk pairs), any
 sequence lengths (padded to whole blocks), score_mod / mask_mod whose per-(b, h) values are
 scalars (softcap, ALiBi, prefix LM) and that read arrays by one q or kv position
-(`document_causal`, a per-key bias; `score_mod_problem`). Not yet: a float32 out (a traced
-scale), float32 / float64 inputs, tables read by kv_idx - q_idx. Backward and tangent: the
+(`document_causal`, a per-key bias; `score_mod_problem`), a float32 out (a traced scale
+folded into the score_mod). Not yet: float32 / float64 inputs, tables read by kv_idx - q_idx. Backward and tangent: the
 same (above head dim 128 two programs share each block's output columns). So the family:
 16-bit, head dims <= 256.
 """
@@ -108,8 +108,6 @@ def forward_problem(cfg, q, k, v, *, bias=None, mask=None, q_seg=None, kv_seg=No
     return "dropout needs a seed"
   if offsets is not None and len(tuple(offsets)) != 4:
     return f"offsets must be (b0, h0, q0, kv0), got {offsets!r}"
-  if cfg.out_f32:
-    return "a float32 out (traced scale): not implemented in the Mosaic-GPU kernels yet"
   dts = {jnp.dtype(x.dtype) for x in (q, k, v)}
   if len(dts) != 1:
     return f"q, k, v must share one dtype, got {sorted(d.name for d in dts)}"

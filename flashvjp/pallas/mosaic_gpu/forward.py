@@ -116,6 +116,7 @@ class Plan:
   slots: int  # K/V ring depth
   slot_extra: int = 0  # bytes per ring slot besides K and V (kv segment ids, bias / mask)
   pingpong: bool = True  # two consumers take turns on the tensor cores (FA3's schedule)
+  out_f32: bool = False  # out in float32 (a traced scale: `AttentionConfig.out_f32`)
 
   @property
   def G(self) -> int:
@@ -156,10 +157,12 @@ class Plan:
   def smem_bytes(self, itemsize: int = 2) -> int:
     """SMEM the kernel allocates (tiles, not counting barriers)."""
     q = self.bq * self.Dp
-    o = 0 if self.Dvp == self.Dp else self.bq * self.Dvp
+    o = 0 if self.Dvp == self.Dp or self.out_f32 else self.bq * self.Dvp
     ring = self.slots * self.bk * (self.Dp + self.Dvp)
     p = self.bq * self.bk
-    return (q + o + ring + p) * itemsize + 4 * self.bq + self.slots * self.slot_extra
+    o32 = 4 * self.bq * self.Dvp if self.out_f32 else 0  # its own float32 staging tile
+    return ((q + o + ring + p) * itemsize + o32 + 4 * self.bq
+            + self.slots * self.slot_extra)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -168,7 +171,7 @@ def _round_up(x: int, m: int) -> int:
 
 def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | None = None,
          consumers: int | None = None, elementwise: bool = False,
-         slot_extra=lambda bq, bk: 0, pingpong: bool = True) -> Plan:
+         slot_extra=lambda bq, bk: 0, pingpong: bool = True, out_f32: bool = False) -> Plan:
   """The launch sizes: two consumer warpgroups (128 query rows per CTA; one when the
   sequence fits in 64 rows), kv blocks of 128 for head dims <= 128 and 64 above (the
   consumer's registers: S, the output and a P V accumulator are live at once), and a
@@ -185,6 +188,7 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
   B, H, Sq, D = q_shape
   Hkv, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
   Dp, Dvp = _round_up(D, 64), _round_up(Dv, 64)
+  auto = consumers is None
   if consumers is None:
     consumers = 1 if Sq <= ROWS_PER_WARPGROUP else 2
   if consumers not in (1, 2):
@@ -196,9 +200,16 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
   nk = _mask.num_blocks(Skv, block_kv)
   extra = slot_extra(consumers * ROWS_PER_WARPGROUP, block_kv)
   make = lambda n: Plan(B, H, Hkv, Sq, Skv, D, Dv, consumers, block_kv, Dp, Dvp, n, extra,
-                        pingpong and consumers == 2)
+                        pingpong and consumers == 2, out_f32)
   if slots is None:
-    fits = [n for n in (3, 2, 1) if make(n).smem_bytes() <= _limits.SMEM_BUDGET]
+    # Two consumers need two slots: with one, the kernel deadlocked (interpret mode, head dim
+    # 256 with kv blocks of 64 and a float32 out); a CTA of one consumer is planned instead.
+    fits = [n for n in ((3, 2, 1) if consumers == 1 else (3, 2))
+            if make(n).smem_bytes() <= _limits.SMEM_BUDGET]
+    if not fits and auto and consumers == 2:
+      return plan(q_shape, k_shape, v_shape, block_kv=block_kv, slots=slots, consumers=1,
+                  elementwise=elementwise, slot_extra=slot_extra, pingpong=pingpong,
+                  out_f32=out_f32)
     if not fits:
       raise NotImplementedError(
           f"pallas_mosaic_gpu forward: head dims {D} / {Dv} with kv blocks of {block_kv} need"
@@ -484,7 +495,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
     l_safe = jnp.where(empty, 1.0, l)
     for c, part in enumerate(acc):
       o_smem[:, pl_ds(c * p.dv_chunk, p.dv_chunk)] = (
-          part / _rows(l_safe, part.shape)).astype(dtype)
+          part / _rows(l_safe, part.shape)).astype(o_smem.dtype)
     lse_smem[...] = jnp.where(empty, neg, m * LN2 + jnp.log(l_safe))
     if cfg.max_logits:  # the running max (log2 units) is the row's max logit
       R["max_s"].at[w][...] = jnp.where(empty, neg, m * LN2)
@@ -536,7 +547,10 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
               + [f"modkv_{kind}" for kind, _ in col_words] + (["visits"] if lists else []))
   smem = functools.partial(_compat.smem_tile, dtype=dtype)
   tiles = {"q_s": smem((nc, rows, p.Dp)),
-           "o_s": None if p.Dvp == p.Dp else smem((nc, rows, p.Dvp)),
+           # out's staging tile: Q's once Q is read, else its own (a float32 out: plain
+           # layout, written from the accumulator's registers and stored by TMA)
+           "o_s": (mg.SMEM((nc, rows, p.Dvp), f32) if p.out_f32
+                   else None if p.Dvp == p.Dp else smem((nc, rows, p.Dvp))),
            "k_s": smem((slots, bk, p.Dp)),
            "v_s": smem((slots, bk, p.Dvp)),
            "p_s": smem((nc, rows, bk)),
@@ -598,7 +612,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
     _compat.run_scoped(scoped, tuple(tiles.values()), tuple(bars.values()),
                        collective_axes="wg")
 
-  out_type = (jax.ShapeDtypeStruct((p.B, p.H, p.Sqp, p.Dvp), dtype),
+  out_type = (jax.ShapeDtypeStruct((p.B, p.H, p.Sqp, p.Dvp), f32 if p.out_f32 else dtype),
               *(jax.ShapeDtypeStruct((p.B, p.H, p.Sqp), f32),) * (2 if cfg.max_logits else 1))
   return mg.kernel(entry, out_type=out_type, grid=(p.nq, p.H, p.B), grid_names=("q", "h", "b"),
                    num_threads=nc + 1, thread_name="wg", interpret=interpret,
@@ -915,8 +929,9 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
     block_kv, slots, consumers, pingpong: override the launch plan (`plan`; tests).
 
   Returns:
-    (out [B, H, Sq, Dv] in q.dtype, lse [B, H, Sq] float32, natural log, -inf for an empty
-    row), and the row maxima [B, H, Sq] float32 (-inf: empty) when cfg.max_logits.
+    (out [B, H, Sq, Dv] in q.dtype (float32 with cfg.out_f32), lse [B, H, Sq] float32,
+    natural log, -inf for an empty row), and the row maxima [B, H, Sq] float32 (-inf: empty)
+    when cfg.max_logits.
   """
   problem = _limits.forward_problem(cfg, q, k, v, bias=bias, mask=mask, q_seg=q_seg,
                                     kv_seg=kv_seg, seed=seed, consts=consts, mod=mod,
@@ -945,7 +960,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
                         or mask is not None or has_mods),
            slot_extra=lambda bq, bk: (4 * bk if q_seg is not None else 0) + sum(
                f.slot_bytes(bq, bk) for f in forms if f is not None) + 4 * bk * n_cols,
-           pingpong=pingpong)
+           pingpong=pingpong, out_f32=cfg.out_f32)
   if interpret is None and cfg.interpret:
     interpret = _compat.interpret_params(detect_races=True)
   if interpret:
