@@ -77,9 +77,8 @@ def test_forward_backward_and_array_gradients(D):
   assert all(float(jnp.abs(d).max()) > 0 for d in got[4])  # the arrays do get gradients
 
 
-@pytest.mark.parametrize("D", [64, 256])
-def test_tangent_along_inputs_and_arrays(D):
-  cfg, qkv, consts, mod = _problem(seed=1, D=D)
+def test_tangent_along_inputs_and_arrays():
+  cfg, qkv, consts, mod = _problem(seed=1)
   fwd, primals = _reference(cfg, qkv, consts, mod)
   rng = np.random.default_rng(2)
   tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in qkv + consts)
