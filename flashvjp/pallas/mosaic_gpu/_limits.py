@@ -12,9 +12,9 @@ window, segment ids, dropout, bias, dense masks, global offsets (ring chunk pair
 sequence lengths (padded to whole blocks), score_mod / mask_mod whose per-(b, h) values are
 scalars (softcap, ALiBi, prefix LM) and that read arrays by one q or kv position
 (`document_causal`, a per-key bias; `score_mod_problem`), a float32 out (a traced scale
-folded into the score_mod). Not yet: float32 / float64 inputs, tables read by kv_idx - q_idx. Backward and tangent: the
-same (above head dim 128 two programs share each block's output columns). So the family:
-16-bit, head dims <= 256.
+folded into the score_mod). Not yet: float32 / float64 inputs, tables read by kv_idx -
+q_idx. Backward and tangent: the same (above head dim 128 two programs share each block's
+output columns). So the family: 16-bit, head dims <= 256.
 """
 from __future__ import annotations
 

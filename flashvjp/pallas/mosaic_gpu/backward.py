@@ -82,8 +82,8 @@ spills plain and with segment ids + a dense mask + a bias + offsets (dK/dV 255 r
 dQ 199); with dropout added as well the dK/dV kernel spills 16 B.
 
 Supported: bfloat16 / float16 inputs (float32 accumulation), head dims <= 256 (padded with
-zeros to a multiple of 64; of 128 above 128), GQA / MQA, causal, window, segment ids, a dense mask, a bias
-and dbias, dropout, any sequence lengths (padded to whole 64-blocks), a cotangent on lse
+zeros to a multiple of 64; of 128 above 128), GQA / MQA, causal, window, segment ids, a
+dense mask, a bias and dbias, dropout, any sequence lengths (padded to whole 64-blocks), a cotangent on lse
 (folded into delta), global offsets (a ring chunk pair: dropout and the score_mod read
 them), a score_mod (with differentiable consts) and a mask_mod with scalar per-head
 residuals and arrays read by one position: per-q-position values travel like lse ("qres<n>"),
@@ -162,22 +162,25 @@ def _cols(ref, part, width, parts):
   return ref if parts == 1 else ref.at[:, pl.ds(part * width, width)]
 
 
-def _store_chunks(pairs, bufs):
+def _store_chunks(pairs, bufs, before=None):
   """Write register tiles to GMEM through SMEM staging tiles, a chunk of `bufs[0]`'s width
   at a time: `pairs` are (x [rows, W], dst), dst(c0, w) the GMEM ref of x's columns [c0, c0 +
-  w); `bufs` (the kernel's P / dS tiles, [rows, w] each, free by now) are used in turn, each
-  reused once its previous TMA store has read it."""
+  w); `bufs` (free by now: the kernel's P / dS tiles, or a resident tile it has read, [rows,
+  w] each) are used in turn, each reused once its previous TMA store has read it.
+  `before(buf, c0, w, x)`, when given, returns the chunk to store (it may first load into
+  the free `buf`)."""
   plgpu = _compat.plgpu()
   w = bufs[0].shape[1]
-  chunks = [(x[:, c:c + w], functools.partial(dst, c, w))
-            for x, dst in pairs for c in range(0, x.shape[1], w)]
-  for n, (x, dst) in enumerate(chunks):
+  chunks = [(x[:, c:c + w], c, dst) for x, dst in pairs for c in range(0, x.shape[1], w)]
+  for n, (x, c, dst) in enumerate(chunks):
     buf = bufs[n % len(bufs)]
     if n >= len(bufs):  # its store of chunk n - len(bufs) has read it
       plgpu.wait_smem_to_gmem(len(bufs) - 1, wait_read_only=True)
+    if before is not None:
+      x = before(buf, c, w, x)
     buf[...] = x.astype(buf.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(buf, dst())
+    plgpu.copy_smem_to_gmem(buf, dst(c, w))
 
 
 def _dkdv_block_q(g: C.Geometry, cfg) -> int:

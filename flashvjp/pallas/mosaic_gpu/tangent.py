@@ -28,6 +28,7 @@ does not fit Hopper's shared memory is refused by name (`smem_problem`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -129,24 +130,19 @@ def _tangent_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident
 
     a, mu = pl.run_scoped(scope, plgpu.ACC((g.bq, wv), f32))
     mu_smem[...] = mu
-    stages: tuple
-    if parts > 1:  # half the columns, in [bq, bk] chunks staged in the P tiles by turns
-      stages, w = (pt_smem, pd_smem), g.bk
-      out_cols = lambda ref, c: ref.at[b, h, rows, pl.ds(part * wv + c * w, w)]
-    else:  # Q is read: its buffer stages t_out
-      stages, w = (q_smem if g.Dvp == g.Dp else tiles[3],), wv
-      out_cols = lambda ref, c: ref.at[b, h, rows, :]
-    for c in range(wv // w):
-      stage, x = stages[c % len(stages)], a[:, c * w:(c + 1) * w]
-      if c >= len(stages):  # its store of chunk c - len(stages) has read it
-        plgpu.wait_smem_to_gmem(len(stages) - 1, wait_read_only=True)
-      if "out" in r:  # t_out = a - mu * out, out loaded into the staging buffer first
-        plgpu.copy_gmem_to_smem(out_cols(r["out"], c), stage, res_bars.at[0])
-        plgpu.barrier_wait(res_bars.at[0])
-        x = x - lax.broadcast_in_dim(mu, x.shape, [0]) * stage[...].astype(f32)
-      stage[...] = x.astype(stage.dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(stage, out_cols(t_out_ref, c))
+    # half the columns with two parts, in [bq, bk] chunks staged in the P tiles by turns;
+    # else all of them, staged in Q's buffer (read by now) or their own
+    stages = ((pt_smem, pd_smem) if parts > 1
+              else (q_smem if g.Dvp == g.Dp else tiles[3],))
+    cols = lambda ref, c, w: ref.at[b, h, rows, pl.ds(part * wv + c, w)]
+
+    def minus_mu_out(buf, c, w, x):  # t_out = a - mu * out, out loaded into the buffer first
+      plgpu.copy_gmem_to_smem(cols(r["out"], c, w), buf, res_bars.at[0])
+      plgpu.barrier_wait(res_bars.at[0])
+      return x - lax.broadcast_in_dim(mu, x.shape, [0]) * buf[...].astype(f32)
+
+    Bw._store_chunks(((a, functools.partial(cols, t_out_ref)),), stages,
+                     before=minus_mu_out if "out" in r else None)
 
     @pl.when(part == 0)  # every part computes it; the first writes it
     def _store_t_lse():
