@@ -12,6 +12,8 @@ Ulysses, never an all-gather of the whole sequence. Compile errors fail here.
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,15 +168,22 @@ def _compile(mesh, feature, mode, dtype, spec=_aot.REPLICATED, shape=(B, H, HKV,
       decisions.append(flashvjp.explain(q, k, v, **make(*xs), **extra_kw))
     return flashvjp.flash_attention(q, k, v, **make(*xs), **extra_kw)
 
-  if mode == "grad":
-    floats = tuple(i for i, x in enumerate((q, k, k) + extra)
-                   if jnp.issubdtype(x.dtype, jnp.floating))
-    fn = jax.value_and_grad(lambda *a: attn(*a).astype(jnp.float32).sum(), argnums=floats)
-  else:
-    fn = lambda q, k, v, *xs: jax.jvp(lambda q, k, v: attn(q, k, v, *xs), (q, k, v), (q, k, v))
+  floats = tuple(i for i, x in enumerate((q, k, k) + extra)
+                 if jnp.issubdtype(x.dtype, jnp.floating))
+  grad = jax.value_and_grad(lambda *a: attn(*a).astype(jnp.float32).sum(), argnums=floats)
+  jvp = lambda q, k, v, *xs: jax.jvp(lambda q, k, v: attn(q, k, v, *xs), (q, k, v), (q, k, v))
+  # "both": one program holding value_and_grad and jvp (one compile: the matrices' cost)
+  fn = {"grad": grad, "jvp": jvp, "both": lambda *a: (grad(*a), jvp(*a))}[mode]
   with jax.default_matmul_precision("highest" if dtype == jnp.float32 else "default"):
     compiled = jax.jit(fn).lower(q, k, k, *extra).compile()
   return decisions[0], compiled
+
+
+# The kernels each mode's program holds, by the names the families give them (in the
+# compiled HLO: Triton's and Mosaic's custom calls carry them).
+KERNELS = {"grad": ("fwd", "bwd_dkdv", "bwd_dq"), "jvp": ("fwd", "tangent")}
+KERNELS["both"] = KERNELS["grad"] + ("tangent",)
+KERNEL_PREFIX = {"pallas_triton": "flashvjp_", "pallas_tpu": "flashvjp_tpu_"}
 
 
 def _assert_compiled_kernels(decision, compiled, family, call, mode):
@@ -182,62 +191,69 @@ def _assert_compiled_kernels(decision, compiled, family, call, mode):
   assert decision.implementation == family and not decision.interpret, str(decision)
   assert not decision.target.local, str(decision.target)
   n = hlo.count(call)
-  assert n >= (3 if mode == "grad" else 2), f"{n} {call} kernels"
+  assert n >= len(KERNELS[mode]) - (mode == "both"), f"{n} {call} kernels"  # fwd shared
+  names = set(re.findall(r"flashvjp_[a-z_0-9]+", hlo))
+  missing = [k for k in KERNELS[mode] if KERNEL_PREFIX[family] + k not in names]
+  assert not missing, f"kernels {missing} not in the compiled program (it has {sorted(names)})"
   # no interpret-mode loops: the kernels are custom calls
   assert not _aot.interpret_loops(hlo)
 
 
 @_aot.needs_cuda
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("mode", ["grad", "jvp"])
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("gpu", ["h100", "b200"])
-def test_gpu_compile_matrix(gpu, feature, mode, dtype):
-  decision, compiled = _compile(_aot.gpu_mesh(gpu), feature, mode, dtype)
-  _assert_compiled_kernels(decision, compiled, "pallas_triton", _aot.TRITON_CALL, mode)
+def test_gpu_compile_matrix(gpu, feature, dtype):
+  """Every feature x {value_and_grad, jvp} (one program holding both: one compile) x
+  {bf16, float32 at "highest"}: the forward, dK/dV, dQ and tangent kernels compiled."""
+  decision, compiled = _compile(_aot.gpu_mesh(gpu), feature, "both", dtype)
+  _assert_compiled_kernels(decision, compiled, "pallas_triton", _aot.TRITON_CALL, "both")
 
 
 POSITION_FEATURES = ["kv_bias", "q_temperature", "document_causal", "relative_position_bias",
                      "t5_buckets"]
 
 
+def _has_drel(compiled, family) -> bool:
+  return KERNEL_PREFIX[family] + "bwd_drel" in compiled.as_text()
+
+
 @_aot.needs_cuda
-@pytest.mark.parametrize("mode", ["grad", "jvp"])
 @pytest.mark.parametrize("feature", POSITION_FEATURES)
-def test_gpu_compiles_mods_indexing_arrays_by_position(feature, mode):
+def test_gpu_compiles_mods_indexing_arrays_by_position(feature):
   """Issue 32: what a mod reads by q or kv position travels as per-position residuals, and
   what it reads by kv_idx - q_idx as a row over the differences, so the Triton kernels
-  compile it (before: refused, a gather on the tile). The relative table's gradient adds a
-  kernel over the block diagonals ("flashvjp_bwd_drel")."""
-  decision, compiled = _compile(_aot.gpu_mesh("h100"), feature, mode, jnp.bfloat16)
-  _assert_compiled_kernels(decision, compiled, "pallas_triton", _aot.TRITON_CALL, mode)
+  compile it (before: refused, a gather on the tile), in reverse and forward mode (one
+  program). The relative table's gradient adds a kernel over the block diagonals
+  ("flashvjp_bwd_drel")."""
+  decision, compiled = _compile(_aot.gpu_mesh("h100"), feature, "both", jnp.bfloat16)
+  _assert_compiled_kernels(decision, compiled, "pallas_triton", _aot.TRITON_CALL, "both")
   hows = {o.how for o in decision.operands}
   assert hows & {"by q position", "by kv position", "by q position and by kv position",
                  "by kv_idx - q_idx"}, hows
-  if feature in ("relative_position_bias", "t5_buckets") and mode == "grad":
-    assert compiled.as_text().count(_aot.TRITON_CALL) >= 4  # fwd, dK/dV, dQ, drel
+  rel = feature in ("relative_position_bias", "t5_buckets")
+  assert _has_drel(compiled, "pallas_triton") == rel
 
 
 @_aot.needs_tpu
-@pytest.mark.parametrize("mode", ["grad", "jvp"])
 @pytest.mark.parametrize("feature", POSITION_FEATURES)
-def test_tpu_compile_matrix_of_mods_indexing_arrays_by_position(feature, mode):
+def test_tpu_compile_matrix_of_mods_indexing_arrays_by_position(feature):
   """The same mods through libtpu's Mosaic compiler (residuals laid out like segment ids).
   ("matrix" in the name: .ci/run's jax 0.11.2 step skips the TPU compiles, its pinned libtpu
   does not take the "v5e:1x1" topology name.)"""
-  decision, compiled = _compile(_aot.tpu_mesh("v5e"), feature, mode, jnp.bfloat16)
-  _assert_compiled_kernels(decision, compiled, "pallas_tpu", _aot.TPU_CALL, mode)
-  if feature in ("relative_position_bias", "t5_buckets") and mode == "grad":  # Toeplitz tiles
-    assert compiled.as_text().count(_aot.TPU_CALL) >= 4  # fwd, dK/dV, dQ, drel
+  decision, compiled = _compile(_aot.tpu_mesh("v5e"), feature, "both", jnp.bfloat16)
+  _assert_compiled_kernels(decision, compiled, "pallas_tpu", _aot.TPU_CALL, "both")
+  rel = feature in ("relative_position_bias", "t5_buckets")  # Toeplitz tiles
+  assert _has_drel(compiled, "pallas_tpu") == rel
 
 
 @_aot.needs_tpu
-@pytest.mark.parametrize("mode", ["grad", "jvp"])
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("tpu", ["v5e", "v6e"])
-def test_tpu_compile_matrix(tpu, feature, mode):
-  decision, compiled = _compile(_aot.tpu_mesh(tpu), feature, mode, jnp.bfloat16)
-  _assert_compiled_kernels(decision, compiled, "pallas_tpu", _aot.TPU_CALL, mode)
+def test_tpu_compile_matrix(tpu, feature):
+  """Every feature x {value_and_grad, jvp} (one program): the Mosaic kernels compiled."""
+  decision, compiled = _compile(_aot.tpu_mesh(tpu), feature, "both", jnp.bfloat16)
+  _assert_compiled_kernels(decision, compiled, "pallas_tpu", _aot.TPU_CALL, "both")
 
 
 @_aot.needs_tpu
