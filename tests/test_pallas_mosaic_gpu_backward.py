@@ -178,10 +178,15 @@ def test_dropout_hash_split(broadcast):
   assert bool(jnp.all(got == want))
 
 
-def test_dropout():
-  """Dropout (rate 0.25, the shared counter hash), causal, GQA, ragged, dlse."""
-  B, H, Hkv, Sq, Skv, D = 1, 2, 1, 136, 136, 64
+@pytest.mark.parametrize("D", [64, 256])
+def test_dropout(D):
+  """Dropout (rate 0.25, the shared counter hash), causal, GQA, ragged, dlse; at head dim
+  256 the dK/dV kernel runs q blocks of 16 (`_dkdv_block_q`)."""
+  B, H, Hkv, Sq, Skv = 1, 2, 1, 136, 136
   cfg = _cfg(Sq, Skv, D, causal=True, dropout_rate=0.25)
+  if D == 256:
+    g = Geometry(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=D, bq=64, bk=64, Dp=D, Dvp=D)
+    assert mgpu_backward._dkdv_block_q(g, cfg) == 16
   q, k, v, do, dlse = _inputs(B, H, Hkv, Sq, Skv, D, jnp.bfloat16, seed=7)
   seed = _dropout.seed_from_key(jax.random.key(11))
   out, lse, ref = _reference(cfg, q, k, v, do, dlse, seed=seed)
@@ -479,7 +484,7 @@ def _compile_sm90a(D, features, dump_dir, script=None):
                     "sm_90a compile); no GPU needed")
 @pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (64, "mod+bias+prefix"),
                                         (128, "seg+drop+mask+bias+off"), (128, "pos"),
-                                        (256, ""), (256, "seg+mask+bias+off")])
+                                        (256, ""), (256, "seg+drop+mask+bias+off")])
 def test_sm90a_compile_no_spills(D, features, tmp_path):
   """Both kernels (causal, GQA, bf16, S=1024; with segment ids, dropout at global offsets, a
   dense mask, a bias with its gradient, a score_mod, a mask_mod, arrays read by position) compile

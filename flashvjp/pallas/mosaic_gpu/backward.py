@@ -78,8 +78,8 @@ column gradients) the first writes. The cost: the dK/dV kernel's matmuls 1.5x, t
 kernel's 1.67x those of one program per block. The dQ (and tangent) kernel then streams kv
 blocks of 32 rows (`_stream_block`): two slots of [64, 256] K and V beside the resident Q and
 dO would not fit shared memory. sm_90a ptxas at head dim 256 (causal GQA bf16, S=1024): 0
-spills plain and with segment ids + a dense mask + a bias + offsets (dK/dV 255 registers,
-dQ 199); with dropout added as well the dK/dV kernel spills 16 B.
+spills plain, with segment ids + a dense mask + a bias + offsets (dK/dV 255 registers, dQ
+199) and with dropout added as well (dK/dV 255 registers with q blocks of 16, dQ 232).
 
 Supported: bfloat16 / float16 inputs (float32 accumulation), head dims <= 256 (padded with
 zeros to a multiple of 64; of 128 above 128), GQA / MQA, causal, window, segment ids, a
@@ -189,8 +189,12 @@ def _dkdv_block_q(g: C.Geometry, cfg) -> int:
   and dV accumulators alone take 128 registers a thread: 64 spilled (180 B at head dim 128
   with segment ids and dropout, sm_90a ptxas), 32 does not (the Triton family's launch
   table makes the same choice); so does a score_mod (its vjp's tiles: 16 B spilled at head
-  dim 64 with a bias). Speed not measured (no GPU here). The operands stay padded to
-  64-blocks (the dQ kernel's)."""
+  dim 64 with a bias). Above head dim 128 with dropout, 16: at 32 the dK/dV kernel spilled
+  16 B (sm_90a ptxas, D=256, segment ids + dropout + a dense mask + a bias + offsets, 255
+  registers), at 16 it does not (255 registers, 0 spills, shared memory 166912 -> 119808 B).
+  Speed not measured (no GPU here). The operands stay padded to 64-blocks (the dQ kernel's)."""
+  if max(g.Dp, g.Dvp) > _ACC_DIM and cfg.dropout_active:
+    return 16
   return 32 if max(g.Dp, g.Dvp) > 64 or cfg.score_mod is not None else 64
 
 
