@@ -178,15 +178,21 @@ def test_dropout_hash_split(broadcast):
   assert bool(jnp.all(got == want))
 
 
-@pytest.mark.parametrize("D", [64, 256])
-def test_dropout(D):
-  """Dropout (rate 0.25, the shared counter hash), causal, GQA, ragged, dlse; at head dim
-  256 the dK/dV kernel runs q blocks of 16 (`_dkdv_block_q`)."""
+def _softcap(s, b, h, q_idx, kv_idx):
+  return 20.0 * jnp.tanh(s / 20.0)
+
+
+@pytest.mark.parametrize("D,mod", [(64, False), (128, True), (256, False)])
+def test_dropout(D, mod):
+  """Dropout (rate 0.25, the shared counter hash), causal, GQA, ragged, dlse; the smaller
+  blocks of the register-heaviest cases: at head dim 256 the dK/dV kernel runs q blocks of
+  16 (`_dkdv_block_q`), at 128 with a score_mod (a softcap) also the dQ kernel kv blocks of
+  32 (`_stream_block`)."""
   B, H, Hkv, Sq, Skv = 1, 2, 1, 136, 136
-  cfg = _cfg(Sq, Skv, D, causal=True, dropout_rate=0.25)
-  if D == 256:
-    g = Geometry(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=D, bq=64, bk=64, Dp=D, Dvp=D)
-    assert mgpu_backward._dkdv_block_q(g, cfg) == 16
+  cfg = _cfg(Sq, Skv, D, causal=True, dropout_rate=0.25, score_mod=_softcap if mod else None)
+  g = Geometry(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, Dv=D, bq=64, bk=64, Dp=D, Dvp=D)
+  assert mgpu_backward._dkdv_block_q(g, cfg) == (16 if D > 64 else 64)
+  assert mgpu_backward._stream_block(g, cfg) == (64 if D == 64 else 32)
   q, k, v, do, dlse = _inputs(B, H, Hkv, Sq, Skv, D, jnp.bfloat16, seed=7)
   seed = _dropout.seed_from_key(jax.random.key(11))
   out, lse, ref = _reference(cfg, q, k, v, do, dlse, seed=seed)
@@ -247,13 +253,15 @@ def _alibi_softcap(s, b, h, q_idx, kv_idx, slopes):
   return 20.0 * jnp.tanh(s / 20.0)
 
 
-@pytest.mark.parametrize("offsets,D", [(None, 64), ((1, 1, 64, 0), 64), (None, 256)])
+@pytest.mark.parametrize("offsets,D", [(None, 64), ((1, 1, 64, 0), 64), (None, 128),
+                                       (None, 256)])
 def test_score_mod(offsets, D):
   """score_mod (ALiBi + softcap: per-head residual, global indices, a nonlinear vjp) with
   differentiable slopes, causal (None) or a chunk pair at global offsets (batch 1, head 1,
   q rows 64..: its dQ / dK / dV / dslopes against the global float64 problem with dO zero
   elsewhere), with a bias; at head dim 256 both programs of a block compute dbias and
-  dslopes' rows, the first writes them."""
+  dslopes' rows, the first writes them; at 128 the dQ kernel streams kv blocks of 32 (a
+  score_mod with differentiable slopes: `_stream_block`)."""
   B, H, S = 2, 2, 128
   slopes = jnp.asarray([0.5, 0.125], jnp.float32)
   causal = offsets is None
@@ -482,8 +490,10 @@ def _compile_sm90a(D, features, dump_dir, script=None):
 
 @pytest.mark.skipif(not _cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
                     "sm_90a compile); no GPU needed")
-@pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (64, "mod+bias+prefix"),
+@pytest.mark.parametrize("D,features", [(64, ""), (128, ""),
+                                        (64, "seg+drop+mask+bias+off+mod+prefix"),
                                         (128, "seg+drop+mask+bias+off"), (128, "pos"),
+                                        (128, "mod"), (128, "seg+drop+mask+bias+off+mod+prefix"),
                                         (256, ""), (256, "seg+drop+mask+bias+off")])
 def test_sm90a_compile_no_spills(D, features, tmp_path):
   """Both kernels (causal, GQA, bf16, S=1024; with segment ids, dropout at global offsets, a

@@ -63,10 +63,12 @@ Blocks: block_kv = 64 (one wgmma M tile per compute warpgroup), block_q = 64 for
 for dK/dV up to head dim 64 without a score_mod, 32 otherwise (`_dkdv_block_q`:
 registers). The caller's cfg.blocks are not read yet. sm_90a ptxas (causal GQA bf16,
 S=1024): 0 spills for each feature alone, for segment ids + dropout + mask + bias + offsets
-at head dim 128 and for score_mod + bias + mask_mod at 64 and 128 (before the score_mod's
-consts were differentiable); at head dim 128 a score_mod spills with dropout (with a bias:
-dK/dV 16 B, dQ 44 B; every feature at once: dK/dV 48 B), and the dQ kernel with a
-differentiable score_mod const alone (4 B).
+at head dim 128, and for every feature at once at 64 and 128 (a score_mod with
+differentiable slopes + a bias + a mask_mod + segment ids + dropout + a dense mask +
+offsets). At 128 that takes smaller blocks where a score_mod's vjp meets dropout or
+gradients to its arrays (`_dkdv_block_q`: q blocks of 16 with dropout; `_stream_block`: the
+dQ kernel's kv blocks of 32): with the 32 / 64 blocks the dK/dV kernel spilled 28 B (every
+feature), the dQ kernel 4 B (ALiBi + softcap with differentiable slopes alone).
 
 Head dims above 128 (up to 256, padded to a multiple of 128): the output accumulators do
 not fit one warpgroup's registers ([64, 256] float32 dK and dV: 256 registers a thread), so
@@ -149,11 +151,27 @@ def _parts(g: C.Geometry) -> int:
   return _head_parts(g.Dp, g.Dvp)
 
 
-def _stream_block(g: C.Geometry) -> int:
+def _stream_block(g: C.Geometry, cfg: AttentionConfig | None = None) -> int:
   """The kv block of the dQ and tangent kernels (their streamed K / V rows): 64, and 32 with
   two output parts (`_parts`), where a 2-slot ring of [64, 256] K and V tiles (and their
-  tangents) would not fit shared memory beside the resident Q and dO (or t_q)."""
-  return _BLOCK if _parts(g) == 1 else _BLOCK // 2
+  tangents) would not fit shared memory beside the resident Q and dO (or t_q). With `cfg`
+  (the dQ kernel's): 32 also above head dim 64 with a score_mod and dropout, or a score_mod
+  whose arrays take gradients (per-row sums of its vjp): at 64 the dQ kernel spilled at head
+  dim 128 (sm_90a ptxas, causal GQA: ALiBi + softcap with differentiable slopes 4 B at 255
+  registers; with dropout and a bias 8 B), at 32 it does not (197 registers)."""
+  if _parts(g) > 1:
+    return _BLOCK // 2
+  if cfg is not None and max(g.Dp, g.Dvp) > 64 and cfg.score_mod is not None and (
+      cfg.dropout_active or cfg.num_diff_consts > 0):
+    return _BLOCK // 2
+  return _BLOCK
+
+
+def _mod_and_dropout(g: C.Geometry, cfg: AttentionConfig) -> bool:
+  """Above head dim 64, a score_mod (its vjp's tiles) and dropout (the hash per entry): the
+  backward kernels' register-heaviest configuration (smaller blocks: `_dkdv_block_q`,
+  `_stream_block`)."""
+  return max(g.Dp, g.Dvp) > 64 and cfg.score_mod is not None and cfg.dropout_active
 
 
 def _cols(ref, part, width, parts):
@@ -191,9 +209,11 @@ def _dkdv_block_q(g: C.Geometry, cfg) -> int:
   table makes the same choice); so does a score_mod (its vjp's tiles: 16 B spilled at head
   dim 64 with a bias). Above head dim 128 with dropout, 16: at 32 the dK/dV kernel spilled
   16 B (sm_90a ptxas, D=256, segment ids + dropout + a dense mask + a bias + offsets, 255
-  registers), at 16 it does not (255 registers, 0 spills, shared memory 166912 -> 119808 B).
-  Speed not measured (no GPU here). The operands stay padded to 64-blocks (the dQ kernel's)."""
-  if max(g.Dp, g.Dvp) > _ACC_DIM and cfg.dropout_active:
+  registers), at 16 it does not (255 registers, 0 spills, shared memory 166912 -> 119808 B);
+  so at head dim 128 with a score_mod and dropout (every feature at once: 28 B spilled at 32,
+  0 at 16 with 231 registers). Speed not measured (no GPU here). The operands stay padded to
+  64-blocks (the dQ kernel's)."""
+  if cfg.dropout_active and (max(g.Dp, g.Dvp) > _ACC_DIM or _mod_and_dropout(g, cfg)):
     return 16
   return 32 if max(g.Dp, g.Dvp) > 64 or cfg.score_mod is not None else 64
 
@@ -1067,7 +1087,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   dk, dv, *dkv_cols = _launch("dkdv", cfg, g_dkdv, arrays, ins.masked_any,
                               _visit_lists(cfg, g_dkdv, q_seg, kv_seg, mask, mod, "kv"),
                               pos_diff=ins.pos_diff)
-  g_dq = dataclasses.replace(g, bk=_stream_block(g))
+  g_dq = dataclasses.replace(g, bk=_stream_block(g, cfg))
   dq_visits = _visit_lists(cfg, g_dq, q_seg, kv_seg, mask, mod, "q")
   outs = _launch("dq", cfg, g_dq, arrays, ins.masked_any, dq_visits, pos_diff=ins.pos_diff)
   outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
