@@ -310,8 +310,8 @@ def test_h100x8_sequence_sharded_runs_the_strategy(feature, strategy):
 # 2026-12-06 each pair's gradients are added to the accumulators inside the ring step's
 # switch (before: a float32 copy of the pair's dq / dk / dv as the switch's results):
 # 433.5 -> 321.5 MiB (4.95x). These bounds are the measured MiB with a margin: a
-# regression guard, not the goal. Both strategies' lower bounds at this shape are above
-# the goal: README "Context parallelism: memory".
+# regression guard, not the goal. Why neither strategy as built can reach the goal at this
+# shape, and what could: README "Context parallelism: memory".
 TEMP_MIB = {"one device": 530, "ulysses": 150, "ring": 335}
 
 
