@@ -161,17 +161,17 @@ def _stream_block(g: C.Geometry, cfg: AttentionConfig | None = None) -> int:
   registers; with dropout and a bias 8 B), at 32 it does not (197 registers)."""
   if _parts(g) > 1:
     return _BLOCK // 2
-  if cfg is not None and max(g.Dp, g.Dvp) > 64 and cfg.score_mod is not None and (
+  if cfg is not None and _mod_above_64(g, cfg) and (
       cfg.dropout_active or cfg.num_diff_consts > 0):
     return _BLOCK // 2
   return _BLOCK
 
 
-def _mod_and_dropout(g: C.Geometry, cfg: AttentionConfig) -> bool:
-  """Above head dim 64, a score_mod (its vjp's tiles) and dropout (the hash per entry): the
-  backward kernels' register-heaviest configuration (smaller blocks: `_dkdv_block_q`,
-  `_stream_block`)."""
-  return max(g.Dp, g.Dvp) > 64 and cfg.score_mod is not None and cfg.dropout_active
+def _mod_above_64(g: C.Geometry, cfg: AttentionConfig) -> bool:
+  """A score_mod (its vjp's tiles) above head dim 64: where the backward kernels run short
+  of registers once dropout (the hash per entry) or gradients to the mod's arrays (per-row
+  sums) come too (smaller blocks: `_dkdv_block_q`, `_stream_block`)."""
+  return max(g.Dp, g.Dvp) > 64 and cfg.score_mod is not None
 
 
 def _cols(ref, part, width, parts):
@@ -213,7 +213,7 @@ def _dkdv_block_q(g: C.Geometry, cfg) -> int:
   so at head dim 128 with a score_mod and dropout (every feature at once: 28 B spilled at 32,
   0 at 16 with 231 registers). Speed not measured (no GPU here). The operands stay padded to
   64-blocks (the dQ kernel's)."""
-  if cfg.dropout_active and (max(g.Dp, g.Dvp) > _ACC_DIM or _mod_and_dropout(g, cfg)):
+  if cfg.dropout_active and (max(g.Dp, g.Dvp) > _ACC_DIM or _mod_above_64(g, cfg)):
     return 16
   return 32 if max(g.Dp, g.Dvp) > 64 or cfg.score_mod is not None else 64
 
