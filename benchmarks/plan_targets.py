@@ -6,7 +6,8 @@ Triton and ptxas; libtpu), of jit(value_and_grad) and jit(jvp) of a causal GQA l
 32 query heads on 8 kv heads, head_dim 128, bfloat16):
 
   * h100x8: the sequence sharded over the 8 GPUs (P(None, None, "sp", None)), seq 16k..128k
-    with the strategy flashvjp picks, and the ring asked for at 128k;
+    with the strategy flashvjp picks, and the ring asked for at 128k (one ring for every
+    head, and one per kv head: ring_head_groups=8);
   * v5e: one chip, seq 8k and 32k.
 
 Per row: per-device memory (`compiled.memory_analysis()`: arguments + outputs + temp), the
@@ -33,16 +34,19 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYER = dict(batch=1, num_heads=32, num_kv_heads=8, head_dim=128, causal=True)
-# (target, seq, context_parallel): "auto" picks Ulysses for 32 / 8 heads on 8 GPUs; the ring
-# at 128k is there to compare.
+# (target, seq, context_parallel[/ring_head_groups]): "auto" picks Ulysses for 32 / 8 heads on
+# 8 GPUs; the ring at 128k is there to compare, in one ring and in one ring per kv head.
 ROWS = ([("h100x8", s, "auto") for s in (16384, 32768, 65536, 131072)]
-        + [("h100x8", 131072, "ring")] + [("v5e", s, "auto") for s in (8192, 32768)])
+        + [("h100x8", 131072, "ring"), ("h100x8", 131072, "ring/8")]
+        + [("v5e", s, "auto") for s in (8192, 32768)])
 QUICK = [("h100x8", 16384, "auto"), ("v5e", 8192, "auto")]
 
 
 def _child(target: str, seq: int, cp: str) -> None:
   import flashvjp
-  p = flashvjp.plan(target, seq_len=seq, context_parallel=cp, **LAYER)
+  cp, _, groups = cp.partition("/")
+  p = flashvjp.plan(target, seq_len=seq, context_parallel=cp,
+                    ring_head_groups=int(groups or 1), **LAYER)
   doc = dict(report=str(p), device_kind=p.device_kind, hbm=p.hbm_bytes, modes=[])
   for m in p.modes:
     cp = m.decision.context_parallel
@@ -129,7 +133,9 @@ def main() -> None:
       reports[(target, seq)] = doc["report"]
     for m in doc["modes"]:
       impl = m["implementation"] + (" (interpret)" if m["interpret"] else "")
-      strategy = (m["strategy"] or "-") + ("" if cp == "auto" else " (asked)")
+      groups = cp.partition("/")[2]
+      strategy = ((m["strategy"] or "-") + (f", {groups} head groups" if groups else "")
+                  + ("" if cp == "auto" else " (asked)"))
       line = (f"| {target} | {seq:,} | {m['mode']} | {impl} | {strategy} |"
               f" {_mib(m['total'])} ({_mib(m['temp'])}) | {_mib(m['collective_bytes'])}"
               f" ({_mib(m['estimate'])}) | {'YES' if m['whole_sequence'] else 'no'} |"

@@ -261,7 +261,8 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
              dropout_rate, dropout_rng, deterministic, implementation, block_q, block_kv,
              interpret, dropout_broadcast=(False, False), mask_mod=None, block_mask=None,
              sinks=None, allow_shapes=False, fold_scale=False, context_parallel="auto",
-             max_logits=False, causal_lengths=None, program_target=None):
+             max_logits=False, causal_lengths=None, program_target=None,
+             ring_head_groups=1):
   """Validate everything; return (decision, cfg, arrays) without tracing any kernel.
 
   fold_scale: an array (traced) scale with low-precision inputs and no bias becomes the
@@ -327,6 +328,17 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
   if not isinstance(context_parallel, str) or context_parallel not in _strategy.REQUESTS:
     raise ValueError(f"context_parallel must be one of {_strategy.REQUESTS}, got"
                      f" {context_parallel!r}")
+  if (isinstance(ring_head_groups, bool) or not isinstance(ring_head_groups, numbers.Integral)
+      or int(ring_head_groups) < 1):
+    raise ValueError(f"ring_head_groups must be a positive int, got {ring_head_groups!r}")
+  ring_head_groups = int(ring_head_groups)
+  if ring_head_groups > 1 and context_parallel not in ("ring", "all_gather"):
+    raise ValueError(f"ring_head_groups={ring_head_groups} needs context_parallel='ring' or"
+                     f" 'all_gather' (the ring run per group of kv heads), got"
+                     f" {context_parallel!r}")
+  if H % ring_head_groups or key.shape[1] % ring_head_groups:
+    raise ValueError(f"ring_head_groups={ring_head_groups} must divide num_heads ({H}) and"
+                     f" num_kv_heads ({key.shape[1]})")
 
   # the program's target (platform, devices); explain(target=...) names one instead
   program = _target.of(query, key, value) if program_target is None else program_target
@@ -364,7 +376,7 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       dropout_broadcast=dropout_broadcast if dropout_active else (False, False),
       mask_mod=mm_fn, mask_mod_blocks=mm_blocks, mask_mod_uses=mm_uses,
       out_f32=bool(out_f32) and decision.implementation != "naive",
-      context_parallel=context_parallel,
+      context_parallel=context_parallel, ring_head_groups=int(ring_head_groups),
       # the hint only matters when a mesh can shard the sequence; on one device it would
       # only make the config (and the compile cache) depend on the mask_mod object
       mask_mod_hint=getattr(mask_mod, "kv_intervals", None) if program.partition else None,
@@ -516,7 +528,8 @@ def flash_attention(
     implementation: str | None = None, block_q: int | None = None,
     block_kv: int | None = None, interpret: bool | None = None,
     dropout_broadcast: tuple[bool, bool] = (False, False), mask_mod=None, block_mask=None,
-    sinks=None, context_parallel: str = "auto", return_max_logits: bool = False):
+    sinks=None, context_parallel: str = "auto", return_max_logits: bool = False,
+    ring_head_groups: int = 1):
   """Exact, memory-efficient, differentiable attention.
 
   Semantics, in order: ``s = scale * q @ k^T``; ``s += bias``;
@@ -597,6 +610,12 @@ def flash_attention(
       the sequence shards) or "all_gather" (K/V gathered once, O(seq) memory for K/V).
       `explain` on sharded inputs says which runs and why. Ignored when the sequence is
       not sharded.
+    ring_head_groups: with context_parallel "ring" or "all_gather", run the ring once per
+      group of num_kv_heads / ring_head_groups kv heads (and their query heads), one
+      group after the other: each device then holds the ring's state (the K/V chunk in
+      flight, the float32 dQ sums, the dK/dV sums that travel) for one group only, for
+      ring_head_groups times the steps, each with 1 / ring_head_groups of the work and
+      of the bytes. Must divide num_heads and num_kv_heads on each device. Default 1.
 
   Returns:
     out [batch, num_heads, seq_q, head_dim_v] in query's dtype; (out, lse) with return_lse;
@@ -609,7 +628,8 @@ def flash_attention(
       block_q=block_q, block_kv=block_kv, interpret=interpret,
       dropout_broadcast=dropout_broadcast, mask_mod=mask_mod, block_mask=block_mask,
       sinks=sinks, fold_scale=True, context_parallel=context_parallel,
-      max_logits=_check_flag("return_max_logits", return_max_logits))
+      max_logits=_check_flag("return_max_logits", return_max_logits),
+      ring_head_groups=ring_head_groups)
   _dispatch.log(decision)
   out, lse, max_logits = _run(cfg, *arrays, return_lse=bool(return_lse))
   extra = ((lse,) if return_lse else ()) + ((max_logits,) if return_max_logits else ())
@@ -689,7 +709,7 @@ def explain(query, key, value, *, layout: str | None = None, target=None,
                 score_mod=None, scale=None, dropout_rate=0.0, dropout_rng=None,
                 deterministic=True, implementation=None, block_q=None, block_kv=None,
                 interpret=None, dropout_broadcast=(False, False), mask_mod=None,
-                block_mask=None, sinks=None, context_parallel="auto")
+                block_mask=None, sinks=None, context_parallel="auto", ring_head_groups=1)
   unknown = set(kwargs) - set(params)
   if unknown:
     raise TypeError(f"explain() got unexpected arguments {sorted(unknown)}")

@@ -263,6 +263,9 @@ class AttentionConfig:
   # mask_mod's static hint (`kv_intervals`: which pairs of chunks can meet), set when more
   # than one device exists.
   context_parallel: str = "auto"
+  # The ring (or all-gather) run once per group of kv heads, one group after the other
+  # (`flashvjp.ring.RingSpec.head_groups`): 1 / ring_head_groups of its per-device state.
+  ring_head_groups: int = 1
   mask_mod_hint: Callable | None = None
   # Whether the program's mesh has more than one device (flashvjp._target: the inputs'
   # shardings, else the abstract mesh, else the host): the backends are then wrapped in

@@ -207,7 +207,7 @@ def _plan(cfg: AttentionConfig, mesh, q_spec, q_shape, k_shape, v_shape, itemsiz
       seq_kv=Skv, head_dim=D, head_dim_v=Dv, itemsize=itemsize, causal=cfg.causal,
       window=cfg.window, mask_mod_hint=cfg.mask_mod_hint,
       pairs_not_split_by_heads=tuple(rows_no_heads), pair_bytes=pair_bytes,
-      has_segments=has_seg)
+      has_segments=has_seg, head_groups=cfg.ring_head_groups)
   strategy = _strategy.choose(cfg.context_parallel, problem, _axes_tuple(sax))
   return _Plan(bax, hax, sax, strategy, (B_l, H_l, Sq, Skv))
 
@@ -325,7 +325,8 @@ def _run_partition(cfg, sig, plan: _Plan, arrays):
     n = st.num_shards
     spec = ring.RingSpec(axis_name=plan.sax, axis_size=n, layout="contiguous",
                          inner=sig.backend, batch_axis=plan.bax, head_axis=plan.hax,
-                         mask_mod_hint=cfg.mask_mod_hint, gather=st.name == "all_gather")
+                         mask_mod_hint=cfg.mask_mod_hint, gather=st.name == "all_gather",
+                         head_groups=st.head_groups)
     cfg_r = dataclasses.replace(cfg, implementation="ring", ring=spec, seq_q=Sq // n,
                                 seq_kv=Skv // n)
     mod = None if mod is None else mod._replace(classes=None)

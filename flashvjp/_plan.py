@@ -169,7 +169,9 @@ def _report(p: Plan) -> str:
       f"layer: batch {pr['batch']}, heads {pr['num_heads']} (kv {pr['num_kv_heads']}), seq"
       f" {pr['seq_len']:,}, head_dim {pr['head_dim']}, {pr['dtype']}"
       + (f", {', '.join(feats)}" if feats else "")
-      + f"; implementation={pr['implementation']!r}, context_parallel={pr['context_parallel']!r}",
+      + f"; implementation={pr['implementation']!r}, context_parallel={pr['context_parallel']!r}"
+      + (f", ring_head_groups={pr['ring_head_groups']}"
+         if pr.get("ring_head_groups", 1) != 1 else ""),
   ]
   for m in p.modes:
     lines.append("")
@@ -457,7 +459,7 @@ def plan(target: str = "h100x8", *, batch: int = 1, num_heads: int = 32,
          window: tuple[int | None, int | None] | None = None, segment_ids: bool = False,
          mesh: dict[str, int] | None = None, spec=None, num_devices: int | None = None,
          implementation: str | None = None, context_parallel: str = "auto",
-         modes: tuple[str, ...] | list[str] = MODES) -> Plan:
+         modes: tuple[str, ...] | list[str] = MODES, ring_head_groups: int = 1) -> Plan:
   """Compiles one attention layer for `target` on this machine and reports what the compiler says.
 
   No target hardware is needed: the compile runs deviceless (`jax.experimental.topologies`)
@@ -480,7 +482,8 @@ def plan(target: str = "h100x8", *, batch: int = 1, num_heads: int = 32,
     spec: the mesh axes of q/k/v's [B, H, S, D] dimensions, a PartitionSpec or 4-tuple
       (default: P(None, None, "sp", None), the sequence over "sp").
     num_devices: GPU targets only: devices of the topology (default: the target's).
-    implementation, context_parallel: passed to flash_attention (defaults: the op decides).
+    implementation, context_parallel, ring_head_groups: passed to flash_attention
+      (defaults: the op decides; one ring for every head).
     modes: of "value_and_grad" (jit(value_and_grad) of sum(out) w.r.t. q, k, v) and "jvp"
       (jit(jvp) in q, k, v).
 
@@ -528,7 +531,8 @@ def plan(target: str = "h100x8", *, batch: int = 1, num_heads: int = 32,
   q = jax.ShapeDtypeStruct((batch, num_heads, seq_len, head_dim), dt, sharding=sharding)
   kv = jax.ShapeDtypeStruct((batch, hkv, seq_len, head_dim), dt, sharding=sharding)
   kw: dict[str, Any] = dict(causal=causal, window=window, implementation=implementation,
-                            context_parallel=context_parallel)
+                            context_parallel=context_parallel,
+                            ring_head_groups=ring_head_groups)
   seg = None
   if segment_ids:
     seg = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32,
@@ -537,7 +541,7 @@ def plan(target: str = "h100x8", *, batch: int = 1, num_heads: int = 32,
   problem = dict(batch=batch, num_heads=num_heads, num_kv_heads=hkv, seq_len=seq_len,
                  head_dim=head_dim, dtype=dt.name, causal=causal, window=window,
                  segments=segment_ids, implementation=implementation,
-                 context_parallel=context_parallel)
+                 context_parallel=context_parallel, ring_head_groups=ring_head_groups)
   results = []
   for mode in modes:
     results.append(_compile_mode(mode, q, kv, seg, kw, platform, target, n, seq_len,
@@ -734,6 +738,9 @@ def add_plan_parser(subparsers):
   p.add_argument("--context-parallel", default="auto",
                  choices=("auto", "ring", "ulysses", "all_gather"),
                  help="context-parallel strategy (default auto)")
+  p.add_argument("--ring-head-groups", type=int, default=1,
+                 help="ring / all_gather: run it once per group of kv heads, one group after"
+                      " the other (1/N of its per-device state; default 1)")
   p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                  help="what to compile (default: value_and_grad jvp)")
   return p
@@ -760,7 +767,8 @@ def run_plan(args) -> int:
                   dtype=args.dtype, causal=args.causal, window=window,
                   segment_ids=args.segment_ids, mesh=args.mesh, spec=args.spec,
                   num_devices=args.num_devices, implementation=args.implementation,
-                  context_parallel=args.context_parallel, modes=tuple(args.modes))
+                  context_parallel=args.context_parallel, modes=tuple(args.modes),
+                  ring_head_groups=args.ring_head_groups)
   except (ValueError, RuntimeError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -55,6 +55,7 @@ class Problem:
   pairs_not_split_by_heads: tuple[str, ...] = ()
   pair_bytes: int = 0  # bytes of the local rows of a bias / mask with a q dim (Ulysses moves them)
   has_segments: bool = False
+  head_groups: int = 1  # ring_head_groups: the ring / all-gather run per group of kv heads
 
   @property
   def local_q(self) -> int:
@@ -77,12 +78,15 @@ class Strategy:
   bytes_backward: int
   memory: str
   candidates: tuple = ()  # ((name, total bytes or None, note), ...) as weighed
+  head_groups: int = 1  # the ring run once per group of kv heads, one after the other
 
   def __str__(self) -> str:
     mib = lambda b: f"{b / 2**20:.2f} MiB"
-    return (f"{self.name} over {self.seq_axes} ({self.num_shards} shards): {self.reason};"
-            f" moves ~{mib(self.bytes_forward)} forward + {mib(self.bytes_backward)} backward"
-            f" per device; holds {self.memory}")
+    groups = (f", in {self.head_groups} head groups one after the other"
+              if self.head_groups > 1 else "")
+    return (f"{self.name} over {self.seq_axes} ({self.num_shards} shards{groups}):"
+            f" {self.reason}; moves ~{mib(self.bytes_forward)} forward +"
+            f" {mib(self.bytes_backward)} backward per device; holds {self.memory}")
 
 
 def ring_moves(p: Problem) -> tuple[int, int]:
@@ -163,11 +167,24 @@ def choose(request: str | None, p: Problem, seq_axes: tuple) -> Strategy:
             "ulysses": "O(seq / P): the whole sequence for num_heads / P heads",
             "all_gather": "O(seq) for K/V: every chunk of K and V (and dK, dV)"}
 
+  G = p.head_groups
+  if G != 1:
+    if request not in ("ring", "all_gather"):
+      raise ValueError(f"ring_head_groups={G} runs the ring (or all-gather) once per group of"
+                       " kv heads: it needs context_parallel='ring' or 'all_gather', got"
+                       f" {request!r}")
+    if p.heads % G or p.kv_heads % G:
+      raise ValueError(f"ring_head_groups={G} must divide the number of query heads"
+                       f" ({p.heads}) and of key/value heads ({p.kv_heads}) on each device")
+    memory = {k: v + (f", for 1/{G} of the heads at a time" if k != "ulysses" else "")
+              for k, v in memory.items()}
+
   def make(name, reason):
     cost = c[name]
     assert isinstance(cost, tuple)  # eligible
     f, b = cost
-    return Strategy(name, tuple(seq_axes), p.num_shards, reason, f, b, memory[name], cands)
+    return Strategy(name, tuple(seq_axes), p.num_shards, reason, f, b, memory[name], cands,
+                    head_groups=G if name != "ulysses" else 1)
 
   if request != "auto":
     if isinstance(c[request], str):

@@ -253,6 +253,64 @@ def test_ring_requested_with_heads_that_divide():
   assert collectives(hlo)["all-to-all"] == 0
 
 
+# ---- the ring per group of kv heads (ring_head_groups) ---------------------------------------
+
+def _kv_head_slices(hlo: str) -> int:
+  """Collective-permutes of K/V chunks holding exactly one kv head ([B, 1, S / 8, D])."""
+  return sum(1 for line in hlo.splitlines() if "=" in line
+             and re.search(r"\scollective-permute(-start)?\(", line)
+             and re.search(rf"\w+\[{B},1,{S // 8},{D}\]", line))
+
+
+def test_ring_head_groups_every_gradient():
+  # two groups of (1 kv head, 2 query heads): a per-head bias (dbias per group), ALiBi slopes
+  # read by the global head (d slopes summed over the groups), dropout hashed at the global
+  # head, a mask_mod
+  kb = jax.random.key(8)
+  bias = jax.random.normal(kb, (B, H, S, S), jnp.float32)
+  kw = lambda b, sl: dict(
+      bias=b, score_mod=flashvjp.alibi(sl), mask_mod=flashvjp.prefix_lm(jnp.array([40, 150])),
+      dropout_rate=0.2, dropout_rng=jax.random.key(7), deterministic=False,
+      context_parallel="ring", ring_head_groups=2)
+  hlo = _no_gather(kw, diff=(bias, flashvjp.alibi_slopes(H)), pairs=(0,))
+  assert _kv_head_slices(hlo) > 0  # the chunks that travel are one group's
+  assert " while(" in hlo or "while(" in hlo
+
+
+def test_ring_head_groups_forward_mode_and_broadcast_bias():
+  pad = jax.random.normal(jax.random.key(9), (B, 1, 1, S), jnp.float32)
+  _no_gather(lambda p: dict(bias=p, causal=True, context_parallel="ring", ring_head_groups=2),
+             diff=(pad,))
+  hlo = _no_gather(dict(causal=True, context_parallel="ring", ring_head_groups=2), mode="jvp")
+  assert _kv_head_slices(hlo) > 0
+
+
+def test_ring_head_groups_all_gather_and_heads_sharded():
+  _no_gather(dict(causal=True, context_parallel="ring", ring_head_groups=4), h=8, hkv=4)
+  mesh = _mesh((2, 4), ("tp", "sp"))
+  _no_gather(dict(window=(40, 0), dropout_rate=0.1, dropout_rng=jax.random.key(2),
+                  deterministic=False, context_parallel="ring", ring_head_groups=2),
+             spec=(None, "tp", "sp", None), mesh=mesh, h=8, hkv=4)
+  _compare(dict(causal=True, context_parallel="all_gather", ring_head_groups=2))
+
+
+def test_ring_head_groups_errors():
+  x = jnp.zeros((B, H, S, D), jnp.float32)
+  kv = jnp.zeros((B, HKV, S, D), jnp.float32)
+  with pytest.raises(ValueError, match="ring_head_groups must be a positive int"):
+    flashvjp.flash_attention(x, kv, kv, context_parallel="ring", ring_head_groups=0)
+  with pytest.raises(ValueError, match="ring_head_groups=2 needs context_parallel='ring'"):
+    flashvjp.flash_attention(x, kv, kv, ring_head_groups=2)
+  with pytest.raises(ValueError, match=r"ring_head_groups=4 must divide num_heads \(4\) and"
+                                       r" num_kv_heads \(2\)"):
+    flashvjp.flash_attention(x, kv, kv, context_parallel="ring", ring_head_groups=4)
+  # per device: 2 kv heads over a 2-way head axis leave 1, which 2 groups cannot split
+  with pytest.raises(ValueError, match="ring_head_groups=2 must divide"):
+    _strategy.choose("ring", _problem(kv_heads=1, head_groups=2), ("sp",))
+  st = _strategy.choose("ring", _problem(head_groups=2), ("sp",))
+  assert st.head_groups == 2 and "2 head groups" in str(st) and "1/2 of the heads" in str(st)
+
+
 # ---- the choice: visible, tested, overridable -----------------------------------------------
 
 def _problem(**kw):

@@ -240,3 +240,17 @@ def test_cli_mesh_and_spec_arguments():
       _plan._mesh_arg(bad)
   with pytest.raises(Exception, match="4 comma-separated"):
     _plan._spec_arg("None,sp")
+
+
+@needs_cuda
+def test_cli_ring_head_groups():
+  args = ("--target", "h100x8", "--num-heads", "8", "--num-kv-heads", "2", "--seq-len", "8192",
+          "--head-dim", "64", "--causal", "--context-parallel", "ring", "--modes",
+          "value_and_grad")
+  res = _cli(*args, "--ring-head-groups", "2")
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert "ring_head_groups=2" in res.stdout and "in 2 head groups" in res.stdout
+  # the K/V chunks that move are one group's: [1, 1, 1024, 64] (one kv head of 2)
+  assert re.search(r"collective-permute\s+x\d+\s+bf16\[1,1,1024,64\]", res.stdout), res.stdout
+  bad = _cli(*args, "--ring-head-groups", "3")
+  assert bad.returncode == 2 and "ring_head_groups=3 must divide" in bad.stderr, bad.stderr[-2000:]

@@ -72,8 +72,9 @@ def _check(name, got, ref, tol=RING_TOL):
 
 
 def _compare(make_kw, diff=(), layout="contiguous", impl="blockwise", extra=None, tol=RING_TOL,
-             n=N):
-  """make_kw(*diff) -> flash_attention kwargs (closures over the differentiable arrays)."""
+             n=N, ring_kw=None):
+  """make_kw(*diff) -> flash_attention kwargs (closures over the differentiable arrays);
+  ring_kw: the ring's own kwargs (not the one-device call's)."""
   x = _inputs()
   mesh = _mesh(n)
   extra = extra or {}
@@ -97,7 +98,8 @@ def _compare(make_kw, diff=(), layout="contiguous", impl="blockwise", extra=None
   def ring(q, k, v, *d, **kw):
     return flashvjp.sharded_attention(
         q, k, v, mesh=mesh, seq_axis="sp", layout=layout, return_lse=True,
-        implementation=impl, block_q=BLOCK, block_kv=BLOCK, **make_kw(*d), **kw)
+        implementation=impl, block_q=BLOCK, block_kv=BLOCK, **make_kw(*d), **kw,
+        **(ring_kw or {}))
   # a rank-4 differentiable array is a bias: laid out like the sequence on both seq axes
   pair = lambda f, x_: f(f(x_, 2), 3) if zz and jnp.ndim(x_) == 4 else x_
   out, lse, grads = _run(ring, tuple(pair(_zz, d) for d in diff), xr, extra_r)
@@ -219,6 +221,24 @@ def test_hvp_forward_over_reverse():
       block_q=BLOCK, block_kv=BLOCK)))
   hvp = lambda f: jax.jit(lambda q, t: jax.jvp(jax.grad(f), (q,), (t,))[1])
   _check("hvp", hvp(lossr)(x["q"], x["w_out"]), hvp(loss1)(x["q"], x["w_out"]), 1e-4)
+
+
+def test_ring_head_groups_zigzag_every_gradient():
+  # one ring per kv head (2 groups of 1 kv head, 2 query heads), zigzag: a per-head bias,
+  # ALiBi slopes at the global head (their gradient summed over the groups), dropout
+  bias = jax.random.normal(jax.random.key(11), (B, H, S, S), jnp.float32)
+  _compare(lambda b, sl: dict(bias=b, causal=True, score_mod=flashvjp.alibi(sl),
+                              dropout_rate=0.1, dropout_rng=jax.random.key(3),
+                              deterministic=False),
+           diff=(bias, flashvjp.alibi_slopes(H)), layout="zigzag",
+           ring_kw=dict(ring_head_groups=2))
+
+
+def test_ring_head_groups_must_divide_the_heads():
+  x = _inputs()
+  with pytest.raises(ValueError, match=r"ring_head_groups=4 must divide num_heads \(4\)"):
+    flashvjp.sharded_attention(x["q"], x["k"], x["v"], mesh=_mesh(), seq_axis="sp",
+                               ring_head_groups=4)
 
 
 # ---- Pallas families (interpret mode), a representative subset --------------------------

@@ -38,7 +38,7 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
                    block_kv: int | None = None, interpret: bool | None = None,
                    dropout_broadcast: tuple[bool, bool] = (False, False), mask_mod=None,
                    block_mask=None, sinks=None, batch_axis=None, head_axis=None,
-                   return_max_logits: bool = False):
+                   return_max_logits: bool = False, ring_head_groups: int = 1):
   """Exact attention with the sequence sharded over a mesh axis; call inside shard_map.
 
   Same semantics and arguments as `flashvjp.flash_attention` on the global (unsharded)
@@ -82,6 +82,10 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
 
     return_max_logits: also return max_logits float32 [batch, num_heads], the max over
       the whole (global) sequence, the same on every device (`flash_attention`'s).
+    ring_head_groups: run the ring once per group of num_kv_heads / ring_head_groups kv
+      heads (and their query heads), one group after the other: the ring's per-device
+      state is one group's (`flash_attention`'s). Must divide the local num_heads and
+      num_kv_heads. Default 1.
 
   Returns:
     local out [batch, num_heads, seq_local, head_dim_v] in query's dtype; (out, lse),
@@ -99,6 +103,12 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
   n = _compat.axis_size(axis_name)
   _api._check_qkv(query, key, value)
   B, H, Sl, _ = query.shape
+  if (isinstance(ring_head_groups, bool) or not isinstance(ring_head_groups, int)
+      or ring_head_groups < 1):
+    raise ValueError(f"ring_head_groups must be a positive int, got {ring_head_groups!r}")
+  if H % ring_head_groups or key.shape[1] % ring_head_groups:
+    raise ValueError(f"ring_head_groups={ring_head_groups} must divide num_heads ({H}) and"
+                     f" num_kv_heads ({key.shape[1]})")
   Skv = key.shape[2]
   pair_target = (B, H, Sl, n * Skv)
   bias = None if bias is None else _api._pair_rank4("bias", bias, pair_target, want_bool=False)
@@ -123,7 +133,7 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
   hint = getattr(mask_mod, "kv_intervals", None) if mask_mod is not None else None
   spec = _ring_backend.RingSpec(axis_name=axis_name, axis_size=n, layout=layout, inner=inner,
                                 batch_axis=batch_axis, head_axis=head_axis,
-                                mask_mod_hint=hint)
+                                mask_mod_hint=hint, head_groups=ring_head_groups)
   ring_cfg = dataclasses.replace(cfg, implementation="ring", ring=spec)
   out, lse, row_max = _api.attend(ring_cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
                                   scale_array, mm_consts, None, sinks)

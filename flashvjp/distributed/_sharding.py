@@ -23,7 +23,7 @@ _LOCAL_KWARGS = ("causal", "window", "scale", "bias", "mask", "implementation", 
 # With seq_axis: every flash_attention argument (the ring is the same op), and the layout.
 _RING_KWARGS = ("causal", "window", "scale", "bias", "mask", "layout", "implementation",
                 "block_q", "block_kv", "interpret", "score_mod", "dropout_rate", "dropout_rng",
-                "deterministic", "dropout_broadcast", "mask_mod", "sinks")
+                "deterministic", "dropout_broadcast", "mask_mod", "sinks", "ring_head_groups")
 
 
 def _axis_size(mesh: Mesh, name, arg):
@@ -68,8 +68,8 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Hashable | N
       max over the whole sequence), sharded as P(batch_axis, head_axis).
     **kwargs: without seq_axis: causal, window, scale, bias, mask, implementation, block_q,
       block_kv, interpret. With seq_axis: every argument of `flash_attention` (window,
-      mask, score_mod, mask_mod, sinks, dropout, a traced scale: see `ring_attention`)
-      and layout ("contiguous" or "zigzag"; the arrays, bias and mask included, must
+      mask, score_mod, mask_mod, sinks, dropout, a traced scale, ring_head_groups: see
+      `ring_attention`) and layout ("contiguous" or "zigzag"; the arrays, bias and mask included, must
       already be in that order, see `to_zigzag`). bias and mask are broadcastable to
       [batch, num_heads, seq_q, seq_kv] and sharded like the queries.
 

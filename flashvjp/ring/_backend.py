@@ -73,8 +73,11 @@ def uses_offsets(cfg: AttentionConfig) -> bool:
 class _Ctx:
   """Per-device view of one ring call: pieces, slicing, offsets."""
 
-  def __init__(self, cfg: AttentionConfig, q, k):
+  def __init__(self, cfg: AttentionConfig, q, k, head0=0, heads=None):
     self.q = q
+    # (head groups) this call's first head within the device's heads (traced or 0), and the
+    # device's number of heads (the global head of dropout and the mods)
+    self.head0, self.heads = head0, q.shape[1] if heads is None else heads
     self.cfg = cfg
     self.R = R = cfg.ring
     self.n = R.axis_size
@@ -149,8 +152,8 @@ class _Ctx:
       return None
     R = self.R
     b0 = 0 if R.batch_axis is None else lax.axis_index(R.batch_axis) * self.B
-    h0 = 0 if R.head_axis is None else lax.axis_index(R.head_axis) * self.H
-    return (b0, h0, self._start(self.i, a, self.Sq), self._start(j, b, self.Skv))
+    h0 = 0 if R.head_axis is None else lax.axis_index(R.head_axis) * self.heads
+    return (b0, h0 + self.head0, self._start(self.i, a, self.Sq), self._start(j, b, self.Skv))
 
   def q_piece(self, x, a, axis=2):
     """Rows of q piece a (None stays None; a broadcast dim of 1 stays)."""
@@ -282,10 +285,10 @@ def _add_rows(x, piece, d, axis=2):
 
 # ---- forward ------------------------------------------------------------------------
 
-def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
-  """(out [B, H, Sl, Dv], lse [B, H, Sl]) of the local queries against the whole sequence
-  (and their row maxima, the max over every pair, when cfg.max_logits)."""
-  C = _Ctx(cfg, q, k)
+def _forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None,
+             head0=0, heads=None):
+  """`forward` of one ring (every head of q, k, v: one head group's, `head0` its first)."""
+  C = _Ctx(cfg, q, k, head0, heads)
   inner = _inner(C.R.inner)
   acc = C.acc
   consts, mod = C.varying(tuple(consts)), _varying_mod(C, mod)
@@ -332,10 +335,12 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
 
 # ---- backward -----------------------------------------------------------------------
 
-def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
-             dout, dlse, mod=None):
-  """(dq, dk, dv, dbias or None, dconsts) of the local shards (the backend contract)."""
-  C = _Ctx(cfg, q, k)
+def _backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out,
+              lse, dout, dlse, mod=None, head0=0, heads=None, finish=True):
+  """`backward` of one ring (one head group's: `_forward`). Without `finish`, dbias and
+  dconsts are this ring's sums (float32, not yet summed over the devices they are
+  replicated on): the head groups' are added first."""
+  C = _Ctx(cfg, q, k, head0, heads)
   inner = _inner(C.R.inner)
   acc = C.acc
   n_diff = cfg.num_diff_consts
@@ -430,10 +435,18 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
     dconsts[n] = d
   sm = _compat.sum_to_match
   dq, dk, dv = (sm(g, x).astype(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
+  if not finish:
+    return dq, dk, dv, dbias, tuple(dconsts)
+  return (dq, dk, dv) + _finish_sums(dbias, dconsts, bias, orig_consts)
+
+
+def _finish_sums(dbias, dconsts, bias, consts):
+  """dbias and dconsts summed over the devices their inputs are replicated on, in their
+  inputs' dtypes."""
+  sm = _compat.sum_to_match
   if dbias is not None:
     dbias = sm(dbias, bias).astype(bias.dtype)
-  dconsts = [sm(d, c).astype(jnp.result_type(c)) for d, c in zip(dconsts, orig_consts)]
-  return dq, dk, dv, dbias, tuple(dconsts)
+  return dbias, tuple(sm(d, c).astype(jnp.result_type(c)) for d, c in zip(dconsts, consts))
 
 
 def _add_bias(C: _Ctx, dbias, gb, a, b, j):
@@ -451,11 +464,10 @@ def _add_bias(C: _Ctx, dbias, gb, a, b, j):
 
 # ---- tangent (forward mode) -----------------------------------------------------------
 
-def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
-            tq, tk, tv, tbias, tconsts, mod=None):
-  """(t_out, t_lse) of the local queries: the per-pair tangent passes against the global
-  (out, lse), summed (the pass is additive over kv given the exact lse)."""
-  C = _Ctx(cfg, q, k)
+def _tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
+             tq, tk, tv, tbias, tconsts, mod=None, head0=0, heads=None):
+  """`tangent` of one ring (one head group's: `_forward`)."""
+  C = _Ctx(cfg, q, k, head0, heads)
   fn_t = _inner_tangent(C.R.inner)
   acc = C.acc
   consts, mod = C.varying(tuple(consts)), _varying_mod(C, mod)
@@ -487,3 +499,112 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
           C.kv_piece(tkc, b), C.kv_piece(tvc, b), C.pair_block(tbias, a, b, j), t_out, t_lse)
     chunk, t_out, t_lse = lax.optimization_barrier((nxt, t_out, t_lse))
   return t_out.astype(out.dtype), t_lse.astype(lse.dtype)
+
+
+# ---- head groups: the ring once per group of kv heads ---------------------------------
+#
+# With `RingSpec.head_groups` G > 1, each function runs its ring once per group of Hkv / G
+# kv heads and their H / G query heads, one group after the other (a `lax.fori_loop`: one
+# group's ring in the program, its buffers reused by the next). A group's heads are
+# attended exactly as in one ring (a query head's kv head is in its group); the global head
+# (dropout, score_mod, mask_mod) is the group's first head plus the local one. The ring's
+# per-device state (the K/V chunk in flight, float32 dQ, the dK/dV sums that travel) is
+# that of one group: 1 / G of it, for G times the steps, each with 1 / G of the work.
+
+
+def _groups(cfg: AttentionConfig, q, k):
+  """(G, query heads per group, kv heads per group)."""
+  G = cfg.ring.head_groups
+  if q.shape[1] % G or k.shape[1] % G:
+    raise ValueError(f"ring_head_groups={G} must divide the number of query heads"
+                     f" ({q.shape[1]}) and of key/value heads ({k.shape[1]}) on each device")
+  return G, q.shape[1] // G, k.shape[1] // G
+
+
+def _heads_of(x, g, n, heads):
+  """x's heads of group g (`n` a group; `heads` x's full count): x itself when its head dim
+  is a broadcast 1 (a bias shared by the heads) or x is None."""
+  if x is None or x.shape[1] != heads or heads == n:
+    return x
+  return lax.dynamic_slice_in_dim(x, g * n, n, axis=1)
+
+
+def _put_heads(buf, x, g, n):
+  return lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), g * n, axis=1)
+
+
+def _buffer(shape, dtype, ref):
+  return _compat.match_varying(jnp.zeros(shape, dtype), ref)
+
+
+def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
+  """(out [B, H, Sl, Dv], lse [B, H, Sl]) of the local queries against the whole sequence
+  (and their row maxima, the max over every pair, when cfg.max_logits)."""
+  G, n, nk = _groups(cfg, q, k)
+  if G == 1:
+    return _forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod)
+  H, Hkv = q.shape[1], k.shape[1]
+  acc = jnp.promote_types(q.dtype, jnp.float32)
+  rows = q.shape[:3]
+  init = [_buffer(rows + (v.shape[3],), acc if cfg.out_f32 else q.dtype, q),
+          _buffer(rows, acc, q)] + ([_buffer(rows, acc, q)] if cfg.max_logits else [])
+
+  def body(g, bufs):
+    qh = lambda x: _heads_of(x, g, n, H)
+    kh = lambda x: _heads_of(x, g, nk, Hkv)
+    res = _forward(cfg, qh(q), kh(k), kh(v), qh(bias), qh(mask), q_seg, kv_seg, seed, consts,
+                   mod, head0=g * n, heads=H)
+    return [_put_heads(b, r, g, n) for b, r in zip(bufs, res)]
+  return tuple(lax.fori_loop(0, G, body, init))
+
+
+def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
+             dout, dlse, mod=None):
+  """(dq, dk, dv, dbias or None, dconsts) of the local shards (the backend contract)."""
+  G, n, nk = _groups(cfg, q, k)
+  if G == 1:
+    return _backward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout,
+                     dlse, mod)
+  H, Hkv = q.shape[1], k.shape[1]
+  acc = jnp.promote_types(q.dtype, jnp.float32)
+  n_diff = cfg.num_diff_consts
+  per_head_bias = bias is not None and bias.shape[1] == H and H != 1
+  init = (_buffer(q.shape, q.dtype, q), _buffer(k.shape, k.dtype, q),
+          _buffer(v.shape, v.dtype, q), None if bias is None else _buffer(bias.shape, acc, q),
+          tuple(_buffer(jnp.shape(c), jnp.promote_types(jnp.result_type(c), acc), q)
+                for c in consts[:n_diff]))
+
+  def body(g, bufs):
+    qh = lambda x: _heads_of(x, g, n, H)
+    kh = lambda x: _heads_of(x, g, nk, Hkv)
+    gq, gk, gv, gb, gc = _backward(
+        cfg, qh(q), kh(k), kh(v), qh(bias), qh(mask), q_seg, kv_seg, seed, consts, qh(out),
+        qh(lse), qh(dout), qh(dlse), mod, head0=g * n, heads=H, finish=False)
+    dq, dk, dv, db, dc = bufs
+    if db is not None:
+      db = _put_heads(db, qh(db) + gb, g, n) if per_head_bias else db + gb
+    return (_put_heads(dq, gq, g, n), _put_heads(dk, gk, g, nk), _put_heads(dv, gv, g, nk), db,
+            tuple(x + y.astype(x.dtype) for x, y in zip(dc, gc)))
+  dq, dk, dv, dbias, dconsts = lax.fori_loop(0, G, body, init)
+  return (dq, dk, dv) + _finish_sums(dbias, dconsts, bias, consts[:n_diff])
+
+
+def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
+            tq, tk, tv, tbias, tconsts, mod=None):
+  """(t_out, t_lse) of the local queries: the per-pair tangent passes against the global
+  (out, lse), summed (the pass is additive over kv given the exact lse)."""
+  G, n, nk = _groups(cfg, q, k)
+  if G == 1:
+    return _tangent(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, tq, tk,
+                    tv, tbias, tconsts, mod)
+  H, Hkv = q.shape[1], k.shape[1]
+  init = (_buffer(out.shape, out.dtype, q), _buffer(lse.shape, lse.dtype, q))
+
+  def body(g, bufs):
+    qh = lambda x: _heads_of(x, g, n, H)
+    kh = lambda x: _heads_of(x, g, nk, Hkv)
+    res = _tangent(cfg, qh(q), kh(k), kh(v), qh(bias), qh(mask), q_seg, kv_seg, seed, consts,
+                   qh(out), qh(lse), qh(tq), kh(tk), kh(tv), qh(tbias), tconsts, mod,
+                   head0=g * n, heads=H)
+    return tuple(_put_heads(b, r, g, n) for b, r in zip(bufs, res))
+  return lax.fori_loop(0, G, body, init)

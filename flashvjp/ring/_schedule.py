@@ -109,6 +109,10 @@ class RingSpec:
   # K/V all-gathered once and dK/dV reduce-scattered (Llama 3 style, O(seq) memory for
   # K/V) instead of passed around: the same schedule, the chunk in hand sliced locally.
   gather: bool = False
+  # The ring run once per group of kv heads (with their query heads), one group after the
+  # other: the ring's per-device state (the chunk in flight, the float32 dQ / dK / dV sums)
+  # is that of Hkv / head_groups kv heads. 1: every head in one ring.
+  head_groups: int = 1
 
   def steps(self, causal: bool, window, len_q: int, len_kv: int) -> tuple[Step, ...]:
     return _steps(self.axis_size, self.layout, causal, window, len_q, len_kv,
