@@ -118,3 +118,34 @@ def segment_ids(B, S, cuts):
     for c in cuts[b % len(cuts)]:
       ids[b, c:] += 1
   return jnp.asarray(ids)
+
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+class CompileCounter:
+  """Executables a program needed: XLA compiles plus loads from the persistent compilation
+  cache (tests/conftest.py shares one between the xdist workers, so a worker may load what
+  the other compiled). Listens from its creation on."""
+
+  def __init__(self):
+    self.n = 0
+    jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+    jax.monitoring.register_event_listener(self._on_event)
+
+  def _on_duration(self, event, duration, **kwargs):
+    del duration, kwargs
+    if event == COMPILE_EVENT:
+      self.n += 1
+
+  def _on_event(self, event, **kwargs):
+    del kwargs
+    if event == CACHE_HIT_EVENT:
+      self.n += 1
+
+  def count(self, fn):
+    """Executables needed while running fn() to completion."""
+    before = self.n
+    jax.block_until_ready(fn())
+    return self.n - before

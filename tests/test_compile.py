@@ -17,29 +17,10 @@ import pytest
 import flashvjp
 from tests import _util
 
-_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-class _CompileCounter:
-  def __init__(self):
-    self.n = 0
-    jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-  def _on_event(self, event, duration, **kwargs):
-    del duration, kwargs
-    if event == _EVENT:
-      self.n += 1
-
-  def count(self, fn):
-    """Number of XLA compiles while running fn() to completion."""
-    before = self.n
-    jax.block_until_ready(fn())
-    return self.n - before
-
 
 @pytest.fixture(scope="module")
 def counter():
-  return _CompileCounter()
+  return _util.CompileCounter()
 
 
 def _three_calls(counter, fn):

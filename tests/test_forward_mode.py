@@ -476,22 +476,12 @@ def test_tpu_tangent_kernel_lowers_for_tpu(feature):
 
 def test_eager_jvp_and_hvp_compile_once():
   """Outside jit, repeated jvp / HVP calls reuse their executables (as tests/test_compile)."""
-  n = [0]
-
-  def on_event(event, duration, **kw):
-    del duration, kw
-    if event == "/jax/core/compile/backend_compile_duration":
-      n[0] += 1
-  jax.monitoring.register_event_duration_secs_listener(on_event)
+  counter = _util.CompileCounter()
   q, k, v = _util.random_qkv(0, 1, 4, 2, 40, 40, 16)
   f = lambda q, k, v: flashvjp.flash_attention(q, k, v, causal=True, implementation="blockwise",
                                                block_q=16, block_kv=16)
   runs = {"jvp": lambda: jax.jvp(f, (q, k, v), (q, k, v)),
           "hvp": lambda: jax.jvp(jax.grad(lambda q: f(q, k, v).sum()), (q,), (q,))}
   for name, run in runs.items():
-    counts = []
-    for _ in range(3):
-      before = n[0]
-      jax.block_until_ready(run())
-      counts.append(n[0] - before)
+    counts = [counter.count(run) for _ in range(3)]
     assert counts[0] >= 1 and counts[1:] == [0, 0], (name, counts)
