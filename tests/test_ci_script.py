@@ -33,6 +33,7 @@ def _run(body: str, tmp_path: pathlib.Path) -> tuple[int, pathlib.Path]:
       "set -euo pipefail",
       f'WORK="{work}"',
       'SMOKE_PID=""',
+      'VENV_PIDS=""',
       _handler(),
       "trap cleanup EXIT",
       textwrap.dedent(body),
@@ -63,16 +64,21 @@ def test_failing_step_keeps_its_status(tmp_path, status):
   assert not work.exists()
 
 
-def test_background_job_still_running_is_stopped(tmp_path):
-  marker = tmp_path / "alive"
+def test_background_jobs_still_running_are_stopped(tmp_path):
+  markers = [tmp_path / f"alive{i}" for i in range(3)]
   rc, _ = _run(
     f"""
-        (sleep 2; touch "{marker}") &
+        (sleep 2; touch "{markers[0]}") &
         SMOKE_PID=$!
+        (sleep 2; touch "{markers[1]}") &
+        VENV_PIDS="$!"
+        (sleep 2; touch "{markers[2]}") &
+        VENV_PIDS="$VENV_PIDS $!"
         exit 4
         """,
     tmp_path,
   )
   assert rc == 4
   subprocess.run(["sleep", "3"], check=True)
-  assert not marker.exists(), "the background job outlived CI"
+  alive = [m.name for m in markers if m.exists()]
+  assert not alive, f"background jobs outlived CI: {alive}"
