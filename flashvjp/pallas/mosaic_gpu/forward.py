@@ -58,7 +58,8 @@ with Q), per-kv-position ones column words streamed with K (int32 / float32 [n, 
 ring slot, read generically before the slot's release, like the kv ids).
 
 Not implemented (refused before any kernel is built): tables read by kv_idx - q_idx, arrays
-per head, float32 / float64 inputs, a float32 out.
+per head, float32 / float64 inputs, a float32 out. (The tables' planned read: each Toeplitz
+tile is one TMA window of a skewed array XLA builds, `_rel`; tested, not yet wired in.)
 """
 from __future__ import annotations
 
