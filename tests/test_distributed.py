@@ -379,6 +379,26 @@ def test_sharded_attention_called_eagerly_is_one_program():
   _util.assert_close(out, ref, jnp.float32, "eager sharded_attention")
 
 
+def test_sharded_attention_called_eagerly_again_compiles_nothing():
+  """The jitted shard_map is cached per static configuration: a second eager call (new
+  arrays, the same sinks / dropout key passed as arrays) traces and compiles nothing; a
+  changed static argument compiles a program of its own; results match the one-device op."""
+  mesh = _mesh((4,), ("sp",))
+  xs = [jax.random.normal(jax.random.key(i), (1, 2, 256, 16), jnp.float32) for i in range(2)]
+  sinks = jnp.asarray([0.2, -0.3])
+  kw = dict(causal=True, sinks=sinks, dropout_rate=0.1, dropout_rng=jax.random.key(3),
+            deterministic=False, implementation="blockwise")
+  counter = _util.CompileCounter()
+  call = lambda q, **extra: flashvjp.sharded_attention(q, q, q, mesh=mesh, seq_axis="sp",
+                                                       **dict(kw, **extra))
+  counts = [counter.count(lambda q=q: call(q)) for q in xs]
+  assert counts[0] >= 1 and counts[1] == 0, counts
+  assert counter.count(lambda: call(xs[0], window=(64, 0))) >= 1  # another program
+  for q in xs:
+    ref = flashvjp.flash_attention(q, q, q, **kw)
+    _util.assert_close(call(q), ref, jnp.float32, "cached eager sharded_attention")
+
+
 # ---- helpers and errors ------------------------------------------------------------
 
 def test_zigzag_order_and_roundtrip():

@@ -7,9 +7,11 @@ _partition.py). Sequence sharding runs `ring_attention` over the sequence axis.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec
 
@@ -129,13 +131,11 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Hashable | N
   names = tuple(pairs)
 
   want_max = _api._check_flag("return_max_logits", return_max_logits)
-
-  def local(q, k, v, seg, *pair_arrays):
-    kw = dict(kwargs, **dict(zip(names, pair_arrays)), return_max_logits=want_max)
-    if seq_axis is None:
-      return _api.flash_attention(q, k, v, segment_ids=seg, return_lse=True, **kw)
-    return _ring.ring_attention(q, k, v, axis_name=seq_axis, segment_ids=seg, return_lse=True,
-                                batch_axis=batch_axis, head_axis=head_axis, **kw)
+  # Array arguments (sinks, a dropout key, a traced scale) are arguments of the jitted
+  # shard_map, replicated; the rest key a cache of it (`_program`), so that calls outside
+  # jit with the same static arguments reuse one trace and one compile.
+  dyn = tuple(k for k, x in kwargs.items() if isinstance(x, (jax.Array, np.ndarray)))
+  static = tuple(sorted((k, x) for k, x in kwargs.items() if k not in dyn))
 
   in_specs = (qkv_spec, qkv_spec, qkv_spec, seg_specs) + tuple(pairs[n][1] for n in names)
   # The Pallas kernels do not yet declare how their outputs vary over manual mesh axes,
@@ -153,12 +153,36 @@ def sharded_attention(query, key, value, *, mesh: Mesh, batch_axis: Hashable | N
                           interpret=kwargs.get("interpret"))
   out_specs = (qkv_spec, lse_spec) + ((PartitionSpec(batch_axis, head_axis),) if want_max
                                       else ())
-  # Under jit: called eagerly, shard_map runs the ring op by op on every device (20 s for a
-  # [2, 4, 512, 32] causal call on 8 CPU devices, each call; under an outer jit this inner one
-  # is inlined).
-  fn = jax.jit(_compat.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                 check_vma=not decision.is_pallas))
-  out, lse, *max_logits = fn(query, key, value, seg_in, *(pairs[n][0] for n in names))
+  # Under jit: called eagerly, shard_map would run the ring op by op on every device (20 s
+  # for a [2, 4, 512, 32] causal call on 8 CPU devices); under an outer jit this inner one is
+  # inlined. Cached per configuration: a second eager call with the same static arguments
+  # traces and compiles nothing (tests/test_distributed.py).
+  key_ = (mesh, batch_axis, head_axis, seq_axis, in_specs, out_specs, names, dyn, static,
+          want_max, not decision.is_pallas)
+  try:
+    fn = _program(*key_)
+  except TypeError:  # an unhashable static argument (a list): this call's own program
+    fn = _program.__wrapped__(*key_)
+  out, lse, *max_logits = fn(query, key, value, seg_in, *(pairs[n][0] for n in names),
+                             *(kwargs[k] for k in dyn))
   extra = ((lse,) if return_lse else ()) + tuple(max_logits)
   return (out, *extra) if extra else out
+
+
+@functools.lru_cache(maxsize=64)
+def _program(mesh, batch_axis, head_axis, seq_axis, in_specs, out_specs, names, dyn, static,
+             want_max, check_vma):
+  """The jitted shard_map of one `sharded_attention` configuration: args (q, k, v, segment
+  ids, the pair arrays `names`, the array arguments `dyn`); `static` the other arguments."""
+
+  def local(q, k, v, seg, *arrays):
+    kw = dict(static, **dict(zip(names + dyn, arrays)), return_max_logits=want_max)
+    if seq_axis is None:
+      return _api.flash_attention(q, k, v, segment_ids=seg, return_lse=True, **kw)
+    return _ring.ring_attention(q, k, v, axis_name=seq_axis, segment_ids=seg, return_lse=True,
+                                batch_axis=batch_axis, head_axis=head_axis, **kw)
+
+  specs = in_specs + (PartitionSpec(),) * len(dyn)
+  return jax.jit(_compat.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs,
+                                   check_vma=check_vma))
 
