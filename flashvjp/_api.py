@@ -35,6 +35,7 @@ from flashvjp import reference
 from flashvjp._config import AttentionConfig
 from flashvjp._config import BlockSizes
 from flashvjp._config import default_block_sizes
+from flashvjp.ring import _schedule
 
 _FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
@@ -328,17 +329,11 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
   if not isinstance(context_parallel, str) or context_parallel not in _strategy.REQUESTS:
     raise ValueError(f"context_parallel must be one of {_strategy.REQUESTS}, got"
                      f" {context_parallel!r}")
-  if (isinstance(ring_head_groups, bool) or not isinstance(ring_head_groups, numbers.Integral)
-      or int(ring_head_groups) < 1):
-    raise ValueError(f"ring_head_groups must be a positive int, got {ring_head_groups!r}")
-  ring_head_groups = int(ring_head_groups)
+  ring_head_groups = _schedule.check_head_groups(ring_head_groups, H, key.shape[1])
   if ring_head_groups > 1 and context_parallel not in ("ring", "all_gather"):
     raise ValueError(f"ring_head_groups={ring_head_groups} needs context_parallel='ring' or"
                      f" 'all_gather' (the ring run per group of kv heads), got"
                      f" {context_parallel!r}")
-  if H % ring_head_groups or key.shape[1] % ring_head_groups:
-    raise ValueError(f"ring_head_groups={ring_head_groups} must divide num_heads ({H}) and"
-                     f" num_kv_heads ({key.shape[1]})")
 
   # the program's target (platform, devices); explain(target=...) names one instead
   program = _target.of(query, key, value) if program_target is None else program_target
@@ -376,7 +371,7 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       dropout_broadcast=dropout_broadcast if dropout_active else (False, False),
       mask_mod=mm_fn, mask_mod_blocks=mm_blocks, mask_mod_uses=mm_uses,
       out_f32=bool(out_f32) and decision.implementation != "naive",
-      context_parallel=context_parallel, ring_head_groups=int(ring_head_groups),
+      context_parallel=context_parallel, ring_head_groups=ring_head_groups,
       # the hint only matters when a mesh can shard the sequence; on one device it would
       # only make the config (and the compile cache) depend on the mask_mod object
       mask_mod_hint=getattr(mask_mod, "kv_intervals", None) if program.partition else None,

@@ -173,9 +173,7 @@ def choose(request: str | None, p: Problem, seq_axes: tuple) -> Strategy:
       raise ValueError(f"ring_head_groups={G} runs the ring (or all-gather) once per group of"
                        " kv heads: it needs context_parallel='ring' or 'all_gather', got"
                        f" {request!r}")
-    if p.heads % G or p.kv_heads % G:
-      raise ValueError(f"ring_head_groups={G} must divide the number of query heads"
-                       f" ({p.heads}) and of key/value heads ({p.kv_heads}) on each device")
+    _schedule.check_head_groups(G, p.heads, p.kv_heads, " on each device")
     memory = {k: v + (f", for 1/{G} of the heads at a time" if k != "ulysses" else "")
               for k, v in memory.items()}
 

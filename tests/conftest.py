@@ -25,6 +25,7 @@ os.environ.setdefault("NPROC", "8")
 import jax
 
 jax.config.update("jax_enable_x64", True)
+jax.config.update("jax_numpy_rank_promotion", "raise")
 # One persistent compilation cache for the run, shared by its xdist workers (they trace many
 # of the same small programs: the eager ops of the same shapes, the same reference
 # functions): 9% off tests/test_blockwise.py's wall time on 2 cores. Removed when the run
@@ -47,4 +48,3 @@ def pytest_sessionfinish(session, exitstatus):
   if _CACHE_DIR is not None and not hasattr(session.config, "workerinput"):
     import shutil
     shutil.rmtree(_CACHE_DIR, ignore_errors=True)
-jax.config.update("jax_numpy_rank_promotion", "raise")

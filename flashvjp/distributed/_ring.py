@@ -103,12 +103,7 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
   n = _compat.axis_size(axis_name)
   _api._check_qkv(query, key, value)
   B, H, Sl, _ = query.shape
-  if (isinstance(ring_head_groups, bool) or not isinstance(ring_head_groups, int)
-      or ring_head_groups < 1):
-    raise ValueError(f"ring_head_groups must be a positive int, got {ring_head_groups!r}")
-  if H % ring_head_groups or key.shape[1] % ring_head_groups:
-    raise ValueError(f"ring_head_groups={ring_head_groups} must divide num_heads ({H}) and"
-                     f" num_kv_heads ({key.shape[1]})")
+  ring_head_groups = _ring_backend.check_head_groups(ring_head_groups, H, key.shape[1])
   Skv = key.shape[2]
   pair_target = (B, H, Sl, n * Skv)
   bias = None if bias is None else _api._pair_rank4("bias", bias, pair_target, want_bool=False)

@@ -11,5 +11,7 @@ from flashvjp.ring._backend import tangent
 from flashvjp.ring._backend import uses_offsets
 from flashvjp.ring._schedule import LAYOUTS
 from flashvjp.ring._schedule import RingSpec
+from flashvjp.ring._schedule import check_head_groups
 
-__all__ = ["LAYOUTS", "RingSpec", "backward", "forward", "tangent", "uses_offsets"]
+__all__ = ["LAYOUTS", "RingSpec", "backward", "check_head_groups", "forward", "tangent",
+           "uses_offsets"]

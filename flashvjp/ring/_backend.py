@@ -514,10 +514,8 @@ def _tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
 
 def _groups(cfg: AttentionConfig, q, k):
   """(G, query heads per group, kv heads per group)."""
-  G = cfg.ring.head_groups
-  if q.shape[1] % G or k.shape[1] % G:
-    raise ValueError(f"ring_head_groups={G} must divide the number of query heads"
-                     f" ({q.shape[1]}) and of key/value heads ({k.shape[1]}) on each device")
+  G = _schedule.check_head_groups(cfg.ring.head_groups, q.shape[1], k.shape[1],
+                                  " on each device")
   return G, q.shape[1] // G, k.shape[1] // G
 
 

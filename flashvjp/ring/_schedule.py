@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from collections.abc import Callable
 from collections.abc import Hashable
 
@@ -93,6 +94,18 @@ class Step:
 
   shift: int
   pairs: tuple  # ((a, b, branches: tuple of masks, index: tuple[int, ...] per device), ...)
+
+
+def check_head_groups(groups, heads: int, kv_heads: int, where: str = "") -> int:
+  """`ring_head_groups` as an int: a positive int dividing the query and kv head counts
+  (`where`: " on each device" for the local counts), else ValueError naming it."""
+  if isinstance(groups, bool) or not isinstance(groups, numbers.Integral) or int(groups) < 1:
+    raise ValueError(f"ring_head_groups must be a positive int, got {groups!r}")
+  groups = int(groups)
+  if heads % groups or kv_heads % groups:
+    raise ValueError(f"ring_head_groups={groups} must divide num_heads ({heads}) and"
+                     f" num_kv_heads ({kv_heads}){where}")
+  return groups
 
 
 @dataclasses.dataclass(frozen=True)
