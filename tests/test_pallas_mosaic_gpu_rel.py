@@ -88,7 +88,7 @@ def test_windows_copied_by_tma_at_dynamic_unaligned_offsets(transposed):
     def body(w_ref, starts_ref, out_ref, smem, bars):
       for t in range(n):
         s = starts_ref[t]
-        mg.copy_gmem_to_smem(w_ref.at[:, pl_ds(s, COLS)], smem.at[t], bars.at[t])
+        mg.copy_gmem_to_smem(w_ref.at[:, _compat.ds(s, COLS)], smem.at[t], bars.at[t])
         if wait:
           mg.barrier_wait(bars.at[t])
         mg.copy_smem_to_gmem(smem.at[t], out_ref.at[t])
@@ -113,8 +113,3 @@ def test_windows_copied_by_tma_at_dynamic_unaligned_offsets(transposed):
   except Exception as e:  # the interpreter raises on a detected race (on_race="raise")
     raised = e
   assert raised is not None or _compat.interpret_races_found(), "the missing wait went unnoticed"
-
-
-def pl_ds(start, size):
-  from jax.experimental import pallas as pl
-  return pl.ds(start, size)
