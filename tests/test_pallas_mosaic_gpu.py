@@ -309,10 +309,10 @@ def test_refuses_what_it_does_not_implement():
   with pytest.raises(NotImplementedError, match="dropout needs a seed"):
     _forward(_cfg(64, 64, 64, dropout_rate=0.1), q, k, v, None, None, None, None, None, ())
   with pytest.raises(NotImplementedError, match="per-head values are scalars"):
-    # a table read by kv_idx - q_idx (arrays read by one position are taken)
-    rel = dataclasses.replace(
-        cfg, score_mod=lambda s, b, h, i, j, t: s + t[jnp.clip(j - i, -8, 8) + 8])
-    _forward(rel, q, k, v, None, None, None, None, None, (jnp.ones((17,)),))
+    # an array read at both positions (arrays read by one position or by kv_idx - q_idx
+    # are taken)
+    pair = dataclasses.replace(cfg, score_mod=lambda s, b, h, i, j, t: s + t[i, j])
+    _forward(pair, q, k, v, None, None, None, None, None, (jnp.ones((64, 64)),))
   with pytest.raises(NotImplementedError, match="offsets must be"):
     _forward(cfg, q, k, v, None, None, None, None, None, (), offsets=(0, 64))
   q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
@@ -329,12 +329,17 @@ def test_refuses_what_it_does_not_implement():
   assert _limits.supports(dtype=jnp.bfloat16, **wide)[0]  # every kernel takes head dim 256
   for kw, word in ((dict(dtype=jnp.float32, **common), "float32"),
                    (dict(dtype=jnp.bfloat16, has_score_mod=True, score_mod_consts=(
-                       jnp.ones((17,)),),
-                         score_mod=lambda s, b, h, i, j, t: s + t[jnp.clip(j - i, -8, 8) + 8],
+                       jnp.ones((64, 64)),),
+                         score_mod=lambda s, b, h, i, j, t: s + t[i, j],
                          **common), "score_mod uses dynamic_slice"),
                    (dict(dtype=jnp.bfloat16, **big), "head dims up to 256")):
     ok, reason = _limits.supports(**kw)
     assert not ok and word in reason, reason
+  # a table read by kv_idx - q_idx is taken (windows of a skewed array, `_rel`)
+  assert _limits.supports(dtype=jnp.bfloat16, has_score_mod=True,
+                          score_mod_consts=(jnp.ones((17,)),),
+                          score_mod=lambda s, b, h, i, j, t: s + t[jnp.clip(j - i, -8, 8) + 8],
+                          **common)[0]
   ok, reason = _limits.supports(**dict(common, interpret=False), dtype=jnp.bfloat16)
   assert not ok and "CUDA" in reason
   # compiled, a mod's float64 array (x64) is refused: the kernels read float32 words

@@ -46,17 +46,19 @@ def test_refusals_name_the_family_that_takes_it():
   with pytest.raises(ValueError, match="pallas_triton"):
     flashvjp.explain(q, k, v, implementation=IMPL)
   q, k, v = _qkv()
-  # arrays read by one position are taken (per-position residuals)...
+  # arrays read by one position and tables read by kv_idx - q_idx are taken (per-position
+  # residuals, rel windows)...
   bias_vec = jnp.linspace(-1.0, 1.0, 128)
+  table = jnp.linspace(-1.0, 1.0, 4 * 17).reshape(4, 17)
   for kw in (dict(score_mod=lambda s, b, h, i, j: s + bias_vec[j]),
-             dict(mask_mod=flashvjp.document_causal(jnp.zeros((1, 128), jnp.int32)))):
+             dict(mask_mod=flashvjp.document_causal(jnp.zeros((1, 128), jnp.int32))),
+             dict(score_mod=flashvjp.relative_position_bias(table, 8))):
     assert flashvjp.explain(q, k, v, implementation=IMPL, **kw).implementation == IMPL
-  # ... a table read by kv_idx - q_idx, or an array read at both positions, is not: the
-  # Triton / Mosaic-TPU families take them
-  rel = jnp.linspace(-1.0, 1.0, 17)
-  with pytest.raises(ValueError, match=r"score_mod.*Pallas-Triton"):
+  # ... an array read at both positions is not: the Triton / Mosaic-TPU families take it
+  pair_bias = jnp.ones((128, 128))
+  with pytest.raises(ValueError, match=r"score_mod.*both positions"):
     flashvjp.explain(q, k, v, implementation=IMPL,
-                     score_mod=lambda s, b, h, i, j: s + rel[jnp.clip(j - i, -8, 8) + 8])
+                     score_mod=lambda s, b, h, i, j: s + pair_bias[i, j])
   pairs = jnp.ones((128, 128), bool)
   with pytest.raises(ValueError, match=r"mask_mod"):
     flashvjp.explain(q, k, v, implementation=IMPL, mask_mod=lambda b, h, i, j: pairs[i, j])

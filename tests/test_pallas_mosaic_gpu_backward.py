@@ -391,11 +391,11 @@ def test_unsupported_features_are_named():
     return mgpu_backward.backward(cfg, q, q, q, bias, mask, None, None, None, consts, q, lse_, q,
                                   None, offsets=offsets)
 
-  # a table read by kv_idx - q_idx (arrays read by one position are taken)
+  # an array read at both positions (arrays read by one position or by kv_idx - q_idx are
+  # taken)
   with pytest.raises(NotImplementedError, match="not arrays per head"):
-    call(cfg=dataclasses.replace(
-        cfg, score_mod=lambda s, b, h, qi, ki, t: s + t[jnp.clip(ki - qi, -8, 8) + 8]),
-        consts=(jnp.zeros((17,), jnp.float32),))
+    call(cfg=dataclasses.replace(cfg, score_mod=lambda s, b, h, qi, ki, t: s + t[qi, ki]),
+         consts=(jnp.zeros((S, S), jnp.float32),))
   with pytest.raises(ValueError, match="seed"):
     call(cfg=dataclasses.replace(cfg, dropout_rate=0.1))
   with pytest.raises(NotImplementedError, match="mask_mod whose per-head values are scalars"):

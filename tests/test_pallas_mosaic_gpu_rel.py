@@ -15,6 +15,7 @@ import pytest
 
 from flashvjp.pallas.mosaic_gpu import _compat
 from flashvjp.pallas.mosaic_gpu import _rel
+from tests import _util
 
 SQP, SKVP, ROWS, COLS = 256, 384, 64, 64
 
@@ -113,3 +114,117 @@ def test_windows_copied_by_tma_at_dynamic_unaligned_offsets(transposed):
   except Exception as e:  # the interpreter raises on a detected race (on_race="raise")
     raised = e
   assert raised is not None or _compat.interpret_races_found(), "the missing wait went unnoticed"
+
+
+# ---- the kernels reading rel tables (interpret mode, race detection on) -------------------
+
+_WHY = _compat.unavailable()
+_needs_mgpu = pytest.mark.skipif(_WHY is not None, reason=f"Mosaic-GPU Pallas: {_WHY}")
+
+
+def _rel_score_mod(s, b, h, q_idx, kv_idx, table, buckets):
+  """`relative_position_bias`'s table (clipped distances) and a T5 bucketed table, both
+  read by kv_idx - q_idx, both differentiable."""
+  del b
+  d = kv_idx - q_idx
+  return (s + table[h, jnp.clip(d, -16, 16) + 16].astype(s.dtype)
+          + buckets[h, _util.t5_bucket(d)].astype(s.dtype))
+
+
+def _rel_problem(S=200, Skv=None, B=1, H=2, Hkv=1, D=64, seed=0, causal=True, **kw):
+  from tests import test_pallas_mosaic_gpu_backward as backward_tests
+  Skv = S if Skv is None else Skv
+  rng = np.random.default_rng(seed)
+  q, k, v = _util.random_qkv(seed, B, H, Hkv, S, Skv, D, dtype=jnp.bfloat16)
+  table = jnp.asarray(rng.standard_normal((H, 33)), jnp.float32)
+  buckets = jnp.asarray(rng.standard_normal((H, 8)), jnp.float32)
+  cfg = backward_tests._cfg(S, Skv, D, causal=causal, score_mod=_rel_score_mod,
+                            num_diff_consts=2, **kw)
+  return cfg, (q, k, v), (table, buckets)
+
+
+def _reference(cfg, qkv, consts, **kw):
+  from flashvjp import reference
+  fwd = lambda q, k, v, *c: reference.attention(cfg, q, k, v, None, None, None, None, None, c,
+                                                **kw)
+  return fwd, tuple(_util.as64(x) for x in qkv + consts)
+
+
+@_needs_mgpu
+@pytest.mark.parametrize("S,Skv,D", [(200, 200, 64), (96, 160, 128)])
+def test_rel_tables_forward_backward_and_table_gradients(S, Skv, D):
+  """Forward (out, lse), dq / dk / dv and d(table), d(buckets) against float64 autodiff of
+  naive attention: the forward's consumers, the dQ and dK/dV kernels read each tile as a TMA
+  window; the tables' gradients are the block-diagonal sums."""
+  from flashvjp.pallas.mosaic_gpu import backward as mgpu_backward
+  from flashvjp.pallas.mosaic_gpu import forward as mgpu_forward
+  cfg, qkv, consts = _rel_problem(S, Skv, D=D, causal=S == Skv)
+  fwd, primals = _reference(cfg, qkv, consts)
+  (out, lse), vjp = jax.vjp(fwd, *primals)
+  do = jax.random.normal(jax.random.key(1), out.shape, jnp.float64).astype(jnp.bfloat16)
+  ref = vjp((_util.as64(do), jnp.zeros_like(lse)))
+  _compat.reset_interpret_state()
+  got_out, got_lse = jax.block_until_ready(mgpu_forward.forward(
+      cfg, *qkv, None, None, None, None, None, consts))
+  assert not _compat.interpret_races_found()
+  _util.assert_close((got_out, got_lse), (out, lse), jnp.bfloat16, what="rel forward")
+  _compat.reset_interpret_state()
+  got = jax.block_until_ready(mgpu_backward.backward(
+      cfg, *qkv, None, None, None, None, None, consts, out.astype(jnp.float32),
+      lse.astype(jnp.float32), do, None))
+  assert not _compat.interpret_races_found()
+  _util.assert_close(tuple(got[:3]) + tuple(got[4]), ref, jnp.bfloat16,
+                     what="rel dq, dk, dv, d table, d buckets")
+  assert all(float(jnp.abs(d).max()) > 0 for d in got[4])  # the tables do get gradients
+
+
+@_needs_mgpu
+def test_rel_tables_tangent_along_inputs_and_tables():
+  from flashvjp.pallas.mosaic_gpu import tangent as mgpu_tangent
+  cfg, qkv, consts = _rel_problem(S=136, seed=1)
+  fwd, primals = _reference(cfg, qkv, consts)
+  rng = np.random.default_rng(2)
+  tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in qkv + consts)
+  (out, lse), (t_out, t_lse) = jax.jvp(fwd, primals, tuple(_util.as64(t) for t in tangents))
+  _compat.reset_interpret_state()
+  got = jax.block_until_ready(mgpu_tangent.tangent(
+      cfg, *qkv, None, None, None, None, None, consts, out.astype(jnp.bfloat16),
+      lse.astype(jnp.float32), *tangents[:3], None, tangents[3:]))
+  assert not _compat.interpret_races_found()
+  _util.assert_close(got, (t_out, t_lse), jnp.bfloat16, what="rel tangent")
+  # along the tables alone: the rel residuals' own tangents reach the kernel (not causal:
+  # in the first causal rows t_out = a - t_lse * out nearly cancels, and out in bfloat16
+  # costs 1.3e-2 there, in the Pallas-Triton family's tangent as in this one)
+  cfg, qkv, consts = _rel_problem(S=136, seed=1, causal=False)
+  fwd, primals = _reference(cfg, qkv, consts)
+  (out, lse) = fwd(*primals)
+  zero = tuple(jnp.zeros_like(x) for x in qkv)
+  (_, _), (t_out, t_lse) = jax.jvp(fwd, primals, tuple(_util.as64(t) for t in zero + tangents[3:]))
+  got = mgpu_tangent.tangent(cfg, *qkv, None, None, None, None, None, consts,
+                             out.astype(jnp.bfloat16), lse.astype(jnp.float32), None, None, None,
+                             None, tangents[3:])
+  _util.assert_close(got, (t_out, t_lse), jnp.bfloat16, what="rel tangent, tables only")
+  assert float(jnp.abs(got[0]).max()) > 0
+
+
+@_needs_mgpu
+def test_rel_tables_chunk_pair_reads_global_differences():
+  """q rows 64.. against kv rows 0..128 of a 192-long problem at offsets (0, 0, 64, 0): the
+  pair's tiles read the global differences kv - q."""
+  from flashvjp import reference
+  from flashvjp.pallas.mosaic_gpu import forward as mgpu_forward
+  from tests import test_pallas_mosaic_gpu_backward as backward_tests
+  S, C = 192, 64
+  cfg, qkv, consts = _rel_problem(S=S, seed=3, causal=False)
+  q, k, v = qkv
+  local = backward_tests._cfg(S - C, 2 * C, 64, score_mod=_rel_score_mod, num_diff_consts=2)
+  _compat.reset_interpret_state()
+  out, lse = jax.block_until_ready(mgpu_forward.forward(
+      local, q[:, :, C:], k[:, :, :2 * C], v[:, :, :2 * C], None, None, None, None, None, consts,
+      offsets=(0, 0, C, 0)))
+  assert not _compat.interpret_races_found()
+  keep = jnp.asarray(np.arange(S) < 2 * C)[None, None, None, :]
+  f64 = _util.as64
+  ro, rl = reference.attention(cfg, *(f64(x) for x in qkv), None, keep, None, None, None,
+                               tuple(f64(c) for c in consts))
+  _util.assert_close((out, lse), (ro[:, :, C:], rl[:, :, C:]), jnp.bfloat16, what="rel pair")

@@ -200,9 +200,10 @@ def test_mutation_is_caught(monkeypatch, name):
 
 
 def test_shared_memory_limit_is_refused_by_name():
-  """A float32 bias and its tangent with a dense mask at head dim 128 need more shared memory
-  than a Hopper block has: refused naming the family that takes it."""
-  S, D = 128, 128
+  """A float32 bias and its tangent with a dense mask at head dim 256 need more shared memory
+  than a Hopper block has (with kv blocks of 64, and of 32): refused naming the family that
+  takes it."""
+  S, D = 128, 256
   cfg = _cfg(S, S, D)
   q = jnp.ones((1, 1, S, D), jnp.bfloat16)
   bias = jnp.zeros((1, 1, S, S), jnp.float32)

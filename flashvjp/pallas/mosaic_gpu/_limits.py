@@ -87,13 +87,13 @@ def score_mod_problem(score_mod, consts, acc_dtype):
   or kv position travels per position (`_common.PosResiduals`: row words with Q, column
   words with K); tables read by kv_idx - q_idx are not read yet."""
   return shared.score_mod_problem(score_mod, consts, acc_dtype, lowering="Mosaic-GPU",
-                                  residual_problem=_residual_problem, positions=True)
+                                  residual_problem=_residual_problem, positions=True, rel=True)
 
 
 def mask_mod_problem(mask_mod, consts):
   """As `score_mod_problem`, for a mask_mod (`_mask_mod.ScalarMaskMod`)."""
   return shared.mask_mod_problem(mask_mod, consts, lowering="Mosaic-GPU",
-                                 residual_problem=_residual_problem, positions=True)
+                                 residual_problem=_residual_problem, positions=True, rel=True)
 
 
 def forward_problem(cfg, q, k, v, *, bias=None, mask=None, q_seg=None, kv_seg=None, seed=None,

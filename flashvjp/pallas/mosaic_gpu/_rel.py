@@ -1,5 +1,6 @@
 """Rows read by kv_idx - q_idx as windows of a skewed array: how the Mosaic-GPU kernels will
-read a Toeplitz tile with one TMA copy (issue 29; the kernels do not read them yet).
+read a Toeplitz tile with one TMA copy (the forward's consumers, the dQ, dK/dV and tangent
+kernels).
 
 Room: Mosaic-GPU kernels (the family's own). A mod's value that depends on the positions
 only through ``kv_idx - q_idx`` (``table[h, clip(kv_idx - q_idx, -d, d) + d]``, T5
@@ -24,6 +25,7 @@ the tiles read element by element, and with the windows copied by TMA in a Mosai
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -66,3 +68,18 @@ def window_start(q0, k0, Sqp: int, rows: int, Skvp: int | None = None,
       raise ValueError("a transposed window needs Skvp")
     return q0 - k0 + (Skvp - rows)
   return k0 - q0 + (Sqp - rows)
+
+
+def rows(row, pos, B: int, H: int, Sqp: int, Skvp: int):
+  """A rel residual's row as a kernel with padded lengths (Sqp, Skvp) reads it: `row`
+  [B|1, H|1, L] in `pos`'s layout (`PosResiduals.rel_slice`) sliced to [B, H, Sqp + Skvp],
+  float32 for a float residual, else int32 (the tile part casts it back)."""
+  dt = jnp.float32 if jnp.issubdtype(row.dtype, jnp.inexact) else jnp.int32
+  row = jnp.asarray(row)[..., pos.rel_slice(Sqp, Skvp)].astype(dt)
+  return jnp.broadcast_to(row, (B, H, row.shape[-1]))
+
+
+def operand(row, pos, B: int, H: int, Sqp: int, Skvp: int, rows_: int,
+            transposed: bool = False):
+  """The skewed array [B, H, rows_, width] of a rel residual's row (`rows`)."""
+  return skewed(rows(row, pos, B, H, Sqp, Skvp), Sqp, Skvp, rows_, transposed)

@@ -113,7 +113,9 @@ from flashvjp import _mask
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas.mosaic_gpu import _compat
+from flashvjp.pallas.mosaic_gpu import _rel
 from flashvjp.pallas.mosaic_gpu import forward as F
+from flashvjp.pallas.triton.backward import rel_grads as _triton_rel_grads
 
 LOG2E = math.log2(math.e)
 _STAGES = 2  # ring slots of the streamed operands
@@ -304,10 +306,11 @@ def _visit(run, lo, hi, full, masked_any, carry=None):
 
 def _residual_tiles(v, prefix=""):
   """A mod's residual tiles in its tile part's order: per-(b, h) ("res<n>"), per q position
-  ("qres<n>"), per kv position ("kvres<n>"); `prefix` "m" for the mask_mod's, "t" for the
-  tangents. Returns (per-head, q, kv) tuples."""
+  ("qres<n>"), per kv position ("kvres<n>"), by kv_idx - q_idx ("relres<n>": windows of a
+  skewed array, `_rel`); `prefix` "m" for the mask_mod's, "t" for the tangents. Returns
+  (per-head, q, kv, rel) tuples."""
   get = lambda name: tuple(v[f"{prefix}{name}{n}"] for n in range(_num_res(v, prefix + name)))
-  return get("res"), get("qres"), get("kvres")
+  return get("res"), get("qres"), get("kvres"), get("relres")
 
 
 def _plain_adds(fn):
@@ -372,23 +375,26 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v, tangent=None, pos_diff=(0, 0)
     st = C.masked_scores_for_mod(cfg, s, ok) * f32(cfg.scale)
     if "bias" in v:
       st = st + v["bias"]
-    res, qres, kvres = _residual_tiles(v)
-    args = res + qres + kvres
+    res, qres, kvres, rel = _residual_tiles(v)
+    args = res + qres + kvres + rel
     kv_g = kv_idx + v["kv0"]
     # The tile part of `C.split_per_head`: (b, h) are folded into its residuals (it ignores
     # its b, h arguments), which arrive as tiles (one word per row or column, broadcast)
     # and are vectorised over like the indices.
     mod = jnp.vectorize(lambda x, q_, k_, *r: cfg.score_mod(x, 0, 0, q_, k_, *r))
     fn = lambda x, *r: mod(x, v["qg"], kv_g, *r)
-    at = lambda n_res, n_q, n_kv: (list(range(n_res)) + [len(res) + n for n in range(n_q)]
-                                   + [len(res) + len(qres) + n for n in range(n_kv)])
+    at = lambda n_res, n_q, n_kv, n_rel=0: (
+        list(range(n_res)) + [len(res) + n for n in range(n_q)]
+        + [len(res) + len(qres) + n for n in range(n_kv)]
+        + [len(res) + len(qres) + len(kvres) + n for n in range(n_rel)])
     if tangent is not None:  # forward mode: the jvp along the tangents
       ts = tangent if ok is None else jnp.where(ok, tangent, f32(0.0))
-      t_res, t_q, t_kv = _residual_tiles(v, "t")
-      idx = at(len(t_res), len(t_q), len(t_kv))
+      t_res, t_q, t_kv, t_rel = _residual_tiles(v, "t")
+      idx = at(len(t_res), len(t_q), len(t_kv), len(t_rel))
       st, sm_vjp = _plain_adds(lambda p, t: jax.jvp(_with(fn, args, idx), p, t))(
-          (st, *(args[i] for i in idx)), (ts, *t_res, *t_q, *t_kv))
-    else:  # the differentiable residuals take gradients (per element)
+          (st, *(args[i] for i in idx)), (ts, *t_res, *t_q, *t_kv, *t_rel))
+    else:  # the differentiable residuals take gradients (per element; not the rel ones:
+      # their gradients come from the block-diagonal kernel, `backward`)
       idx = at(cfg.num_diff_consts, *pos_diff)
       st, vjp = jax.vjp(_with(fn, args, idx), st, *(args[i] for i in idx))
       sm_vjp = _plain_adds(vjp)
@@ -511,17 +517,18 @@ def _operands(kind, arrays):
   """(ring, resident) operand names of a kernel ("dkdv", "dq" or "tangent"), in their SMEM
   order."""
   kv_vectors = [n for n in arrays if _is_kv_vector(n)]  # streamed with every loop step
+  rels = [n for n in arrays if _is_rel(n)]  # a window per loop step
   if kind == "tangent":  # the dQ kernel's loop, with the tangents of q / k / v / bias
     q_side = [n for n in ("q", "tq", "lse") if n in arrays]
     kv_side = [n for n in ("k", "v", "tk", "tv", "kv_seg") if n in arrays]
     pairs = [p for p in _PAIRS + ("tbias",) if p in arrays]
-    return kv_side + kv_vectors + pairs, q_side + [n for n in arrays if _is_q_vector(n)]
+    return kv_side + kv_vectors + pairs + rels, q_side + [n for n in arrays if _is_q_vector(n)]
   q_side = ["q", "do", "lse", "delta"] + [n for n in arrays if _is_q_vector(n)]
   kv_side = ["k", "v"] + ["kv_seg"] * ("kv_seg" in arrays)
   pairs = [p + ("T" if kind == "dkdv" else "") for p in _PAIRS if p in arrays]
   if kind == "dkdv":
-    return q_side + kv_vectors + pairs, kv_side
-  return kv_side + kv_vectors + pairs, q_side
+    return q_side + kv_vectors + pairs + rels, kv_side
+  return kv_side + kv_vectors + pairs + rels, q_side
 
 
 def _scratch(kind, arrays, ring, resident, g: C.Geometry, n_diff=0, n_kvd=0):
@@ -533,8 +540,8 @@ def _scratch(kind, arrays, ring, resident, g: C.Geometry, n_diff=0, n_kvd=0):
 
   def buf(name, block, stages=()):
     x = arrays[name]
-    if name.rstrip("T") in _PAIRS + ("tbias",):  # a tile in the kernel's orientation, read
-      return plgpu.SMEM(stages + tile, x.dtype)  # generically
+    if name.rstrip("T") in _PAIRS + ("tbias",) or _is_rel(name):  # a tile in the kernel's
+      return plgpu.SMEM(stages + tile, x.dtype)  # orientation, read generically
     if _is_kv_vector(name):
       return plgpu.SMEM(stages + (g.bk,), x.dtype)
     if x.ndim == 4:
@@ -595,6 +602,22 @@ def _is_q_vector(name: str) -> bool:
                                                 "tqres"))
 
 
+def _is_rel(name: str) -> bool:
+  """A row by kv_idx - q_idx (the score_mod's "relres<n>", the mask_mod's "mrelres<n>", the
+  tangents' "trelres<n>"): [B, H, Sqp + Skvp] in `_inputs`, the skewed array [B, H, 64,
+  width] (`_rel`) in a kernel, whose ring takes one [rows, cols] window per step."""
+  return name.startswith(("relres", "mrelres", "trelres"))
+
+
+def _rel_window(r, name, b, h, q0, k0, g: C.Geometry, transposed: bool):
+  """The TMA source of the window of skewed rel array `name` (`_rel`, made by `_launch` at
+  the operands' padded lengths) that is the tile of queries q0.. against keys k0..: [bk, bq]
+  with keys as rows when `transposed` (the dK/dV kernel's tiles), else [bq, bk]."""
+  rows, cols = (g.bk, g.bq) if transposed else (g.bq, g.bk)
+  start = _rel.window_start(q0, k0, r["q"].shape[2], rows, r["k"].shape[2], transposed)
+  return r[name].at[b, h, :, pl.ds(start, cols)]
+
+
 def _is_kv_vector(name: str) -> bool:
   """A per-(b, h, kv position) word: the score_mod's per-kv-position residuals ("kvres<n>"),
   their tangents ("tkvres<n>"), the mask_mod's ("mkvres<n>"). [B, H, Skvp]: indexed by the
@@ -636,6 +659,8 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, p
       for name, bar in zip(ring, loaded):
         if name.rstrip("T") in _PAIRS:
           src = _pair_tile(r[name], b, hk * G + gi, cols, rows)
+        elif _is_rel(name):  # keys as rows
+          src = _rel_window(r, name, b, hk * G + gi, i * g.bq, j * g.bk, g, transposed=True)
         else:  # per-q blocks, and this kv block's per-kv-position words of head gi
           src = _block(r[name], b, hk * G + gi, cols if _is_kv_vector(name) else rows)
         plgpu.copy_gmem_to_smem(src, rs[name].at[slot], bar.at[slot])
@@ -687,6 +712,9 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, p
           v["dense"] = _load_mask(rs["maskT"].at[slot])
         if "biasT" in rs:
           v["bias"] = plgpu.load(rs["biasT"].at[slot], layout=wgmma_layout, optimized=False)
+        for name in rs:
+          if _is_rel(name):
+            v[name] = plgpu.load(rs[name].at[slot], layout=wgmma_layout, optimized=False)
         pT, ok, m, sm_vjp = _probs(cfg, sT, lse2, i * g.bq + q_iota, kv_idx, masked, v,
                                    pos_diff=pos_diff)
         p_smem[...] = (pT if m is None else pT * m).astype(p_smem.dtype)  # dropped out
@@ -879,6 +907,9 @@ class _KvStream:
       for name, bar in zip(ring, loaded):
         if name in _PAIRS + ("tbias",):
           src = _pair_tile(r[name], b, h, rows, cols)
+        elif _is_rel(name):
+          src = _rel_window(r, name, b, h, self.i * g.bq, self.block_of(t) * g.bk, g,
+                            transposed=False)
         else:
           src = _block(r[name], b, h if _is_kv_vector(name) else hk, cols)
         plgpu.copy_gmem_to_smem(src, rs[name].at[slot], bar.at[slot])
@@ -917,6 +948,9 @@ class _KvStream:
     if "bias" in rs:
       v["bias"] = plgpu.load(rs["bias"].at[slot], layout=wgmma_layout,
                              optimized=False).astype(jnp.float32)
+    for name in rs:
+      if _is_rel(name):
+        v[name] = plgpu.load(rs[name].at[slot], layout=wgmma_layout, optimized=False)
     return v
 
   def visit(self, run, masked_any, carry):
@@ -946,6 +980,10 @@ def _launch(kind, cfg, g: C.Geometry, arrays, masked_any, visits=None, *, body=N
             if n.rstrip("T") not in _PAIRS or n.endswith("T") == (kind == "dkdv")}
   if visits is not None:
     arrays["visits"] = visits
+  # rel rows [B, H, Sqp + Skvp] -> the skewed arrays whose windows are this kernel's tiles
+  Sqp, Skvp = arrays["q"].shape[2], arrays["k"].shape[2]
+  arrays = {n: _rel.skewed(x, Sqp, Skvp, g.bk if kind == "dkdv" else g.bq, kind == "dkdv")
+            if _is_rel(n) else x for n, x in arrays.items()}
   ring, resident = _operands(kind, {n.rstrip("T"): x for n, x in arrays.items()})
   names = list(arrays)
   dt = arrays["q"].dtype
@@ -1015,12 +1053,14 @@ def _reduce_dbias(cfg, ds, bias, g: C.Geometry, visits=None):
   return ds.astype(bias.dtype)
 
 
-def _dconsts(split, dres_rows, dkv_cols, user_consts, n_user_diff, Sq, where: C.Positions):
+def _dconsts(split, dres_rows, dkv_cols, drel, user_consts, n_user_diff, Sq,
+             where: C.Positions):
   """Grads of the differentiable score_mod consts from the dQ kernel's per-row partial
   d(residual) [B, H, Sqp] (per-(b, h) residuals: summed over the real rows; then per-q-
-  position ones, as they are) and the dK/dV kernel's d(per-kv-position residual) [B, H,
-  Skvp], mapped by `split.to_consts` (position ones padded to the family's layout `where`),
-  in the consts' dtypes; zeros where the scores do not depend on them."""
+  position ones, as they are), the dK/dV kernel's d(per-kv-position residual) [B, H,
+  Skvp] and d(rel residual) rows (`where`'s layout), mapped by `split.to_consts` (position
+  ones padded to the family's layout `where`), in the consts' dtypes; zeros where the
+  scores do not depend on them."""
   user = user_consts[:n_user_diff]
   if not n_user_diff:
     return ()
@@ -1030,7 +1070,7 @@ def _dconsts(split, dres_rows, dkv_cols, user_consts, n_user_diff, Sq, where: C.
   pad = lambda x, n: jnp.pad(x, ((0, 0), (0, 0), (0, n - x.shape[2])))
   dq_pos = tuple(pad(d, where.Sqp) for d in dres_rows[split.n_diff:])
   dkv_pos = tuple(pad(d, where.Skvp) for d in dkv_cols)
-  grads = split.to_consts(dres, dq_pos, dkv_pos)
+  grads = split.to_consts(dres, dq_pos, dkv_pos, tuple(drel))
   return tuple(d.astype(jnp.result_type(c)) for d, c in zip(grads, user))
 
 
@@ -1073,7 +1113,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
      differentiable score_mod consts).
   """
   check_supported(cfg, q, k, v, bias, mask, q_seg, seed, consts, mod, offsets)
-  user_consts, n_user_diff = tuple(consts), cfg.num_diff_consts
+  user_consts, n_user_diff, user_cfg = tuple(consts), cfg.num_diff_consts, cfg
   ins = _inputs(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, offsets,
                 role="backward", grads=True)
   cfg, g, arrays = ins.cfg, ins.g, ins.arrays
@@ -1098,8 +1138,15 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   dq = dq[:, :, :Sq, :D]
   dk = dk[:, :, :Skv, :D]
   dv = dv[:, :, :Skv, :Dv]
-  return dq, dk, dv, dbias, _dconsts(ins.split, outs, dkv_cols, user_consts, n_user_diff, Sq,
-                                     F.positions(cfg))
+  drel = ()
+  if ins.split is not None and ins.split.pos is not None and ins.split.pos.n_rel_diff:
+    # d(rows read by kv_idx - q_idx): sums along the diagonals of every tile, by the
+    # Pallas-Triton family's block-diagonal kernel (this family has no diagonal kernel yet)
+    drel = _triton_rel_grads(user_cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
+                             user_consts, out, lse, dout, dlse, mod, offsets,
+                             F.positions(cfg))
+  return dq, dk, dv, dbias, _dconsts(ins.split, outs, dkv_cols, drel, user_consts, n_user_diff,
+                                     Sq, F.positions(cfg))
 
 
 @dataclasses.dataclass
@@ -1179,6 +1226,8 @@ def _inputs(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
         arrays[f"{prefix}qres{n}"] = word(r[..., :g.Sqp])
       for n, r in enumerate(pos.kv):
         arrays[f"{prefix}kvres{n}"] = word(r[..., :g.Skvp])
+      for n, r in enumerate(pos.rel):
+        arrays[f"{prefix}relres{n}"] = _rel.rows(r, pos, g.B, g.H, g.Sqp, g.Skvp)
   if mask is not None:
     # int8, padded with False; broadcast seq dims materialised (the kernels read whole
     # tiles), broadcast batch / head dims kept (indexed with 0). The dK/dV kernel reads it

@@ -78,6 +78,7 @@ from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas.mosaic_gpu import _compat
 from flashvjp.pallas.mosaic_gpu import _limits
+from flashvjp.pallas.mosaic_gpu import _rel
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -259,9 +260,12 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
   # the mods' per-kv-position words, streamed with K: "modkvi" / "modkvf" [count, bk] a slot
   col_words = [(kind, count) for kind, count in (("i", mr.n_kv_int), ("f", mr.n_kv_float))
                if count]
-  # per-slot side data (kv ids, bias / mask blocks, kv words) is read after the QK product
-  # with generic loads: the K slot is released only after them, behind a proxy fence
-  late_release = segments or bool(streamed) or bool(col_words)
+  # the rel residuals' windows: one [rows, bk] tile per consumer per ring slot
+  n_rel = len(mr.rel_dtypes)
+  # per-slot side data (kv ids, bias / mask blocks, kv words, rel windows) is read after the
+  # QK product with generic loads: the K slot is released only after them, behind a proxy
+  # fence
+  late_release = segments or bool(streamed) or bool(col_words) or bool(n_rel)
 
   def wait(name, barrier):
     if skip_wait != name:
@@ -370,6 +374,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         wait("k_loaded", R[n + "_bar"].at[slot])
       for kind, _ in col_words:
         wait("k_loaded", R[f"modkv{kind}_bar"].at[slot])
+      for e in range(n_rel):  # this consumer's window
+        wait("k_loaded", R[f"rel{e}_bar"].at[slot * nc + w])
 
     def step(n, carry, masked_step):
       m, l, acc = carry
@@ -401,6 +407,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         kv_seg = mg.load(R["kseg_s"].at[slot], layout=_compat.wgmma_col_layout())  # [bk]
       cols = {kind: [mg.load(R[f"modkv{kind}_s"].at[slot, c], layout=_compat.wgmma_col_layout())
                      for c in range(count)] for kind, count in col_words}
+      rels = [mg.load(R[f"rel{e}_s"].at[slot, w], layout=_compat.wgmma_layout())
+              for e in range(n_rel)]
       if late_release and skip_wait != "side_fence":
         mg.commit_smem()  # the slot's side data is read: fence it against the TMA refill
       mg.barrier_arrive(R["k_free"].at[slot])
@@ -415,7 +423,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         else:
           ok = spec.allowed(qi, ki, dense=dense)
         if cfg.mask_mod is not None:  # at positions clamped into the real ones, global
-          ok = ok & mr.allowed(cfg, words, ki, (rows, bk), cols)
+          ok = ok & mr.allowed(cfg, words, ki, (rows, bk), cols, rels)
       if cfg.score_mod is None:
         s = s * scale2
         if bias_v is not None:  # in the exp2 domain: bias * log2(e)
@@ -424,7 +432,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         st = C.masked_scores_for_mod(cfg, s, ok) * f32(cfg.scale)
         if bias_v is not None:
           st = st + bias_v
-        s = mr.score(cfg, words, st, ki, cols) * LOG2E
+        s = mr.score(cfg, words, st, ki, cols, rels) * LOG2E
       if masked_step:
         assert ok is not None
         m_new = jnp.maximum(m, jnp.where(ok, s, neg).max(axis=1))
@@ -532,6 +540,11 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       for kind, _ in col_words:
         mg.copy_gmem_to_smem(R[f"modkv_{kind}"].at[b, h, :, blk], R[f"modkv{kind}_s"].at[slot],
                              R[f"modkv{kind}_bar"].at[slot])
+      for e in range(n_rel):  # each consumer's [rows, bk] window of the skewed array
+        for w in range(nc):
+          start = _rel.window_start((i * nc + w) * rows, t * bk, p.Sqp, rows)
+          mg.copy_gmem_to_smem(R[f"rel{e}"].at[b, h, :, pl_ds(start, bk)],
+                               R[f"rel{e}_s"].at[slot, w], R[f"rel{e}_bar"].at[slot * nc + w])
 
       @_compat.when(n >= slots)
       def _wait_v_free():
@@ -545,7 +558,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
   in_names = (["q", "k", "v"] + (["q_seg", "kv_seg"] if segments else [])
               + (["drop_rows"] if dropout else []) + list(pairs)
               + ([] if not has_mods else ["mod_i"] + (["mod_f"] if mr.n_float else []))
-              + [f"modkv_{kind}" for kind, _ in col_words] + (["visits"] if lists else []))
+              + [f"modkv_{kind}" for kind, _ in col_words] + [f"rel{n}" for n in range(n_rel)]
+              + (["visits"] if lists else []))
   smem = functools.partial(_compat.smem_tile, dtype=dtype)
   tiles = {"q_s": smem((nc, rows, p.Dp)),
            # out's staging tile: Q's once Q is read, else its own (a float32 out: plain
@@ -579,6 +593,9 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
   for kind, count in col_words:
     tiles[f"modkv{kind}_s"] = mg.SMEM((slots, count, bk), jnp.int32 if kind == "i" else f32)
     bars[f"modkv{kind}_bar"] = mg.Barrier(num_barriers=slots)
+  for n, dt in enumerate(mr.rel_dtypes):
+    tiles[f"rel{n}_s"] = mg.SMEM((slots, nc, rows, bk), dt)
+    bars[f"rel{n}_bar"] = mg.Barrier(num_barriers=slots * nc)
   for n, f in pairs.items():
     shape = {"q": (nc, rows), "kv": (slots, bk), "tile": (slots, p.bq, bk)}[f.kind]
     tiles[n + "_s"] = mg.SMEM(shape, f.dtype)
@@ -684,35 +701,44 @@ class ModRows:
   n_kv_float: int = 0
   sm_kv: tuple = ()
   mm_kv: tuple = ()
+  rel_dtypes: tuple = ()  # per rel residual (score_mod's, then mask_mod's): int32 / float32
+  sm_rel: tuple = ()  # the score_mod's rel residuals: indices into rel_dtypes
+  mm_rel: tuple = ()
 
-  def _res(self, words, order, shape, cols=None, kv_order=()):
+  def _res(self, words, order, shape, cols=None, kv_order=(), rels=None, rel_order=()):
     rows = tuple(_rows(words[kind][n], shape) for kind, n in order)
-    return rows + tuple(lax.broadcast_in_dim(cols[kind][n], shape, [1]) for kind, n in kv_order)
+    return (rows + tuple(lax.broadcast_in_dim(cols[kind][n], shape, [1]) for kind, n in kv_order)
+            + tuple(rels[n] for n in rel_order))
 
-  def score(self, cfg: AttentionConfig, words, st, ki, cols=None):
-    """The score_mod's tile part at global positions (b, h folded into its residuals)."""
+  def score(self, cfg: AttentionConfig, words, st, ki, cols=None, rels=None):
+    """The score_mod's tile part at global positions (b, h folded into its residuals);
+    `rels`: the tiles of the rel residuals (`rel_dtypes`), [rows, bk] each."""
     assert cfg.score_mod is not None
     score_mod, shape = cfg.score_mod, st.shape
     q = _rows(words["i"][1], shape)
     kv = ki + _rows(words["i"][0], shape)
     mod = jnp.vectorize(lambda x, q_, k_, *r: score_mod(x, 0, 0, q_, k_, *r))
-    return mod(st, q, kv, *self._res(words, self.sm_order, shape, cols, self.sm_kv))
+    return mod(st, q, kv, *self._res(words, self.sm_order, shape, cols, self.sm_kv, rels,
+                                     self.sm_rel))
 
-  def allowed(self, cfg: AttentionConfig, words, ki, shape, cols=None):
+  def allowed(self, cfg: AttentionConfig, words, ki, shape, cols=None, rels=None):
     """The mask_mod's tile part at global positions clamped into the real sequences."""
     assert cfg.mask_mod is not None
     mask_mod = cfg.mask_mod
     q = _rows(words["i"][2], shape)
     kv = jnp.minimum(ki, cfg.seq_kv - 1) + _rows(words["i"][0], shape)
     fn = jnp.vectorize(lambda q_, k_, *r: mask_mod(0, 0, q_, k_, *r))
-    return fn(q, kv, *self._res(words, self.mm_order, shape, cols, self.mm_kv))
+    return fn(q, kv, *self._res(words, self.mm_order, shape, cols, self.mm_kv, rels,
+                                self.mm_rel))
 
 
 def mod_rows(cfg: AttentionConfig, sm_arrays, mm_arrays, p: Plan, offsets=None, sm_pos=None,
              mm_pos=None):
   """(ModRows, int32 [B, H, n_int, Sqp], float32 [B, H, n_float, Sqp] or None, int32
-  [B, H, n_kv_int, Skvp] or None, float32 [B, H, n_kv_float, Skvp] or None): the per-row
-  and per-kv-column words of the score_mod's / mask_mod's tile parts (`ModRows`);
+  [B, H, n_kv_int, Skvp] or None, float32 [B, H, n_kv_float, Skvp] or None, the rel
+  residuals' skewed arrays [B, H, 64, width] (a list; `_rel.operand`)): the per-row and
+  per-kv-column words and the rel windows of the score_mod's / mask_mod's tile parts
+  (`ModRows`);
   `sm_arrays` / `mm_arrays` their per-(b, h) scalar residuals [B, H, 1]
   (`_common.split_per_head` / `split_mask_mod`, global (b, h) folded in through `offsets`),
   `sm_pos` / `mm_pos` their per-position residuals (`_common.PosResiduals` or None)."""
@@ -723,7 +749,8 @@ def mod_rows(cfg: AttentionConfig, sm_arrays, mm_arrays, p: Plan, offsets=None, 
   floats: list = []
   kv_ints: list = []
   kv_floats: list = []
-  orders, kv_orders = [], []
+  orders, kv_orders, rel_orders = [], [], []
+  rels: list = []
 
   def place(r, fl, it, order):
     if jnp.issubdtype(r.dtype, jnp.inexact):
@@ -743,17 +770,23 @@ def mod_rows(cfg: AttentionConfig, sm_arrays, mm_arrays, p: Plan, offsets=None, 
         place(r[..., :p.Sqp], floats, ints, order)
       for r in pos.kv:
         place(r[..., :p.Skvp], kv_floats, kv_ints, kv_order)
+    rel_order = []
+    for r in (() if pos is None else pos.rel):
+      rel_order.append(len(rels))
+      rels.append(_rel.operand(r, pos, p.B, p.H, p.Sqp, p.Skvp, ROWS_PER_WARPGROUP))
     orders.append(tuple(order))
     kv_orders.append(tuple(kv_order))
+    rel_orders.append(tuple(rel_order))
 
   def stack(xs, dt, n):
     shape = (p.B, p.H, n)
     return jnp.stack([jnp.broadcast_to(x, shape).astype(dt) for x in xs], axis=2) if xs else None
 
   rows = ModRows(len(ints), len(floats), orders[0], orders[1], len(kv_ints), len(kv_floats),
-                 kv_orders[0], kv_orders[1])
+                 kv_orders[0], kv_orders[1], tuple(jnp.dtype(x.dtype) for x in rels),
+                 rel_orders[0], rel_orders[1])
   return (rows, stack(ints, jnp.int32, p.Sqp), stack(floats, jnp.float32, p.Sqp),
-          stack(kv_ints, jnp.int32, p.Skvp), stack(kv_floats, jnp.float32, p.Skvp))
+          stack(kv_ints, jnp.int32, p.Skvp), stack(kv_floats, jnp.float32, p.Skvp), rels)
 
 
 def visit_entries(counts, blocks):
@@ -828,10 +861,10 @@ def dropout_rows(cfg: AttentionConfig, seed, p: Plan, offsets=None):
 
 def positions(cfg: AttentionConfig) -> C.Positions:
   """The family's per-position residual layout (`_common.split_per_head(positions=)`): q and
-  kv positions (no kv_idx - q_idx rows), padded to 128 (every kernel's blocks divide it;
-  each slices its own padded length)."""
+  kv positions and rows by kv_idx - q_idx (read as windows of a skewed array, `_rel`),
+  padded to 128 (every kernel's blocks divide it; each slices its own padded length)."""
   return C.Positions(cfg.seq_q, cfg.seq_kv, _round_up(cfg.seq_q, 128),
-                     _round_up(cfg.seq_kv, 128), rel=False)
+                     _round_up(cfg.seq_kv, 128), rel=True)
 
 
 @dataclasses.dataclass
@@ -865,10 +898,6 @@ def split_mods(cfg: AttentionConfig, consts, mod, B: int, H: int, offsets=None, 
           f"the pallas_mosaic_gpu {role} supports a score_mod whose per-head values are"
           " scalars (softcap, ALiBi slopes), not arrays per head; use"
           " implementation='pallas_triton'")
-    if split.pos is not None and split.pos.rel:
-      raise NotImplementedError(
-          f"the pallas_mosaic_gpu {role} does not read tables by kv_idx - q_idx; use"
-          " implementation='pallas_triton'")
     cfg, sm_arrays = split.cfg, split.arrays
   msplit = C.split_mask_mod(cfg, mod, B, H, offsets, where)
   if not all(msplit.scalar):
@@ -893,7 +922,7 @@ def _float32_words(tile, arrays, pos, lead: int):
   every float residual is float32."""
   dtypes = [x.dtype for x in arrays]
   if pos is not None:
-    dtypes += [x.dtype for x in pos.q] + [x.dtype for x in pos.kv]
+    dtypes += [x.dtype for x in pos.q + pos.kv + pos.rel]
   if all(not jnp.issubdtype(d, jnp.inexact) or d == jnp.float32 for d in dtypes):
     return tile
 
@@ -956,11 +985,13 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   cfg = mods_split.cfg
   has_mods = cfg.score_mod is not None or cfg.mask_mod is not None
   n_cols = sum(len(x.kv) for x in (mods_split.sm_pos, mods_split.mm_pos) if x is not None)
+  n_rel = sum(len(x.rel) for x in (mods_split.sm_pos, mods_split.mm_pos) if x is not None)
   p = plan(q.shape, k.shape, v.shape, block_kv=block_kv, slots=slots, consumers=consumers,
            elementwise=(q_seg is not None or cfg.dropout_active or bias is not None
                         or mask is not None or has_mods),
            slot_extra=lambda bq, bk: (4 * bk if q_seg is not None else 0) + sum(
-               f.slot_bytes(bq, bk) for f in forms if f is not None) + 4 * bk * n_cols,
+               f.slot_bytes(bq, bk) for f in forms if f is not None) + 4 * bk * n_cols
+           + 4 * bq * bk * n_rel,  # the rel windows: [64, bk] per consumer
            pingpong=pingpong, out_f32=cfg.out_f32)
   if interpret is None and cfg.interpret:
     interpret = _compat.interpret_params(detect_races=True)
@@ -970,8 +1001,9 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
       raise RuntimeError(f"pallas_mosaic_gpu forward (interpret): {threads}")
   segments = q_seg is not None
   mods = words_i = words_f = cols_i = cols_f = None
+  rels: list = []
   if has_mods:
-    mods, words_i, words_f, cols_i, cols_f = mod_rows(
+    mods, words_i, words_f, cols_i, cols_f, rels = mod_rows(
         cfg, mods_split.sm_arrays, mods_split.mm_arrays, p, offsets, mods_split.sm_pos,
         mods_split.mm_pos)
   q_seg_p = kv_seg_p = None
@@ -993,7 +1025,9 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   for x, f in zip((bias, mask), forms):
     if f is not None:
       operands.append(f.operand(x, p))
-  operands += [x for x in (words_i, words_f, cols_i, cols_f, visit) if x is not None]
+  operands += [x for x in (words_i, words_f, cols_i, cols_f) if x is not None] + rels
+  if visit is not None:
+    operands.append(visit)
   out, *rows = kernel(*operands)
   # lse (+ the row maxima with cfg.max_logits), -inf at empty rows
   rows = C.neg_inf_at_empty([x[:, :, : p.Sq] for x in rows], jnp.float32)

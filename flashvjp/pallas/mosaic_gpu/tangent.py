@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas.mosaic_gpu import _compat
+from flashvjp.pallas.mosaic_gpu import _rel
 from flashvjp.pallas.mosaic_gpu import backward as Bw
 from flashvjp.pallas.mosaic_gpu import forward as F
 
@@ -189,6 +190,8 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
         arrays[f"tqres{n}"] = t[..., :g.Sqp].astype(f32)
       for n, t in enumerate(pos_t.kv):
         arrays[f"tkvres{n}"] = t[..., :g.Skvp].astype(f32)
+      for n, t in enumerate(pos_t.rel):  # rows by kv_idx - q_idx: windows, like the rel ones
+        arrays[f"trelres{n}"] = _rel.rows(t, pos_t, g.B, g.H, ins.g.Sqp, ins.g.Skvp)
   cfg = ins.cfg
   if bias is not None:  # a 16-bit bias keeps its dtype (shared memory), else float32
     dt = bias.dtype if jnp.dtype(bias.dtype).itemsize == 2 else f32
@@ -206,6 +209,11 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   if out is not None:
     arrays["out"] = C.pad_seq_head(out.astype(q.dtype), g.Sqp, g.Dvp)
   problem = smem_problem(g, arrays)
+  if problem is not None and g.bk > Bw._BLOCK // 2:
+    # a ring of kv blocks of 32 instead (the rel windows, [64, bk] float32 each, and their
+    # tangents' fill shared memory at 64); the operands stay padded to 64-blocks
+    g = dataclasses.replace(g, bk=Bw._BLOCK // 2)
+    problem = smem_problem(g, arrays)
   if problem is not None:
     raise NotImplementedError(problem)
   visits = Bw._visit_lists(cfg, g, q_seg, kv_seg, mask, mod, "q")
