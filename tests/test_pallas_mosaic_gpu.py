@@ -399,6 +399,16 @@ _COMPILE = textwrap.dedent("""
                                              (bv,), ModInputs(None, (d,)))
         args = (q, kv, kv, jax.ShapeDtypeStruct((1, S), jnp.float32, sharding=sh),
                 jax.ShapeDtypeStruct((1, S), jnp.int32, sharding=sh))
+      elif variant == "rel":  # tables read by kv_idx - q_idx: relative_position_bias + T5 buckets
+        def rel(s, b, h, i, j, t, tb):
+          d = j - i
+          far = jnp.minimum(4 + jnp.log2(jnp.maximum(jnp.abs(d), 1)).astype(jnp.int32), 7)
+          bucket = jnp.where(jnp.abs(d) < 4, jnp.abs(d), far) + 8 * (d > 0)
+          return s + t[h, jnp.clip(d, -64, 64) + 64] + tb[h, bucket]
+        mcfg = dataclasses.replace(cfg, score_mod=rel, num_diff_consts=2)
+        f = lambda q, k, v, t, tb: F.forward(mcfg, q, k, v, None, None, None, None, None, (t, tb))
+        args = (q, kv, kv, jax.ShapeDtypeStruct((4, 129), jnp.float32, sharding=sh),
+                jax.ShapeDtypeStruct((4, 16), jnp.float32, sharding=sh))
       elif variant == "out_f32":  # a float32 out (a traced scale folded into the score_mod)
         f = lambda q, k, v: F.forward(dataclasses.replace(cfg, out_f32=True), q, k, v, None,
                                       None, None, None, None, ())
@@ -416,7 +426,7 @@ _COMPILE = textwrap.dedent("""
       print("COMPILED", variant, flush=True)
 """)
 VARIANTS = ("causal", "segments", "dropout", "bias", "mask", "score_mod", "mask_mod",
-            "positions", "out_f32")
+            "positions", "out_f32", "rel")
 
 
 def compile_sm90(D, S, variants, dump_dir):
@@ -455,7 +465,7 @@ def test_parse_ptxas():
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_compiles_for_sm90a_without_spills(D, tmp_path):
   """Causal forwards (plain, segment ids, dropout, bias, dense mask, a score_mod, a mask_mod,
-  mods reading arrays by position, a float32 out; at head dim 256 plain and segment ids, each of its two
+  mods reading arrays by position, a float32 out, tables read by kv_idx - q_idx; at head dim 256 plain and segment ids, each of its two
   kernels computing half of out) compile for H100 with no register spill and within the SMEM of a Hopper block (227 KiB). The plain causal
   forward's SASS (two consumers and the producer; when nvdisasm is installed): HGMMA (QK^T
   and PV of each consumer) and UTMALDG (K and V into a ring slot) inside loops, and the

@@ -450,6 +450,12 @@ if "pos" in features:  # arrays read by position: a per-key bias (with its gradi
   mm = ModInputs(None, (jnp.zeros((B, S), jnp.int32),))
 consts = (jnp.linspace(0.1, 0.5, H, dtype=jnp.float32),) if "mod" in features else ()
 consts = (jnp.zeros((B, S), jnp.float32),) if "pos" in features else consts
+if "rel" in features:  # a table read by kv_idx - q_idx (relative_position_bias), its gradient
+  cfg = AttentionConfig(scale=D ** -0.5, causal=True, window=None, seq_q=S, seq_kv=S,
+                        dropout_rate=rate, blocks=BlockSizes(), interpret=False,
+                        score_mod=lambda s, b, h, q, kv, t: s + t[h, jnp.clip(kv - q, -64, 64)
+                                                                   + 64], num_diff_consts=1)
+  consts = (jnp.zeros((H, 129), jnp.float32),)
 seed = jnp.asarray([1, 2], jnp.uint32) if rate else None
 mask = jnp.tril(jnp.ones((S, S), bool))[None, None] if "mask" in features else None
 bias = jnp.ones((1, H, S, S), jnp.float32) if "bias" in features else None
@@ -494,10 +500,12 @@ def _compile_sm90a(D, features, dump_dir, script=None):
                                         (64, "seg+drop+mask+bias+off+mod+prefix"),
                                         (128, "seg+drop+mask+bias+off"), (128, "pos"),
                                         (128, "mod"), (128, "seg+drop+mask+bias+off+mod+prefix"),
+                                        (128, "rel"), (256, "rel"),
                                         (256, ""), (256, "seg+drop+mask+bias+off")])
 def test_sm90a_compile_no_spills(D, features, tmp_path):
   """Both kernels (causal, GQA, bf16, S=1024; with segment ids, dropout at global offsets, a
-  dense mask, a bias with its gradient, a score_mod, a mask_mod, arrays read by position) compile
+  dense mask, a bias with its gradient, a score_mod, a mask_mod, arrays read by position, a
+  table read by kv_idx - q_idx) compile
   for sm_90a with the CUDA plugin's Mosaic compiler; ptxas reports no spill and
   shared memory fits an H100 / H200 block. At D=128 causal, the SASS too."""
   _compile_sm90a(D, features, tmp_path)

@@ -242,6 +242,12 @@ if "pos" in features:  # arrays read by position: a per-key bias (with a tangent
                         num_diff_consts=2)
   consts = (jnp.zeros((B, S), jnp.float32), jnp.ones((S,), jnp.float32))
   tconsts = (jnp.ones((B, S), jnp.float32), jnp.ones((S,), jnp.float32))
+if "rel" in features:  # a table read by kv_idx - q_idx (relative_position_bias), its tangent
+  cfg = AttentionConfig(scale=D ** -0.5, causal=True, window=None, seq_q=S, seq_kv=S,
+                        dropout_rate=0.0, blocks=BlockSizes(), interpret=False,
+                        score_mod=lambda s, b, h, q, kv, t: s + t[h, jnp.clip(kv - q, -64, 64)
+                                                                   + 64], num_diff_consts=1)
+  consts, tconsts = (jnp.zeros((H, 129), jnp.float32),), (jnp.ones((H, 129), jnp.float32),)
 seed = jnp.asarray([1, 2], jnp.uint32) if "drop" in features else None
 mask = jnp.tril(jnp.ones((S, S), bool))[None, None] if "mask" in features else None
 def f(q, k, v, o, lse, tq, tk, tv, *rest):
@@ -271,12 +277,13 @@ def _compile_sm90a(D, features, dump_dir):
 @pytest.mark.skipif(not _backward_tests._cuda_plugin(), reason="needs jax-cuda12-plugin / -pjrt (deviceless "
                     "sm_90a compile); no GPU needed")
 @pytest.mark.parametrize("D,features", [(64, ""), (128, ""), (64, "seg+drop+mask+bias+mod"),
-                                        (128, "seg+drop+mod"), (128, "pos"), (256, ""),
+                                        (128, "seg+drop+mod"), (128, "pos"), (128, "rel"),
+                                        (256, ""),
                                         (256, "seg+drop+mod")])
 def test_sm90a_compile_no_spills(D, features, tmp_path):
   """The tangent kernel (causal, GQA, bf16, S=1024, every tangent; with segment ids, dropout,
   a dense mask, a bf16 bias and its tangent, a score_mod with a tangent on its slopes or on
-  arrays it reads by position)
+  arrays it reads by position, or on a table read by kv_idx - q_idx)
   compiles for sm_90a: ptxas reports no spill and shared memory fits a Hopper block; its
   SASS (D=128, causal) has the warpgroup MMAs and the TMA loads of the ring in the loop."""
   import re

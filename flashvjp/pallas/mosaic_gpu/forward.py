@@ -173,7 +173,8 @@ def _round_up(x: int, m: int) -> int:
 
 def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | None = None,
          consumers: int | None = None, elementwise: bool = False,
-         slot_extra=lambda bq, bk: 0, pingpong: bool = True, out_f32: bool = False) -> Plan:
+         slot_extra=lambda bq, bk: 0, pingpong: bool = True, out_f32: bool = False,
+         rel: bool = False) -> Plan:
   """The launch sizes: two consumer warpgroups (128 query rows per CTA; one when the
   sequence fits in 64 rows), kv blocks of 128 for head dims <= 128 and 64 above (the
   consumer's registers: S, the output and a P V accumulator are live at once), and a
@@ -186,7 +187,12 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
 
   A plan of more than 128 value columns spills on sm_90a either way (ptxas, causal, S=2048:
   two consumers 548 bytes, one consumer at 255 registers 356 bytes): `forward` runs two
-  kernels of at most `V_PART` value columns each instead."""
+  kernels of at most `V_PART` value columns each instead.
+
+  `rel` (windows of tables read by kv_idx - q_idx in the ring): a CTA of one consumer gets one
+  slot. With two or three, ptxas 13.0 crashed (sm_90a, exit status 139, head dim 128, kv
+  blocks of 64: one table at 3 slots, two at 2); with one it compiles without spills
+  (237 registers, two tables)."""
   B, H, Sq, D = q_shape
   Hkv, Skv, Dv = k_shape[1], k_shape[2], v_shape[3]
   Dp, Dvp = _round_up(D, 64), _round_up(Dv, 64)
@@ -206,12 +212,13 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
   if slots is None:
     # Two consumers need two slots: with one, the kernel deadlocked (interpret mode, head dim
     # 256 with kv blocks of 64 and a float32 out); a CTA of one consumer is planned instead.
-    fits = [n for n in ((3, 2, 1) if consumers == 1 else (3, 2))
+    one = (1,) if rel else (3, 2, 1)
+    fits = [n for n in (one if consumers == 1 else (3, 2))
             if make(n).smem_bytes() <= _limits.SMEM_BUDGET]
     if not fits and auto and consumers == 2:
       return plan(q_shape, k_shape, v_shape, block_kv=block_kv, slots=slots, consumers=1,
                   elementwise=elementwise, slot_extra=slot_extra, pingpong=pingpong,
-                  out_f32=out_f32)
+                  out_f32=out_f32, rel=rel)
     if not fits:
       raise NotImplementedError(
           f"pallas_mosaic_gpu forward: head dims {D} / {Dv} with kv blocks of {block_kv} need"
@@ -992,7 +999,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
            slot_extra=lambda bq, bk: (4 * bk if q_seg is not None else 0) + sum(
                f.slot_bytes(bq, bk) for f in forms if f is not None) + 4 * bk * n_cols
            + 4 * bq * bk * n_rel,  # the rel windows: [64, bk] per consumer
-           pingpong=pingpong, out_f32=cfg.out_f32)
+           pingpong=pingpong, out_f32=cfg.out_f32, rel=n_rel > 0)
   if interpret is None and cfg.interpret:
     interpret = _compat.interpret_params(detect_races=True)
   if interpret:

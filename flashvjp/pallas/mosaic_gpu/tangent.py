@@ -233,8 +233,8 @@ def smem_problem(g: C.Geometry, arrays) -> str | None:
   if need + _OVERHEAD <= SMEM_LIMIT:
     return None
   return (f"the pallas_mosaic_gpu tangent kernel needs {need} bytes of shared memory here"
-          f" (head dim {g.D}, the tangents of q / k / v / bias and the bias / mask tiles in a"
-          f" {Bw._STAGES}-slot ring) and {_OVERHEAD} for barriers, over Hopper's {SMEM_LIMIT};"
+          f" (head dim {g.D}, the tangents of q / k / v / bias, the bias / mask tiles and the"
+          f" windows of tables read by kv_idx - q_idx in a {Bw._STAGES}-slot ring) and {_OVERHEAD} for barriers, over Hopper's {SMEM_LIMIT};"
           " use"
           " implementation='pallas_triton'")
 

@@ -627,7 +627,9 @@ def rel_grads(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, co
   if pos is None or not pos.n_rel_diff:
     return ()
   msplit = C.split_mask_mod(split.cfg, mod, q.shape[0], q.shape[1], offsets, positions)
-  blk = min(cfg.blocks.dq)
+  g = C.geometry(msplit.cfg, q.shape, k.shape, v.shape, *cfg.blocks.dq, role="dq",
+                 dtype=q.dtype)
+  blk = min(g.bq, g.bk)  # square blocks, as `backward` takes them
   g = C.geometry(msplit.cfg, q.shape, k.shape, v.shape, blk, blk, role="dq", dtype=q.dtype)
   assert g.bq == g.bk and g.Sqp <= positions.Sqp and g.Skvp <= positions.Skvp, (g, positions)
   return _drel(msplit.cfg, g, q, k, v, dout, out, lse, dlse, bias, mask, q_seg, kv_seg, seed,
