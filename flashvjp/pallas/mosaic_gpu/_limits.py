@@ -12,8 +12,8 @@ window, segment ids, dropout, bias, dense masks, global offsets (ring chunk pair
 sequence lengths (padded to whole blocks), score_mod / mask_mod whose per-(b, h) values are
 scalars (softcap, ALiBi, prefix LM) and that read arrays by one q or kv position
 (`document_causal`, a per-key bias; `score_mod_problem`), a float32 out (a traced scale
-folded into the score_mod). Not yet: float32 / float64 inputs, tables read by kv_idx -
-q_idx. Backward and tangent: the same (above head dim 128 two programs share each block's
+folded into the score_mod), tables read by kv_idx - q_idx (windows of a skewed array). Not
+yet: float32 / float64 inputs. Backward and tangent: the same (above head dim 128 two programs share each block's
 output columns). So the family: 16-bit, head dims <= 256.
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ def score_mod_problem(score_mod, consts, acc_dtype):
   """Why the Mosaic-GPU kernels cannot apply this score_mod (a sentence), or None: its
   per-tile part must be elementwise, its per-(b, h) values scalars; what it reads by one q
   or kv position travels per position (`_common.PosResiduals`: row words with Q, column
-  words with K); tables read by kv_idx - q_idx are not read yet."""
+  words with K), what it reads by kv_idx - q_idx as windows of a skewed array (`_rel`)."""
   return shared.score_mod_problem(score_mod, consts, acc_dtype, lowering="Mosaic-GPU",
                                   residual_problem=_residual_problem, positions=True, rel=True)
 

@@ -92,8 +92,12 @@ residuals and arrays read by one position: per-q-position values travel like lse
 per-kv-position ones with the kv blocks ("kvres<n>": the dQ kernel's ring, and in the dK/dV
 kernel's ring per step, by query head); their gradients are the dQ kernel's per-row sums and
 the dK/dV kernel's per-column sums (one [B, H, Skvp] output each, written per query head),
-mapped to the arrays by `HeadSplit.to_consts`. Not yet: per-head array residuals, tables
-read by kv_idx - q_idx; `backward` refuses them by name before any kernel runs.
+mapped to the arrays by `HeadSplit.to_consts`. Tables read by kv_idx - q_idx ("relres<n>"):
+each kernel's ring takes one window per step of a skewed array (`_rel`; the dK/dV kernel's
+[bk, bq] tiles from the array reversed on both axes); their gradients (sums along every
+tile's diagonals) come from the Pallas-Triton family's block-diagonal kernel
+(`triton.backward.rel_grads`): this family has no diagonal kernel of its own yet. Not yet:
+per-head array residuals; `backward` refuses them by name before any kernel runs.
 """
 from __future__ import annotations
 
@@ -1138,8 +1142,9 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   dq = dq[:, :, :Sq, :D]
   dk = dk[:, :, :Skv, :D]
   dv = dv[:, :, :Skv, :Dv]
-  drel = ()
-  if ins.split is not None and ins.split.pos is not None and ins.split.pos.n_rel_diff:
+  drel: tuple = ()
+  pos = getattr(ins.split, "pos", None)
+  if pos is not None and pos.n_rel_diff:
     # d(rows read by kv_idx - q_idx): sums along the diagonals of every tile, by the
     # Pallas-Triton family's block-diagonal kernel (this family has no diagonal kernel yet)
     drel = _triton_rel_grads(user_cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,

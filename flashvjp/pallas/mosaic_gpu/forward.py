@@ -57,9 +57,14 @@ temperature; `_common.PosResiduals`): per-q-position values are more per-row wor
 with Q), per-kv-position ones column words streamed with K (int32 / float32 [n, bk] per
 ring slot, read generically before the slot's release, like the kv ids).
 
-Not implemented (refused before any kernel is built): tables read by kv_idx - q_idx, arrays
-per head, float32 / float64 inputs, a float32 out. (The tables' planned read: each Toeplitz
-tile is one TMA window of a skewed array XLA builds, `_rel`; tested, not yet wired in.)
+Tables read by kv_idx - q_idx (`relative_position_bias`, T5 buckets; `PosResiduals.rel`):
+each consumer's [64, bk] Toeplitz tile is one TMA window of a skewed array XLA builds once
+(`_rel`: [B, H, 64, Sqp + Skvp - 64] per table), fetched by the producer into the ring slot
+with K (one barrier per slot and consumer) and read generically before the slot's release.
+A CTA of one consumer then takes one ring slot (`plan`'s `rel`).
+
+Not implemented (refused before any kernel is built): arrays per head, float32 / float64
+inputs, a float32 out.
 """
 from __future__ import annotations
 
@@ -600,9 +605,9 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
   for kind, count in col_words:
     tiles[f"modkv{kind}_s"] = mg.SMEM((slots, count, bk), jnp.int32 if kind == "i" else f32)
     bars[f"modkv{kind}_bar"] = mg.Barrier(num_barriers=slots)
-  for n, dt in enumerate(mr.rel_dtypes):
-    tiles[f"rel{n}_s"] = mg.SMEM((slots, nc, rows, bk), dt)
-    bars[f"rel{n}_bar"] = mg.Barrier(num_barriers=slots * nc)
+  for e, dt in enumerate(mr.rel_dtypes):
+    tiles[f"rel{e}_s"] = mg.SMEM((slots, nc, rows, bk), dt)
+    bars[f"rel{e}_bar"] = mg.Barrier(num_barriers=slots * nc)
   for n, f in pairs.items():
     shape = {"q": (nc, rows), "kv": (slots, bk), "tile": (slots, p.bq, bk)}[f.kind]
     tiles[n + "_s"] = mg.SMEM(shape, f.dtype)

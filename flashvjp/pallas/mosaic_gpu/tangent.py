@@ -20,9 +20,10 @@ returns a (the caller subtracts mu * out where out's rows are, `flashvjp._delta`
 Takes what the backward takes: bfloat16 / float16, head dims <= 256 (above 128, as the
 backward: two programs per q block, each t_out's half, kv blocks of 32), GQA / MQA, causal,
 window, segment ids, a dense mask, a bias (and its tangent), dropout, global offsets, a
-score_mod with per-(b, h) scalar residuals and arrays read by one position (and the
-tangents of its float ones: per-row words, and column words streamed with K) and a
-mask_mod. Bias tiles keep a 16-bit bias' dtype (else float32); a configuration whose ring
+score_mod with per-(b, h) scalar residuals, arrays read by one position and tables read
+by kv_idx - q_idx (and the tangents of its float ones: per-row words, column words streamed
+with K, windows of skewed arrays) and a mask_mod. With rel windows the ring may take kv
+blocks of 32 (when 64 does not fit shared memory). Bias tiles keep a 16-bit bias' dtype (else float32); a configuration whose ring
 does not fit Hopper's shared memory is refused by name (`smem_problem`).
 """
 from __future__ import annotations
