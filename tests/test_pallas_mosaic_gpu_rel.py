@@ -228,3 +228,62 @@ def test_rel_tables_chunk_pair_reads_global_differences():
   ro, rl = reference.attention(cfg, *(f64(x) for x in qkv), None, keep, None, None, None,
                                tuple(f64(c) for c in consts))
   _util.assert_close((out, lse), (ro[:, :, C:], rl[:, :, C:]), jnp.bfloat16, what="rel pair")
+
+
+@_needs_mgpu
+def test_rel_tables_with_segments_and_dropout():
+  """Segment ids (the d(rel) kernel follows each block diagonal's non-empty tiles,
+  `_common.diagonal_lists`) and dropout (the same keep bits in all four kernels): forward,
+  dq / dk / dv and the tables' gradients against float64."""
+  from flashvjp import reference
+  from flashvjp.pallas.mosaic_gpu import backward as mgpu_backward
+  from flashvjp.pallas.mosaic_gpu import forward as mgpu_forward
+  S = 200
+  cfg, qkv, consts = _rel_problem(S, seed=5, causal=False, dropout_rate=0.2)
+  seg = jnp.asarray(np.repeat(np.arange(4), 50)[None], jnp.int32)
+  seed = jnp.asarray([3, 7], jnp.uint32)
+  fwd = lambda q, k, v, *c: reference.attention(cfg, q, k, v, None, None, seg, seg, seed, c)
+  primals = tuple(_util.as64(x) for x in qkv + consts)
+  (out, lse), vjp = jax.vjp(fwd, *primals)
+  do = jax.random.normal(jax.random.key(2), out.shape, jnp.float64).astype(jnp.bfloat16)
+  ref = vjp((_util.as64(do), jnp.zeros_like(lse)))
+  _compat.reset_interpret_state()
+  got_out, got_lse = mgpu_forward.forward(cfg, *qkv, None, None, seg, seg, seed, consts)
+  got = jax.block_until_ready(mgpu_backward.backward(
+      cfg, *qkv, None, None, seg, seg, seed, consts, out.astype(jnp.float32),
+      lse.astype(jnp.float32), do, None))
+  assert not _compat.interpret_races_found()
+  _util.assert_close((got_out, got_lse), (out, lse), jnp.bfloat16, what="rel + seg + drop fwd")
+  _util.assert_close(tuple(got[:3]) + tuple(got[4]), ref, jnp.bfloat16,
+                     what="rel + seg + drop: dq, dk, dv, d table, d buckets")
+
+
+@_needs_mgpu
+@pytest.mark.parametrize("name", [
+    # The d(rel) kernel's producer refills a slot its compute warpgroup may still read.
+    "skip_drel_free_wait",
+    # No proxy fence between the generic loads of a slot (lse, delta, rel windows) and the
+    # TMA refill of that slot.
+    "skip_drel_fence",
+])
+def test_rel_gradient_kernel_mutation_is_caught(monkeypatch, name):
+  from flashvjp.pallas.mosaic_gpu import backward as mgpu_backward
+  cfg, qkv, consts = _rel_problem(S=192, seed=6, causal=False)
+  out = jnp.ones_like(qkv[0])
+  lse = jnp.zeros(qkv[0].shape[:3], jnp.float32)
+  run = lambda: mgpu_backward.backward(cfg, *qkv, None, None, None, None, None, consts, out, lse,
+                                       out, None)
+  _compat.reset_interpret_state()
+  jax.block_until_ready(run())  # the same call, unmutated: clean
+  assert not _compat.interpret_races_found()
+  monkeypatch.setattr(mgpu_backward, "_TEST_MUTATION", name)
+  _compat.reset_interpret_state()
+  try:
+    with pytest.raises(Exception) as info:
+      jax.block_until_ready(run())
+  finally:
+    monkeypatch.setattr(mgpu_backward, "_TEST_MUTATION", None)
+    _compat.reset_interpret_state()
+    jax.clear_caches()
+  text = str(info.value)
+  assert any(r in text for r in ("RACE DETECTED", "no threads observed phase")), text[-2000:]

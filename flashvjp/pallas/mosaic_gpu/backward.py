@@ -95,8 +95,7 @@ the dK/dV kernel's per-column sums (one [B, H, Skvp] output each, written per qu
 mapped to the arrays by `HeadSplit.to_consts`. Tables read by kv_idx - q_idx ("relres<n>"):
 each kernel's ring takes one window per step of a skewed array (`_rel`; the dK/dV kernel's
 [bk, bq] tiles from the array reversed on both axes); their gradients (sums along every
-tile's diagonals) come from the Pallas-Triton family's block-diagonal kernel
-(`triton.backward.rel_grads`): this family has no diagonal kernel of its own yet. Not yet:
+tile's diagonals) come from a third kernel over the block diagonals (`drel`). Not yet:
 per-head array residuals; `backward` refuses them by name before any kernel runs.
 """
 from __future__ import annotations
@@ -119,7 +118,6 @@ from flashvjp.pallas import _common as C
 from flashvjp.pallas.mosaic_gpu import _compat
 from flashvjp.pallas.mosaic_gpu import _rel
 from flashvjp.pallas.mosaic_gpu import forward as F
-from flashvjp.pallas.triton.backward import rel_grads as _triton_rel_grads
 
 LOG2E = math.log2(math.e)
 _STAGES = 2  # ring slots of the streamed operands
@@ -135,7 +133,8 @@ _WARPGROUPS = 2  # per CTA (both kernels)
 # Test-only fault injection (tests/test_pallas_mosaic_gpu_backward.py): a name from
 # _MUTATIONS removes one synchronisation step so the interpreter's race detector can be
 # shown to catch it. Read when the kernels are traced; never set outside tests.
-_MUTATIONS = ("skip_loaded_wait", "skip_free_wait", "skip_lse_fence", "skip_dbias_wait")
+_MUTATIONS = ("skip_loaded_wait", "skip_free_wait", "skip_lse_fence", "skip_dbias_wait",
+              "skip_drel_free_wait", "skip_drel_fence")  # the last two: the d(rel) kernel's
 _TEST_MUTATION: str | None = None
 _DETECT_RACES = True  # interpret mode: race detection on (the tests assert none)
 
@@ -340,7 +339,8 @@ def _with(fn, args, idx):
   return f
 
 
-def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v, tangent=None, pos_diff=(0, 0)):
+def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v, tangent=None, pos_diff=(0, 0),
+           rel_diff=0):
   """(p, ok, m, sm_vjp) of one tile from raw scores s = q k (any orientation; lse2, the
   indices and the per-row / per-column vectors `v` (segment ids, dropout and score_mod
   words) already broadcast to the tile): the probabilities, the mask (None when not
@@ -350,7 +350,8 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v, tangent=None, pos_diff=(0, 0)
 
   The score_mod's differentiable residuals: the first cfg.num_diff_consts per-(b, h) ones,
   then the first `pos_diff` = (n_q, n_kv) per-q- and per-kv-position ones; the vjp returns
-  their tile gradients in that order.
+  their tile gradients in that order. With `rel_diff` (the d(rel) kernel, `drel`): the first
+  rel_diff rel residuals ("relres<n>") instead, and only they.
 
   `tangent` (the tangent kernel): the tangent of score = scale * q k + bias, and in `v` the
   tangents of the first few residuals of each kind ("tres<n>", "tqres<n>", "tkvres<n>");
@@ -397,9 +398,9 @@ def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v, tangent=None, pos_diff=(0, 0)
       idx = at(len(t_res), len(t_q), len(t_kv), len(t_rel))
       st, sm_vjp = _plain_adds(lambda p, t: jax.jvp(_with(fn, args, idx), p, t))(
           (st, *(args[i] for i in idx)), (ts, *t_res, *t_q, *t_kv, *t_rel))
-    else:  # the differentiable residuals take gradients (per element; not the rel ones:
-      # their gradients come from the block-diagonal kernel, `backward`)
-      idx = at(cfg.num_diff_consts, *pos_diff)
+    else:  # the differentiable residuals take gradients (per element; the rel ones only in
+      # the block-diagonal kernel, `drel`)
+      idx = at(0, 0, 0, rel_diff) if rel_diff else at(cfg.num_diff_consts, *pos_diff)
       st, vjp = jax.vjp(_with(fn, args, idx), st, *(args[i] for i in idx))
       sm_vjp = _plain_adds(vjp)
     d = st * f32(LOG2E) - lse2
@@ -1117,7 +1118,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
      differentiable score_mod consts).
   """
   check_supported(cfg, q, k, v, bias, mask, q_seg, seed, consts, mod, offsets)
-  user_consts, n_user_diff, user_cfg = tuple(consts), cfg.num_diff_consts, cfg
+  user_consts, n_user_diff = tuple(consts), cfg.num_diff_consts
   ins = _inputs(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, offsets,
                 role="backward", grads=True)
   cfg, g, arrays = ins.cfg, ins.g, ins.arrays
@@ -1145,11 +1146,10 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   drel: tuple = ()
   pos = getattr(ins.split, "pos", None)
   if pos is not None and pos.n_rel_diff:
-    # d(rows read by kv_idx - q_idx): sums along the diagonals of every tile, by the
-    # Pallas-Triton family's block-diagonal kernel (this family has no diagonal kernel yet)
-    drel = _triton_rel_grads(user_cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
-                             user_consts, out, lse, dout, dlse, mod, offsets,
-                             F.positions(cfg))
+    # d(rows read by kv_idx - q_idx): sums along the diagonals of every tile, by one more
+    # kernel over the block diagonals
+    from flashvjp.pallas.mosaic_gpu import drel as _drel  # it builds on this module
+    drel = _drel.rel_grads(cfg, g, arrays, pos, q_seg, kv_seg, mask, mod)
   return dq, dk, dv, dbias, _dconsts(ins.split, outs, dkv_cols, drel, user_consts, n_user_diff,
                                      Sq, F.positions(cfg))
 

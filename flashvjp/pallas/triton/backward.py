@@ -612,30 +612,6 @@ def _drel(cfg, g, q, k, v, dout, out, lse, dlse, bias, mask, q_seg, kv_seg, seed
   return tuple(C.rel_grad_rows(x, pos, g) for x in tiles)
 
 
-def rel_grads(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out,
-              lse, dout, dlse, mod, offsets, positions: C.Positions):
-  """d(the score_mod's float rel residuals) rows in `positions`' layout
-  (`C.PosResiduals.rel`, rel=True) by this family's block-diagonal kernel (`_drel`): for a
-  family without a diagonal kernel of its own (the Mosaic-GPU backward). `cfg`, `consts`:
-  before `C.hoist_score_mod`; the arguments otherwise as `backward`'s. Empty when no rel
-  residual takes a gradient."""
-  acc = C.acc_dtype(q.dtype)
-  cfg, consts = C.hoist_score_mod(cfg, consts, acc)
-  split = C.split_per_head(cfg, tuple(jnp.asarray(c) for c in consts), acc, q.shape[0],
-                           q.shape[1], grads=True, offsets=offsets, positions=positions)
-  pos = split.pos
-  if pos is None or not pos.n_rel_diff:
-    return ()
-  msplit = C.split_mask_mod(split.cfg, mod, q.shape[0], q.shape[1], offsets, positions)
-  g = C.geometry(msplit.cfg, q.shape, k.shape, v.shape, *cfg.blocks.dq, role="dq",
-                 dtype=q.dtype)
-  blk = min(g.bq, g.bk)  # square blocks, as `backward` takes them
-  g = C.geometry(msplit.cfg, q.shape, k.shape, v.shape, blk, blk, role="dq", dtype=q.dtype)
-  assert g.bq == g.bk and g.Sqp <= positions.Sqp and g.Skvp <= positions.Skvp, (g, positions)
-  return _drel(msplit.cfg, g, q, k, v, dout, out, lse, dlse, bias, mask, q_seg, kv_seg, seed,
-               split.arrays, split.scalar, msplit, pos, offsets, acc, mod)
-
-
 # ---- entry point ------------------------------------------------------------------
 
 def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
