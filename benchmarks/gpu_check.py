@@ -249,6 +249,7 @@ def mosaic_cases(smoke):
   S, S2, mask, seg_q, seg_kv = _case_arrays(smoke)
   bias = 0.5 * jax.random.normal(jax.random.key(9), (2, 4, S, S2), jnp.float32)
   kv_bias = jnp.cos(jnp.arange(2 * S2, dtype=jnp.float32)).reshape(2, S2)  # read by kv position
+  rel_table = 0.3 * jax.random.normal(jax.random.key(11), (4, 65), jnp.float32)  # by kv - q
   base = dict(B=2, H=4, Hkv=2, Sq=S, Skv=S2, D=64, Dv=64, dtype="bfloat16")
   c = [
       ("plain bf16", {}, {}),
@@ -269,6 +270,8 @@ def mosaic_cases(smoke):
        dict(causal=True, score_mod=lambda s, b, h, i, j: s + kv_bias[b, j])),
       ("mask_mod document_causal (ids by position)", dict(Skv=S),
        dict(mask_mod=flashvjp.document_causal(jnp.asarray(seg_q)))),
+      ("score_mod relative_position_bias (grad; by kv - q)", {},
+       dict(causal=True, score_mod=flashvjp.relative_position_bias(rel_table, 32))),
       ("plain f16", dict(dtype="float16"), {}),
       ("mqa", dict(Hkv=1), dict(causal=True)),
       ("head_dim 256 causal", dict(D=256, Dv=256), dict(causal=True)),
