@@ -332,7 +332,9 @@ def plan_mosaic(plan: Plan, smoke, mem_bytes):
 
 def mosaic_verdict(rows) -> dict:
   """Per (head_dim, causal) class: valid (every Mosaic correctness row passed, and at least
-  one ran) and faster (its fwd+bwd and fwd beat Pallas-Triton's at every timed shape)."""
+  one ran) and faster (its fwd+bwd and fwd beat Pallas-Triton's at every timed shape), and
+  `earned`: both, so the class belongs in `flashvjp._config.MOSAIC_GPU_EARNED` under
+  `table_key` (then `implementation=None` / "pallas" runs the family there on Hopper)."""
   checked = [r for r in rows if r.get("part") == "mosaic_correctness"]
   valid = bool(checked) and all(r["status"] == "PASS" for r in checked)
   out = {}
@@ -347,6 +349,10 @@ def mosaic_verdict(rows) -> dict:
       continue
     v["vs_triton"].append(r["vs_triton"])
     v["faster"] = v["faster"] and r["vs_triton"] > 1.0
+  for cls, v in out.items():
+    D, causal = (x.split("=")[1] for x in cls.split())
+    v["table_key"] = [_config.head_dim_bucket(int(D)), causal == "True"]
+    v["earned"] = v["valid"] and v["faster"]
   return out
 
 

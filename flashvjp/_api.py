@@ -344,7 +344,7 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       implementation, interpret=interpret, query_shape=query.shape, key_shape=key.shape,
       value_shape=value.shape, dtype=query.dtype, has_score_mod=score_mod is not None,
       has_dropout=dropout_active, score_mod=sm_fn, score_mod_consts=consts, mask_mod=mm_fn,
-      mask_mod_consts=mm_consts, target=program)
+      mask_mod_consts=mm_consts, target=program, causal=bool(causal))
   precision = _config.canonical_precision(jax.config.jax_default_matmul_precision)
   defaults = default_block_sizes(decision.implementation, decision.interpret,
                                  head_dim=max(D, value.shape[3]), dtype=query.dtype,
@@ -592,8 +592,9 @@ def flash_attention(
       -inf for a (batch, head) with no allowed position; with the sequence sharded, the
       max over the shards. No gradient flows through it (``stop_gradient``).
     implementation: None (choose), "pallas" (this platform's kernels), "pallas_triton",
-      "pallas_tpu", "pallas_mosaic_gpu" (Hopper; named only), "blockwise" or "naive". The
-      platform is the program's target (the inputs' shardings, else the abstract mesh in
+      "pallas_tpu", "pallas_mosaic_gpu" (Hopper; chosen by None / "pallas" only where a GPU
+      check recorded it valid and faster, `_config.MOSAIC_GPU_EARNED`), "blockwise" or
+      "naive". The platform is the program's target (the inputs' shardings, else the abstract mesh in
       context, else the host). See `explain`.
     block_q, block_kv: block sizes (None: tuned defaults); any positive size works.
     interpret: Pallas interpret mode; None means exactly when the platform is CPU.

@@ -197,6 +197,21 @@ def default_block_sizes(implementation: str, interpret: bool, head_dim: int = 64
 PALLAS_MOSAIC_GPU_BLOCKS = BlockSizes(block_q=128, block_kv=64, block_q_dkv=32,
                                       block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
 
+# Where the Mosaic-GPU family has earned the default on Hopper: (head_dim bucket, causal) ->
+# the evidence, a GPU check's verdict (`benchmarks/gpu_check.py`'s `mosaic_verdict`: every
+# Mosaic correctness row passed and its fwd+bwd and fwd beat Pallas-Triton at every timed
+# shape of the class), e.g. "gpu_check 2027-01-05, NVIDIA H200: valid, 1.4x Pallas-Triton".
+# `implementation=None` / "pallas" on a Hopper target then runs the Mosaic-GPU kernels for
+# that class (`flashvjp._dispatch.decide`; explain says so and quotes the evidence). Empty:
+# the family has never run on a GPU, so Pallas-Triton runs on every NVIDIA GPU.
+MOSAIC_GPU_EARNED: dict[tuple[int, bool], str] = {}
+
+
+def mosaic_gpu_earned(head_dim: int, causal: bool) -> str | None:
+  """The recorded evidence that the Mosaic-GPU family is valid and faster on Hopper for this
+  class (`MOSAIC_GPU_EARNED`), or None."""
+  return MOSAIC_GPU_EARNED.get((head_dim_bucket(head_dim), bool(causal)))
+
 
 # Pallas on TPU (Mosaic): (8, 128)-legal blocks (kv blocks are score-tile lanes). Forward
 # 256 x 512, backward 256 x 256: every kernel's blocks x 2 buffers + scratch stay under

@@ -94,21 +94,57 @@ def _limits(family: str):
 
 def decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype,
            has_score_mod=False, has_dropout=False, score_mod=None,
-           score_mod_consts=(), mask_mod=None, mask_mod_consts=(), target=None) -> Decision:
+           score_mod_consts=(), mask_mod=None, mask_mod_consts=(), target=None,
+           causal=False) -> Decision:
   """Choose the implementation for `target` (a `flashvjp._target.Target`; None: the host's
-  default backend). Raises ValueError for a named Pallas family on an unsupported input."""
+  default backend). Raises ValueError for a named Pallas family on an unsupported input.
+
+  On a Hopper target, None / "pallas" runs the Mosaic-GPU family instead of Pallas-Triton
+  where a GPU check recorded it valid and faster for the class (head dim, `causal`:
+  `_config.MOSAIC_GPU_EARNED`) and it takes the input; a target of unknown kind (a
+  deviceless export) keeps Pallas-Triton."""
   decision = _decide(requested, interpret=interpret, query_shape=query_shape,
                      key_shape=key_shape, value_shape=value_shape, dtype=dtype,
                      has_score_mod=has_score_mod, has_dropout=has_dropout, score_mod=score_mod,
                      score_mod_consts=score_mod_consts, mask_mod=mask_mod,
                      mask_mod_consts=mask_mod_consts,
                      plat=_platform_of(target))
+  if (requested in (None, "pallas") and decision.implementation == "pallas_triton"
+      and not decision.interpret):
+    decision = _earned_mosaic(decision, target, causal, query_shape=query_shape,
+                              key_shape=key_shape, value_shape=value_shape, dtype=dtype,
+                              has_score_mod=has_score_mod, has_dropout=has_dropout,
+                              score_mod=score_mod, score_mod_consts=score_mod_consts,
+                              mask_mod=mask_mod, mask_mod_consts=mask_mod_consts)
   if decision.implementation == "pallas_mosaic_gpu" and not decision.interpret:
     kind = None if target is None else target.device_kind
     problem = _limits("pallas_mosaic_gpu").device_problem(kind)
     if problem is not None:
       raise ValueError(f"implementation='pallas_mosaic_gpu' cannot run on the target: {problem}")
   return dataclasses.replace(decision, target=target)
+
+
+def _earned_mosaic(decision: Decision, target, causal: bool, **inputs) -> Decision:
+  """`decision` (compiled Pallas-Triton), or the Mosaic-GPU family where it earned the
+  default on this Hopper target (`_config.MOSAIC_GPU_EARNED`) and takes the input."""
+  from flashvjp import _config  # the launch tables
+  kind = None if target is None else target.device_kind
+  mgpu = _limits("pallas_mosaic_gpu")
+  if kind is None or mgpu.device_problem(kind) is not None:
+    return decision
+  head_dim = max(inputs["query_shape"][-1], inputs["value_shape"][-1])
+  evidence = _config.mosaic_gpu_earned(head_dim, causal)
+  if evidence is None:
+    return decision
+  ok, why = mgpu.supports(platform="gpu", interpret=False, **inputs)
+  if not ok:
+    return dataclasses.replace(decision, reason=(
+        f"{decision.reason}; the Mosaic-GPU family earned this class ({evidence}) but does not"
+        f" take this input: {why}"))
+  return Decision("pallas_mosaic_gpu", False, (
+      f"the target {kind!r} is Hopper and the launch table records the Mosaic-GPU family"
+      f" valid and faster than Pallas-Triton for head_dim {_config.head_dim_bucket(head_dim)},"
+      f" causal={bool(causal)} ({evidence}); {why}"))
 
 
 def _platform_of(target) -> str:

@@ -135,3 +135,21 @@ def test_correctness_row_passes_and_fails_on_its_tolerance(monkeypatch):
   assert set(res["errors"]) >= {"out", "lse", "dq", "dk", "dv", "jvp out", "jvp lse"}
   monkeypatch.setattr(G._check, "tolerance", lambda *a, **k: 1e-9)
   assert row.fn(run, row)["status"] == "FAIL"
+
+
+def test_mosaic_verdict_names_the_launch_table_entries():
+  """A class whose Mosaic rows all passed and whose timings beat Pallas-Triton everywhere is
+  `earned`, with the `_config.MOSAIC_GPU_EARNED` key it belongs under; a slower class, or any
+  failed correctness row, is not."""
+  rows = [dict(part="mosaic_correctness", status="PASS"),
+          dict(part="mosaic_timing", status="timed", impl="mosaic", D=128, causal=True,
+               vs_triton=1.3),
+          dict(part="mosaic_timing", status="timed", impl="mosaic", D=128, causal=False,
+               vs_triton=0.9)]
+  v = G.mosaic_verdict(rows)
+  assert v["D=128 causal=True"]["earned"] and v["D=128 causal=True"]["table_key"] == [128, True]
+  assert not v["D=128 causal=False"]["earned"]
+  key = tuple(v["D=128 causal=True"]["table_key"])
+  assert _config.head_dim_bucket(128) == key[0]
+  failed = [dict(rows[0], status="FAIL")] + rows[1:]
+  assert not any(x["earned"] for x in G.mosaic_verdict(failed).values())

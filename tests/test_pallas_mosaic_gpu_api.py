@@ -375,3 +375,36 @@ def test_mask_mod_reading_a_table_by_distance_against_float64():
     g, r = np.asarray(jnp.asarray(g, jnp.float64)), np.asarray(r)
     err = np.abs(g - r).max() / max(np.abs(r).max(), 1e-30)
     assert np.isfinite(g).all() and err < tol, (name, err, tol)
+
+
+def test_the_launch_table_decides_where_the_family_earned_the_default(monkeypatch):
+  """`None` / "pallas" on a Hopper target keeps Pallas-Triton until a GPU check records the
+  Mosaic-GPU family valid and faster for a class (`_config.MOSAIC_GPU_EARNED`); then that
+  class runs the Mosaic-GPU kernels and explain quotes the evidence. Other classes, other
+  GPUs, targets of unknown kind and inputs the family refuses keep Pallas-Triton."""
+  from flashvjp import _config
+  from flashvjp import _dispatch
+  from flashvjp import _target
+  q, k, v = (jax.ShapeDtypeStruct((1, 4 if n == 0 else 2, 1024, 128), jnp.bfloat16)
+             for n in range(3))
+  explain = lambda target, **kw: flashvjp.explain(q, k, v, target=target, **kw)
+  assert explain("h100", causal=True).implementation == "pallas_triton"  # nothing recorded
+  monkeypatch.setitem(_config.MOSAIC_GPU_EARNED, (128, True),
+                      "gpu_check 2027-01-01, NVIDIA H200: valid, 1.3x Pallas-Triton")
+  for target in ("h100", "h200"):
+    for impl in (None, "pallas"):
+      d = explain(target, causal=True, implementation=impl)
+      assert d.implementation == IMPL and not d.interpret, (target, impl, d)
+      assert "1.3x Pallas-Triton" in d.reason and "head_dim 128, causal=True" in d.reason
+  assert explain("h100", causal=False).implementation == "pallas_triton"  # not this class
+  assert explain("b200", causal=True).implementation == "pallas_triton"  # not Hopper
+  assert explain("h100", causal=True,
+                 implementation="pallas_triton").implementation == "pallas_triton"  # named
+  unknown = _target.Target("gpu", 1, None, _target.SOURCES[3])  # a deviceless export
+  assert _dispatch.decide(None, interpret=None, query_shape=q.shape, key_shape=k.shape,
+                          value_shape=v.shape, dtype=q.dtype, target=unknown,
+                          causal=True).implementation == "pallas_triton"
+  # an input the family refuses (float32): Pallas-Triton, saying why
+  q32, k32, v32 = (jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
+  d = flashvjp.explain(q32, k32, v32, target="h100", causal=True)
+  assert d.implementation == "pallas_triton" and "does not take this input" in d.reason
