@@ -12,8 +12,9 @@ Not here: the ring under shard_map (`sharded_attention`). There the interpreter 
 mesh, and each kernel's clean-up is a barrier across the devices (a `threading.Barrier` of
 num_gpus parties in `gpu_callbacks._clean_up_shared_memory`): every device must run the same
 kernels in the same order. The causal ring skips different chunk pairs on each device, so a
-device waits there forever (a hang, seen with jax 0.12.0.1). Compiled kernels have no such
-coupling.
+device waited there forever (a hang, seen with jax 0.12.0.1): the family now refuses
+interpret mode under named axes of several devices before tracing a kernel (tested last).
+Compiled kernels have no such coupling.
 """
 from __future__ import annotations
 
@@ -189,3 +190,13 @@ def test_the_shim_is_needed_and_enough(with_shim):
                      cwd=root, env=env, capture_output=True, text=True, timeout=300)
   want = "EXACT" if with_shim else "BARRIER CHECK FAILED"
   assert want in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
+
+
+def test_interpret_mode_inside_shard_map_is_an_error_not_a_hang():
+  """The ring under shard_map (`sharded_attention`) in interpret mode would hang the
+  interpreter (its per-kernel clean-up waits for every device): refused before tracing any
+  kernel, naming what runs instead."""
+  q, k, v, _, _ = _inputs(2, 1, seed=3)
+  with pytest.raises(RuntimeError, match=r"inside shard_map over 2 devices.*plain jax\.jit"):
+    flashvjp.sharded_attention(q, k, v, mesh=_mesh(), seq_axis="sp", implementation=IMPL,
+                               interpret=True, causal=True)

@@ -7,6 +7,7 @@ jax (None when it can), so dispatch refuses it with that reason before tracing.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -67,6 +68,16 @@ def interpret_threads_problem(warpgroups: int, kernel: str) -> str | None:
   forward on a 1- or 2-thread pool). Checked before tracing, so the answer is an error, not a
   hang. Only the CPU client is concerned (interpret mode on a GPU host runs elsewhere).
   """
+  devices = _named_axes_size()
+  if devices > 1:
+    # Inside shard_map the interpreter treats the mesh's devices as one program: each
+    # kernel's clean-up waits at a barrier for the same kernel on every device, so devices
+    # that run different kernels (the causal ring skips different chunk pairs) hang there
+    return (f"the Mosaic-GPU interpreter cannot run the {kernel} kernel inside shard_map over"
+            f" {devices} devices: it ends every kernel with a barrier across the devices, which"
+            " hangs when they run different kernels (the causal ring). Run it on one device, or"
+            " under plain jax.jit with the sequence sharded (the partitioning rule), or"
+            " compiled (interpret=False) on a GPU")
   if jax.default_backend() != "cpu":
     return None
   have = cpu_pool_threads()
@@ -77,6 +88,13 @@ def interpret_threads_problem(warpgroups: int, kernel: str) -> str | None:
           f" it would deadlock at the first barrier. Set the environment variable"
           f" NPROC={max(warpgroups, 4)} (or more) before JAX starts (XLA sizes that pool from"
           f" it), or run interpret=False on a GPU")
+
+
+def _named_axes_size() -> int:
+  """The number of devices of the named (shard_map) axes the caller is traced under (1: none);
+  what the GPU interpreter reads as the devices of one program."""
+  from jax._src import core  # the axis environment (no public spelling in jax 0.11-0.12)
+  return int(math.prod(core.get_axis_env().axis_sizes.values()))
 
 
 # ---- Pallas / Mosaic-GPU spellings the kernels use (jax 0.11.2-0.12) ----------------------
