@@ -287,3 +287,18 @@ def test_rel_gradient_kernel_mutation_is_caught(monkeypatch, name):
     jax.clear_caches()
   text = str(info.value)
   assert any(r in text for r in ("RACE DETECTED", "no threads observed phase")), text[-2000:]
+
+
+@_needs_mgpu
+def test_forward_plan_counts_the_windows_and_gives_one_consumer_one_slot():
+  """The forward's plan counts each consumer's [64, bk] float32 windows per ring slot; when
+  two tables' windows push a head-dim-128 CTA to one consumer, it gets one slot (ptxas 13.0
+  crashed at two and three); a table-free plan of one consumer keeps its three."""
+  from flashvjp.pallas.mosaic_gpu import forward as mgpu_forward
+  shapes = ((1, 4, 1024, 128), (1, 2, 1024, 128), (1, 2, 1024, 128))
+  windows = lambda n: (lambda bq, bk: 4 * bq * bk * n)
+  one = mgpu_forward.plan(*shapes, elementwise=True, slot_extra=windows(1), rel=True)
+  assert (one.consumers, one.slots) == (2, 2) and one.slot_extra == 4 * 128 * 64
+  two = mgpu_forward.plan(*shapes, elementwise=True, slot_extra=windows(2), rel=True)
+  assert (two.consumers, two.slots) == (1, 1)
+  assert mgpu_forward.plan(*shapes, elementwise=True, slot_extra=windows(2)).slots == 3
