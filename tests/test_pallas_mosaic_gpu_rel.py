@@ -302,3 +302,41 @@ def test_forward_plan_counts_the_windows_and_gives_one_consumer_one_slot():
   two = mgpu_forward.plan(*shapes, elementwise=True, slot_extra=windows(2), rel=True)
   assert (two.consumers, two.slots) == (1, 1)
   assert mgpu_forward.plan(*shapes, elementwise=True, slot_extra=windows(2)).slots == 3
+
+
+def _per_batch_score_mod(s, b, h, q_idx, kv_idx, table, per_batch):
+  """A table per head (the same for every batch index) and one per batch, both by kv - q."""
+  d = jnp.clip(kv_idx - q_idx, -16, 16) + 16
+  return s + table[h, d].astype(s.dtype) + per_batch[b, d].astype(s.dtype)
+
+
+@_needs_mgpu
+def test_rel_tables_per_head_are_not_repeated_per_batch():
+  """Batch 2: a table per head is read from one skewed array for every batch index (its rows
+  are marked batch-free from the mod's jaxpr), a table per batch from one per batch index;
+  forward, dq / dk / dv and both tables' gradients against float64."""
+  from flashvjp.pallas.mosaic_gpu import backward as mgpu_backward
+  from flashvjp.pallas.mosaic_gpu import forward as mgpu_forward
+  from tests import test_pallas_mosaic_gpu_backward as backward_tests
+  S, H = 136, 2
+  rng = np.random.default_rng(7)
+  q, k, v = _util.random_qkv(7, 2, H, 1, S, S, 64, dtype=jnp.bfloat16)
+  consts = (jnp.asarray(rng.standard_normal((H, 33)), jnp.float32),
+            jnp.asarray(rng.standard_normal((2, 33)), jnp.float32))
+  cfg = backward_tests._cfg(S, S, 64, causal=True, score_mod=_per_batch_score_mod,
+                            num_diff_consts=2)
+  split = mgpu_forward.split_mods(cfg, consts, None, 2, H)
+  assert split.sm_pos.rel_batch_free == (True, False)
+  fwd, primals = _reference(cfg, (q, k, v), consts)
+  (out, lse), vjp = jax.vjp(fwd, *primals)
+  do = jax.random.normal(jax.random.key(3), out.shape, jnp.float64).astype(jnp.bfloat16)
+  ref = vjp((_util.as64(do), jnp.zeros_like(lse)))
+  _compat.reset_interpret_state()
+  got_out, got_lse = mgpu_forward.forward(cfg, q, k, v, None, None, None, None, None, consts)
+  got = jax.block_until_ready(mgpu_backward.backward(
+      cfg, q, k, v, None, None, None, None, None, consts, out.astype(jnp.float32),
+      lse.astype(jnp.float32), do, None))
+  assert not _compat.interpret_races_found()
+  _util.assert_close((got_out, got_lse), (out, lse), jnp.bfloat16, what="per-batch rel fwd")
+  _util.assert_close(tuple(got[:3]) + tuple(got[4]), ref, jnp.bfloat16,
+                     what="per-batch rel: dq, dk, dv, d table, d per_batch")

@@ -244,6 +244,9 @@ class PosResiduals:
   rel: tuple = ()
   n_rel_diff: int = 0
   rel_sqp: int = 0  # the Sqp of the rel rows' layout
+  # per rel residual: the same for every batch index (`_positions.rel_batch_free`; its rows
+  # are still [B, H, ...]: a family may read batch 0 for all)
+  rel_batch_free: tuple = ()
 
   def rel_slice(self, Sqp: int, Skvp: int) -> slice:
     """The part of a rel row a kernel with padded lengths (Sqp, Skvp) reads: element
@@ -408,8 +411,9 @@ def split_per_head(cfg: AttentionConfig, consts, acc, B: int, H: int, grads: boo
   scalar = tuple(r.ndim == 2 for r in res)
   arrays = tuple(r[..., None] if sc else r for r, sc in zip(res, scalar))
   new_cfg = dataclasses.replace(cfg, score_mod=tile_fn, num_diff_consts=n_diff)
-  pos = None if hoisted is None else PosResiduals(q_res, kv_res, n_qd, n_kvd, rel_res, n_reld,
-                                                  positions[2])
+  pos = None if hoisted is None else PosResiduals(
+      q_res, kv_res, n_qd, n_kvd, rel_res, n_reld, positions[2],
+      _positions.rel_batch_free(hoisted[0], tuple(diff) + fixed))
   return HeadSplit(new_cfg, arrays, scalar, n_diff, to_consts, pos)
 
 
@@ -439,8 +443,10 @@ def residual_tangents(cfg: AttentionConfig, consts, tconsts, acc, B: int, H: int
   if split.pos is None:
     return tuple(res_t), None
   nq, nkv = len(floats(split.pos.q)), len(floats(split.pos.kv))  # q ones, kv ones, rel ones
-  return tuple(res_t), PosResiduals(tuple(pos_t[:nq]), tuple(pos_t[nq:nq + nkv]),
-                                    rel=tuple(pos_t[nq + nkv:]), rel_sqp=split.pos.rel_sqp)
+  rel_t = tuple(pos_t[nq + nkv:])  # the float rel residuals' (floats come first)
+  return tuple(res_t), PosResiduals(tuple(pos_t[:nq]), tuple(pos_t[nq:nq + nkv]), rel=rel_t,
+                                    rel_sqp=split.pos.rel_sqp,
+                                    rel_batch_free=split.pos.rel_batch_free[:len(rel_t)])
 
 
 @dataclasses.dataclass
@@ -556,7 +562,8 @@ def split_mask_mod(cfg: AttentionConfig, mod, B: int, H: int, offsets=None,
   pos = None
   if hoisted is not None:
     q_res, kv_res, rel_res = _position_arrays(hoisted[0], consts, bs, hs, positions, offsets)
-    pos = PosResiduals(q_res, kv_res, rel=rel_res, rel_sqp=positions[2])
+    pos = PosResiduals(q_res, kv_res, rel=rel_res, rel_sqp=positions[2],
+                       rel_batch_free=_positions.rel_batch_free(hoisted[0], consts))
   return ModSplit(dataclasses.replace(cfg, mask_mod=tile_fn), arrays, scalar, tuple(res_avals),
                   pos)
 

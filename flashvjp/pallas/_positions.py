@@ -214,6 +214,25 @@ def arrays(h: Hoist, consts, bs, hs, q_pos, kv_pos, rel_pos=None):
           rel_res)
 
 
+def rel_batch_free(h: Hoist, consts) -> tuple:
+  """Per rel residual of `h` (`Hoist.rel_fn`'s outputs): whether it is the same for every
+  batch index (a table per head, ``table[h, bucket(kv_idx - q_idx)]``), read from the jaxpr
+  of rel_fn: no output that depends on b (conservatively: an equation any of whose inputs
+  depends on b makes all its outputs depend on it)."""
+  fn = h.rel_fn
+  if fn is None or not h.rel_avals:
+    return ()
+  i = jax.ShapeDtypeStruct((), jnp.int32)
+  avals = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in consts]
+  closed = jax.make_jaxpr(lambda b, *cs: fn(b, jnp.int32(0), jnp.int32(0), *cs))(i, *avals)
+  jaxpr = closed.jaxpr
+  dep = {jaxpr.invars[0]}
+  for eqn in jaxpr.eqns:
+    if any(not _is_literal(v) and v in dep for v in eqn.invars):
+      dep.update(eqn.outvars)
+  return tuple(_is_literal(v) or v not in dep for v in jaxpr.outvars)
+
+
 def apply(fn, consts, pos, scores, b, h, q_idx, kv_idx):
   """`_score_mod.apply` of a hoisted tile function: `pos` (the loaded residual tiles, each
   broadcasting against the scores like q_idx or kv_idx) are elementwise arguments."""

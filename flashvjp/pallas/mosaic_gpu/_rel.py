@@ -70,16 +70,28 @@ def window_start(q0, k0, Sqp: int, rows: int, Skvp: int | None = None,
   return k0 - q0 + (Sqp - rows)
 
 
-def rows(row, pos, B: int, H: int, Sqp: int, Skvp: int):
-  """A rel residual's row as a kernel with padded lengths (Sqp, Skvp) reads it: `row`
-  [B|1, H|1, L] in `pos`'s layout (`PosResiduals.rel_slice`) sliced to [B, H, Sqp + Skvp],
-  float32 for a float residual, else int32 (the tile part casts it back)."""
+def rows(pos, n: int, B: int, H: int, Sqp: int, Skvp: int):
+  """Rel residual n of `pos` (`PosResiduals.rel`, [B|1, H|1, L]) as a kernel with padded
+  lengths (Sqp, Skvp) reads it: sliced to [B', H, Sqp + Skvp] (`PosResiduals.rel_slice`),
+  float32 for a float residual, else int32 (the tile part casts it back). B' is 1 when the
+  residual is the same for every batch index (`PosResiduals.rel_batch_free`: a table per
+  head), so its skewed array is not repeated per batch; the kernels read batch 0 then."""
+  row = jnp.asarray(pos.rel[n])
   dt = jnp.float32 if jnp.issubdtype(row.dtype, jnp.inexact) else jnp.int32
-  row = jnp.asarray(row)[..., pos.rel_slice(Sqp, Skvp)].astype(dt)
-  return jnp.broadcast_to(row, (B, H, row.shape[-1]))
+  row = row[..., pos.rel_slice(Sqp, Skvp)].astype(dt)
+  free = n < len(pos.rel_batch_free) and pos.rel_batch_free[n]
+  if free:
+    row = row[:1]
+  return jnp.broadcast_to(row, (1 if free else B, H, row.shape[-1]))
 
 
-def operand(row, pos, B: int, H: int, Sqp: int, Skvp: int, rows_: int,
+def operand(pos, n: int, B: int, H: int, Sqp: int, Skvp: int, rows_: int,
             transposed: bool = False):
-  """The skewed array [B, H, rows_, width] of a rel residual's row (`rows`)."""
-  return skewed(rows(row, pos, B, H, Sqp, Skvp), Sqp, Skvp, rows_, transposed)
+  """The skewed array [B' (1 or B), H, rows_, width] of rel residual n of `pos` (`rows`)."""
+  return skewed(rows(pos, n, B, H, Sqp, Skvp), Sqp, Skvp, rows_, transposed)
+
+
+def batch_index(ref, b):
+  """The batch index of a skewed array `ref` (a kernel ref): b, or 0 for one shared by every
+  batch index (`rows`)."""
+  return b if ref.shape[0] > 1 else 0

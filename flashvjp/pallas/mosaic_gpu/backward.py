@@ -620,7 +620,7 @@ def _rel_window(r, name, b, h, q0, k0, g: C.Geometry, transposed: bool):
   with keys as rows when `transposed` (the dK/dV kernel's tiles), else [bq, bk]."""
   rows, cols = (g.bk, g.bq) if transposed else (g.bq, g.bk)
   start = _rel.window_start(q0, k0, r["q"].shape[2], rows, r["k"].shape[2], transposed)
-  return r[name].at[b, h, :, pl.ds(start, cols)]
+  return r[name].at[_rel.batch_index(r[name], b), h, :, pl.ds(start, cols)]
 
 
 def _is_kv_vector(name: str) -> bool:
@@ -1231,8 +1231,8 @@ def _inputs(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
         arrays[f"{prefix}qres{n}"] = word(r[..., :g.Sqp])
       for n, r in enumerate(pos.kv):
         arrays[f"{prefix}kvres{n}"] = word(r[..., :g.Skvp])
-      for n, r in enumerate(pos.rel):
-        arrays[f"{prefix}relres{n}"] = _rel.rows(r, pos, g.B, g.H, g.Sqp, g.Skvp)
+      for n in range(len(pos.rel)):
+        arrays[f"{prefix}relres{n}"] = _rel.rows(pos, n, g.B, g.H, g.Sqp, g.Skvp)
   if mask is not None:
     # int8, padded with False; broadcast seq dims materialised (the kernels read whole
     # tiles), broadcast batch / head dims kept (indexed with 0). The dK/dV kernel reads it

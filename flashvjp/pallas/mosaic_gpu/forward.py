@@ -555,7 +555,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       for e in range(n_rel):  # each consumer's [rows, bk] window of the skewed array
         for w in range(nc):
           start = _rel.window_start((i * nc + w) * rows, t * bk, p.Sqp, rows)
-          mg.copy_gmem_to_smem(R[f"rel{e}"].at[b, h, :, pl_ds(start, bk)],
+          src = R[f"rel{e}"]
+          mg.copy_gmem_to_smem(src.at[_rel.batch_index(src, b), h, :, pl_ds(start, bk)],
                                R[f"rel{e}_s"].at[slot, w], R[f"rel{e}_bar"].at[slot * nc + w])
 
       @_compat.when(n >= slots)
@@ -748,7 +749,7 @@ def mod_rows(cfg: AttentionConfig, sm_arrays, mm_arrays, p: Plan, offsets=None, 
              mm_pos=None):
   """(ModRows, int32 [B, H, n_int, Sqp], float32 [B, H, n_float, Sqp] or None, int32
   [B, H, n_kv_int, Skvp] or None, float32 [B, H, n_kv_float, Skvp] or None, the rel
-  residuals' skewed arrays [B, H, 64, width] (a list; `_rel.operand`)): the per-row and
+  residuals' skewed arrays [B or 1, H, 64, width] (a list; `_rel.operand`)): the per-row and
   per-kv-column words and the rel windows of the score_mod's / mask_mod's tile parts
   (`ModRows`);
   `sm_arrays` / `mm_arrays` their per-(b, h) scalar residuals [B, H, 1]
@@ -783,9 +784,9 @@ def mod_rows(cfg: AttentionConfig, sm_arrays, mm_arrays, p: Plan, offsets=None, 
       for r in pos.kv:
         place(r[..., :p.Skvp], kv_floats, kv_ints, kv_order)
     rel_order = []
-    for r in (() if pos is None else pos.rel):
+    for n in range(0 if pos is None else len(pos.rel)):
       rel_order.append(len(rels))
-      rels.append(_rel.operand(r, pos, p.B, p.H, p.Sqp, p.Skvp, ROWS_PER_WARPGROUP))
+      rels.append(_rel.operand(pos, n, p.B, p.H, p.Sqp, p.Skvp, ROWS_PER_WARPGROUP))
     orders.append(tuple(order))
     kv_orders.append(tuple(kv_order))
     rel_orders.append(tuple(rel_order))

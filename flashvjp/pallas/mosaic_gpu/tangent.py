@@ -191,8 +191,8 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
         arrays[f"tqres{n}"] = t[..., :g.Sqp].astype(f32)
       for n, t in enumerate(pos_t.kv):
         arrays[f"tkvres{n}"] = t[..., :g.Skvp].astype(f32)
-      for n, t in enumerate(pos_t.rel):  # rows by kv_idx - q_idx: windows, like the rel ones
-        arrays[f"trelres{n}"] = _rel.rows(t, pos_t, g.B, g.H, ins.g.Sqp, ins.g.Skvp)
+      for n in range(len(pos_t.rel)):  # rows by kv_idx - q_idx: windows, like the rel ones
+        arrays[f"trelres{n}"] = _rel.rows(pos_t, n, g.B, g.H, ins.g.Sqp, ins.g.Skvp)
   cfg = ins.cfg
   if bias is not None:  # a 16-bit bias keeps its dtype (shared memory), else float32
     dt = bias.dtype if jnp.dtype(bias.dtype).itemsize == 2 else f32
