@@ -331,21 +331,31 @@ def test_deterministic():
 
 # ---- mutation: the race detector sees a missing synchronisation -----------------------
 
-@pytest.fixture
-def mutation(monkeypatch):
-  def set_(name):
-    assert name in mgpu_backward._MUTATIONS
-    monkeypatch.setattr(mgpu_backward, "_TEST_MUTATION", name)
-  yield set_
-  monkeypatch.setattr(mgpu_backward, "_TEST_MUTATION", None)
-  _compat.reset_interpret_state()
-  jax.clear_caches()
-
-
 # What the interpreter says about a broken protocol: a race between two accesses, or a
 # barrier phase that completed while nobody waited on the one before (which one comes first
 # depends on the simulated threads' interleaving).
 _REPORTS = ("RACE DETECTED", "no threads observed phase")
+
+
+def assert_mutation_caught(monkeypatch, name, run):
+  """`run()` (a call of the backward's kernels, or of kernels sharing their ring protocol)
+  is clean; with the mutation `name` (`backward._MUTATIONS`: one synchronisation step
+  removed) the interpreter reports the hazard. Leaves the interpreter reset."""
+  assert name in mgpu_backward._MUTATIONS
+  _compat.reset_interpret_state()
+  jax.block_until_ready(run())  # the same call, unmutated: clean
+  assert not _compat.interpret_races_found()
+  monkeypatch.setattr(mgpu_backward, "_TEST_MUTATION", name)
+  _compat.reset_interpret_state()
+  try:
+    with pytest.raises(Exception) as info:
+      jax.block_until_ready(run())
+  finally:
+    monkeypatch.setattr(mgpu_backward, "_TEST_MUTATION", None)
+    _compat.reset_interpret_state()
+    jax.clear_caches()
+  text = str(info.value)
+  assert any(r in text for r in _REPORTS), text[-2000:]
 
 
 @pytest.mark.parametrize("name", [
@@ -360,7 +370,7 @@ _REPORTS = ("RACE DETECTED", "no threads observed phase")
     # has read it.
     "skip_dbias_wait",
 ])
-def test_mutation_is_caught(mutation, name):
+def test_mutation_is_caught(monkeypatch, name):
   S, D = 192, 64
   cfg = _cfg(S, S, D)
   q = jnp.ones((1, 1, S, D), jnp.bfloat16)
@@ -368,15 +378,7 @@ def test_mutation_is_caught(mutation, name):
   bias = jnp.zeros((1, 1, S, S), jnp.float32) if name == "skip_dbias_wait" else None
   run = lambda: mgpu_backward.backward(cfg, q, q, q, bias, None, None, None, None, (), q, lse,
                                        q, None)
-  _compat.reset_interpret_state()
-  jax.block_until_ready(run())  # the same call, unmutated: clean
-  assert not _compat.interpret_races_found()
-  mutation(name)
-  _compat.reset_interpret_state()
-  with pytest.raises(Exception) as info:
-    jax.block_until_ready(run())
-  text = str(info.value)
-  assert any(r in text for r in _REPORTS), text[-2000:]
+  assert_mutation_caught(monkeypatch, name, run)
 
 
 # ---- what the kernels refuse -------------------------------------------------------------

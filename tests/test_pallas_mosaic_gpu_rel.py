@@ -268,25 +268,13 @@ def test_rel_tables_with_segments_and_dropout():
 ])
 def test_rel_gradient_kernel_mutation_is_caught(monkeypatch, name):
   from flashvjp.pallas.mosaic_gpu import backward as mgpu_backward
+  from tests import test_pallas_mosaic_gpu_backward as backward_tests
   cfg, qkv, consts = _rel_problem(S=192, seed=6, causal=False)
   out = jnp.ones_like(qkv[0])
   lse = jnp.zeros(qkv[0].shape[:3], jnp.float32)
   run = lambda: mgpu_backward.backward(cfg, *qkv, None, None, None, None, None, consts, out, lse,
                                        out, None)
-  _compat.reset_interpret_state()
-  jax.block_until_ready(run())  # the same call, unmutated: clean
-  assert not _compat.interpret_races_found()
-  monkeypatch.setattr(mgpu_backward, "_TEST_MUTATION", name)
-  _compat.reset_interpret_state()
-  try:
-    with pytest.raises(Exception) as info:
-      jax.block_until_ready(run())
-  finally:
-    monkeypatch.setattr(mgpu_backward, "_TEST_MUTATION", None)
-    _compat.reset_interpret_state()
-    jax.clear_caches()
-  text = str(info.value)
-  assert any(r in text for r in ("RACE DETECTED", "no threads observed phase")), text[-2000:]
+  backward_tests.assert_mutation_caught(monkeypatch, name, run)
 
 
 @_needs_mgpu

@@ -25,7 +25,6 @@ _WHY = _compat.unavailable()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"Mosaic-GPU Pallas: {_WHY}")
 
 if _WHY is None:
-  from flashvjp.pallas.mosaic_gpu import backward as mgpu_backward
   from flashvjp.pallas.mosaic_gpu import tangent as mgpu_tangent
 
 
@@ -183,20 +182,7 @@ def test_mutation_is_caught(monkeypatch, name):
   lse = jnp.zeros((1, 1, S), jnp.float32)
   run = lambda: mgpu_tangent.tangent(cfg, q, q, q, None, None, None, None, None, (), q, lse,
                                      q, q, q, None, None)
-  _compat.reset_interpret_state()
-  jax.block_until_ready(run())
-  assert not _compat.interpret_races_found()
-  monkeypatch.setattr(mgpu_backward, "_TEST_MUTATION", name)
-  _compat.reset_interpret_state()
-  try:
-    with pytest.raises(Exception) as info:
-      jax.block_until_ready(run())
-  finally:
-    monkeypatch.setattr(mgpu_backward, "_TEST_MUTATION", None)
-    _compat.reset_interpret_state()
-    jax.clear_caches()
-  text = str(info.value)
-  assert any(r in text for r in ("RACE DETECTED", "no threads observed phase")), text[-2000:]
+  _backward_tests.assert_mutation_caught(monkeypatch, name, run)
 
 
 def test_shared_memory_limit_is_refused_by_name():
