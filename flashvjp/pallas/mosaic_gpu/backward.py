@@ -452,22 +452,23 @@ def _wait_loaded(loaded, slot):
     plgpu.barrier_wait(bar.at[slot])
 
 
-def _produce_step(t, fill, free):
-  """The producer's step t: its operands into slot t % _STAGES (`fill(slot)` issues the TMA
-  copies), once the consumer freed the slot's previous step."""
+def _produce_step(t, fill, free, stages=_STAGES, mutation="skip_free_wait"):
+  """The producer's step t: its operands into slot t % stages (`fill(slot)` issues the TMA
+  copies), once the consumer freed the slot's previous step (the wait a test removes with
+  `mutation`)."""
   plgpu = _compat.plgpu()
-  slot = lax.rem(t, _i32(_STAGES))
-  if not _mutated("skip_free_wait"):
-    @pl.when(t >= _STAGES)
+  slot = lax.rem(t, _i32(stages))
+  if not _mutated(mutation):
+    @pl.when(t >= stages)
     def _wait_free():
       plgpu.barrier_wait(free.at[slot])
   fill(slot)
 
 
-def _produce(total, fill, free):
+def _produce(total, fill, free, stages=_STAGES, mutation="skip_free_wait"):
   """The producer warpgroup's loop over steps [0, total) (`fill(t, slot)`)."""
   def body(t, carry):
-    _produce_step(t, functools.partial(fill, t), free)
+    _produce_step(t, functools.partial(fill, t), free, stages, mutation)
     return carry
 
   lax.fori_loop(_i32(0), total, body, None)
@@ -938,25 +939,8 @@ class _KvStream:
     return per_q(res["lse"]), vecs, q_idx, kv_iota
 
   def slot_inputs(self, rs, slot, vecs):
-    """`vecs` with the kv side of ring slot `slot` read generically: kv segment ids and
-    per-kv-position words ([bk] each, broadcast), the dense mask ("dense") and the bias
-    (float32) tiles."""
-    plgpu = _compat.plgpu()
-    wgmma_layout, _, col = _compat.layouts()
-    shape = (self.g.bq, self.g.bk)
-    v = dict(vecs)
-    for name in rs:
-      if name == "kv_seg" or _is_kv_vector(name):
-        v[name] = lax.broadcast_in_dim(plgpu.load(rs[name].at[slot], layout=col), shape, [1])
-    if "mask" in rs:
-      v["dense"] = _load_mask(rs["mask"].at[slot])
-    if "bias" in rs:
-      v["bias"] = plgpu.load(rs["bias"].at[slot], layout=wgmma_layout,
-                             optimized=False).astype(jnp.float32)
-    for name in rs:
-      if _is_rel(name):
-        v[name] = plgpu.load(rs[name].at[slot], layout=wgmma_layout, optimized=False)
-    return v
+    """`_slot_inputs` at this loop's [bq, bk] tiles."""
+    return _slot_inputs(rs, slot, vecs, (self.g.bq, self.g.bk))
 
   def visit(self, run, masked_any, carry):
     """`run(start, stop, masked, carry)` over the steps: with lists, the PARTIAL blocks
@@ -969,6 +953,27 @@ class _KvStream:
     full = C.mask_spec(self.cfg).full_kv_block_range(self.i, g.bq, g.bk)
     return _visit(lambda a, z, m, c: run(a - lo, z - lo, m, c), lo, self.hi, full, masked_any,
                   carry)
+
+
+def _slot_inputs(rs, slot, vecs, shape):
+  """`vecs` with the kv side of ring slot `slot` read generically into [bq, bk] tiles
+  (`shape`): kv segment ids and per-kv-position words ([bk] each, broadcast), the dense mask
+  ("dense"), the bias (float32) and the rel windows."""
+  plgpu = _compat.plgpu()
+  wgmma_layout, _, col = _compat.layouts()
+  v = dict(vecs)
+  for name in rs:
+    if name == "kv_seg" or _is_kv_vector(name):
+      v[name] = lax.broadcast_in_dim(plgpu.load(rs[name].at[slot], layout=col), shape, [1])
+  if "mask" in rs:
+    v["dense"] = _load_mask(rs["mask"].at[slot])
+  if "bias" in rs:
+    v["bias"] = plgpu.load(rs["bias"].at[slot], layout=wgmma_layout,
+                           optimized=False).astype(jnp.float32)
+  for name in rs:
+    if _is_rel(name):
+      v[name] = plgpu.load(rs[name].at[slot], layout=wgmma_layout, optimized=False)
+  return v
 
 
 def _launch(kind, cfg, g: C.Geometry, arrays, masked_any, visits=None, *, body=None,

@@ -53,7 +53,7 @@ def _is_q_side(name: str) -> bool:
 
 def _drel_kernel(*refs, cfg, g: C.Geometry, names, ring, n_rel, stages):
   plgpu = _compat.plgpu()
-  wgmma_layout, row, col = _compat.layouts()
+  wgmma_layout, row, _ = _compat.layouts()
   r = dict(zip(names, refs))
   out_refs = refs[len(names):len(names) + n_rel]
   (ring_smem, tiles), loaded, free = refs[len(names) + n_rel:]
@@ -99,23 +99,13 @@ def _drel_kernel(*refs, cfg, g: C.Geometry, names, ring, n_rel, stages):
           src = Bw._block(r[name], b, h, rows)
         plgpu.copy_gmem_to_smem(src, rs[name].at[slot], bar.at[slot])
 
-    def body(m, carry):
-      slot = lax.rem(m, Bw._i32(stages))
-      if not Bw._mutated("skip_drel_free_wait"):
-        @pl.when(m >= stages)
-        def _wait_free():
-          plgpu.barrier_wait(free.at[slot])
-      fill(m, slot)
-      return carry
-
-    lax.fori_loop(Bw._i32(0), steps, body, None)
+    Bw._produce(steps, fill, free, stages, "skip_drel_free_wait")
 
   @pl.when(wg == 0)
   def _compute():
     shape = (g.bq, g.bk)
     q_iota = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
     kv_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
-    f32 = jnp.float32
 
     def step(m, accs):
       slot = lax.rem(m, Bw._i32(stages))
@@ -124,21 +114,10 @@ def _drel_kernel(*refs, cfg, g: C.Geometry, names, ring, n_rel, stages):
       Bw._wait_loaded(loaded, slot)
       s, dp = Bw._mm_t2(shape, rs["q"].at[slot], rs["k"].at[slot], rs["do"].at[slot],
                         rs["v"].at[slot])
-      v = {}
-      for name in rs:
-        ref = rs[name].at[slot]
-        if name in ("q", "do", "k", "v"):
-          continue
-        if _is_q_side(name):
-          v[name] = lax.broadcast_in_dim(plgpu.load(ref, layout=row), shape, [0])
-        elif name == "kv_seg" or Bw._is_kv_vector(name):
-          v[name] = lax.broadcast_in_dim(plgpu.load(ref, layout=col), shape, [1])
-        elif name == "mask":
-          v["dense"] = Bw._load_mask(ref)
-        elif name == "bias":
-          v["bias"] = plgpu.load(ref, layout=wgmma_layout, optimized=False).astype(f32)
-        else:  # a rel window
-          v[name] = plgpu.load(ref, layout=wgmma_layout, optimized=False)
+      # the q side's per-row words (lse, delta, ...), then the kv side's (`_slot_inputs`)
+      v = {name: lax.broadcast_in_dim(plgpu.load(rs[name].at[slot], layout=row), shape, [0])
+           for name in rs if _is_q_side(name) and name not in ("q", "do")}
+      v = Bw._slot_inputs(rs, slot, v, shape)
       lse2, delta = v.pop("lse"), v.pop("delta")
       p, ok, keep, sm_vjp = Bw._probs(cfg, s, lse2, i * g.bq + q_iota, j * g.bk + kv_iota, True,
                                       v, rel_diff=n_rel)
@@ -149,7 +128,7 @@ def _drel_kernel(*refs, cfg, g: C.Geometry, names, ring, n_rel, stages):
       plgpu.barrier_arrive(free.at[slot])
       return tuple(a + d for a, d in zip(accs, drel))
 
-    zero = tuple(_compat.wgmma_tile(jnp.zeros(shape, f32)) for _ in range(n_rel))
+    zero = tuple(_compat.wgmma_tile(jnp.zeros(shape, jnp.float32)) for _ in range(n_rel))
     accs = lax.fori_loop(Bw._i32(0), steps, step, zero)
     for buf, x in zip(tiles, accs):
       buf[...] = x
