@@ -19,6 +19,7 @@ from typing import Any
 import jax
 from absl import logging
 
+from flashvjp import _config
 from flashvjp import _record
 from flashvjp import _target
 
@@ -127,7 +128,6 @@ def decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype,
 def _earned_mosaic(decision: Decision, target, causal: bool, **inputs) -> Decision:
   """`decision` (compiled Pallas-Triton), or the Mosaic-GPU family where it earned the
   default on this Hopper target (`_config.MOSAIC_GPU_EARNED`) and takes the input."""
-  from flashvjp import _config  # the launch tables
   kind = None if target is None else target.device_kind
   mgpu = _limits("pallas_mosaic_gpu")
   if kind is None or mgpu.device_problem(kind) is not None:
