@@ -23,7 +23,7 @@ PINNED = ((0, 11, 2), (0, 12, 0))
 
 def applies() -> bool:
   version = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
-  return PINNED[0] <= version[:3] <= PINNED[1] + (99,)
+  return PINNED[0] <= version <= PINNED[1]  # 0.12.0.1 reads as (0, 12, 0)
 
 
 @contextlib.contextmanager
