@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.metadata
 import importlib.util
 import os
 import pathlib
@@ -250,13 +251,54 @@ def _resolve_target(target: str, num_devices: int | None):
   return key, platform, what, n, hbm
 
 
-def _need_compiler(platform: str, target: str) -> None:
-  if platform == "gpu" and importlib.util.find_spec("jax_plugins.xla_cuda12") is None and (
-      importlib.util.find_spec("jax_plugins.xla_cuda13") is None):
-    raise RuntimeError(f"target {target!r} needs the CUDA compiler plugin (jax-cuda12-plugin and"
-                       f" jax-cuda12-pjrt at jaxlib's version): {_GPU_EXTRA}")
+def _version(dist: str) -> str | None:
+  try:
+    return importlib.metadata.version(dist)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+  """The dotted numeric prefix of a version, as jaxlib compares plugins (0.12.0.1 -> (0, 12, 0, 1))."""
+  m = re.match(r"[0-9]+(?:\.[0-9]+)*", version)
+  return tuple(int(x) for x in m.group(0).split(".")) if m else ()
+
+
+def compiler_problem(platform: str) -> str | None:
+  """Why this environment cannot compile for `platform` ("gpu" / "tpu") without the device,
+  or None when it can. Read from the installed packages' metadata; imports nothing.
+
+  GPU: the CUDA plugin (jax-cuda12-plugin with jax-cuda12-pjrt), which jaxlib loads only at its
+  own exact version (`jaxlib.plugin_support.check_plugin_version`): jax often reaches the index
+  before its plugin, and a newer jax beside the older plugin compiles nothing (the test
+  command's test-constraints.txt pins a matching set). TPU: libtpu.
+  """
+  if platform == "gpu":
+    plugin = _version("jax-cuda12-plugin")
+    if plugin is None or importlib.util.find_spec("jax_plugins") is None:
+      return ("the CUDA compiler plugin is not installed (jax-cuda12-plugin and jax-cuda12-pjrt"
+              f" at jaxlib's version): {_GPU_EXTRA}")
+    jaxlib = _version("jaxlib") or "?"
+    pjrt = _version("jax-cuda12-pjrt")
+    if _release(plugin) != _release(jaxlib):
+      return (f"jax-cuda12-plugin {plugin} is installed but jaxlib is {jaxlib}: jax loads the CUDA"
+              " plugin only at jaxlib's exact version. Install jax and jaxlib at the plugin's"
+              f" version (pip install 'jax=={plugin}' 'jaxlib=={plugin}'), or the plugin at"
+              f" jaxlib's once it is published (pip install 'jax-cuda12-plugin=={jaxlib}'"
+              f" 'jax-cuda12-pjrt=={jaxlib}')")
+    if pjrt is None or _release(pjrt) != _release(plugin):
+      return (f"jax-cuda12-pjrt {pjrt or '(not installed)'} does not match jax-cuda12-plugin"
+              f" {plugin}: pip install 'jax-cuda12-pjrt=={plugin}'")
+    return None
   if platform == "tpu" and importlib.util.find_spec("libtpu") is None:
-    raise RuntimeError(f"target {target!r} needs the TPU compiler (libtpu): {_TPU_EXTRA}")
+    return f"the TPU compiler (libtpu) is not installed: {_TPU_EXTRA}"
+  return None
+
+
+def _need_compiler(platform: str, target: str) -> None:
+  problem = compiler_problem(platform)
+  if problem is not None:
+    raise RuntimeError(f"target {target!r} needs a compiler this environment lacks: {problem}")
 
 
 @contextlib.contextmanager

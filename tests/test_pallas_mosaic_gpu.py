@@ -14,7 +14,6 @@ warpgroup MMAs and TMA loads inside the main loops and the register reallocation
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import re
 import subprocess
@@ -27,6 +26,7 @@ import numpy as np
 import pytest
 
 from flashvjp import _dropout
+from flashvjp import _plan
 from flashvjp import reference
 from flashvjp._config import AttentionConfig
 from flashvjp._config import BlockSizes
@@ -460,8 +460,8 @@ def test_parse_ptxas():
   assert parse_ptxas(text) == (251, 12)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
-                    reason="the deviceless sm_90a compile needs jax-cuda12-plugin")
+@pytest.mark.skipif(_plan.compiler_problem("gpu") is not None,
+                    reason=f"the deviceless sm_90a compile: {_plan.compiler_problem('gpu')}")
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_compiles_for_sm90a_without_spills(D, tmp_path):
   """Causal forwards (plain, segment ids, dropout, bias, dense mask, a score_mod, a mask_mod,

@@ -474,11 +474,9 @@ print("COMPILED")
 
 
 def _cuda_plugin() -> bool:
-  import importlib.util
-  try:
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-  except ModuleNotFoundError:
-    return False
+  """The CUDA plugin at jaxlib's version (flashvjp._plan.compiler_problem: jax ignores another)."""
+  from flashvjp import _plan
+  return _plan.compiler_problem("gpu") is None
 
 
 def _compile_sm90a(D, features, dump_dir, script=None):

@@ -18,13 +18,12 @@ import flashvjp
 from flashvjp import _plan
 from flashvjp import cli
 
-HAS_CUDA = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-HAS_TPU = importlib.util.find_spec("libtpu") is not None
-needs_cuda = pytest.mark.skipif(
-    not HAS_CUDA, reason="the CUDA compiler plugin is not installed: pip install"
-    " 'flashvjp[aot-gpu]' (jax-cuda12-plugin and jax-cuda12-pjrt at jaxlib's version)")
-needs_tpu = pytest.mark.skipif(
-    not HAS_TPU, reason="libtpu is not installed: pip install 'flashvjp[aot-tpu]'")
+CUDA_PROBLEM = _plan.compiler_problem("gpu")  # None: the CUDA plugin at jaxlib's version
+TPU_PROBLEM = _plan.compiler_problem("tpu")
+HAS_CUDA = CUDA_PROBLEM is None
+HAS_TPU = TPU_PROBLEM is None
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason=str(CUDA_PROBLEM))
+needs_tpu = pytest.mark.skipif(not HAS_TPU, reason=str(TPU_PROBLEM))
 
 # The layer of the GPU tests: causal GQA, small enough to compile in seconds on a CPU.
 SMALL = dict(batch=1, num_heads=8, num_kv_heads=2, seq_len=8192, head_dim=64, causal=True)
@@ -33,7 +32,7 @@ SMALL = dict(batch=1, num_heads=8, num_kv_heads=2, seq_len=8192, head_dim=64, ca
 @pytest.fixture(scope="module")
 def h100x8():
   if not HAS_CUDA:
-    pytest.skip("the CUDA compiler plugin is not installed: pip install 'flashvjp[aot-gpu]'")
+    pytest.skip(str(CUDA_PROBLEM))
   try:
     return flashvjp.plan("h100x8", **SMALL)
   except RuntimeError as e:
@@ -66,6 +65,24 @@ def test_missing_compiler_names_the_extra(monkeypatch):
     flashvjp.plan("h100", **SMALL)
   with pytest.raises(RuntimeError, match=r"flashvjp\[aot-tpu\]"):
     flashvjp.plan("v5e", **SMALL)
+
+
+def test_plugin_at_another_jaxlib_version_is_named(monkeypatch):
+  """jax reaches the index before its CUDA plugin: a newer jaxlib beside the older plugin
+  (jaxlib refuses to load it) is an error naming both versions and the fix, not a Triton
+  parse failure deep in the compile."""
+  versions = {"jaxlib": "0.12.1", "jax-cuda12-plugin": "0.12.0.1", "jax-cuda12-pjrt": "0.12.0.1"}
+  monkeypatch.setattr(_plan, "_version", versions.get)
+  monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object())
+  problem = _plan.compiler_problem("gpu")
+  assert problem is not None and "0.12.1" in problem and "0.12.0.1" in problem
+  assert "pip install 'jax==0.12.0.1' 'jaxlib==0.12.0.1'" in problem
+  with pytest.raises(RuntimeError, match=r"jax-cuda12-plugin 0\.12\.0\.1 is installed but jaxlib"):
+    flashvjp.plan("h100", **SMALL)
+  versions["jaxlib"] = "0.12.0.1"  # the same release (jaxlib's check: the numeric prefix)
+  assert _plan.compiler_problem("gpu") is None
+  versions["jax-cuda12-pjrt"] = "0.11.2"
+  assert "jax-cuda12-pjrt 0.11.2" in _plan.compiler_problem("gpu")
 
 
 def test_target_configs_ship_with_the_package():
