@@ -104,7 +104,7 @@ def ours(name: str, S: int, bq: int, bk: int):
   for kernel, by in (("fwd", "q"), ("dq", "q"), ("dkv", "kv")):
     lists, counts, entries = _layout.visit_lists(cfg, g, seg_j, seg_j, None, by)
     counts = np.asarray(counts).reshape(lists.R)
-    entries = np.asarray(entries).reshape(lists.R, lists.W)
+    entries = lists.rows(entries).reshape(lists.R, lists.W)
     if lists.R == 1 and (g.nq if by == "q" else g.nk) > 1:  # rows broadcast
       n = g.nq if by == "q" else g.nk
       counts, entries = np.repeat(counts, n), np.repeat(entries, n, axis=0)

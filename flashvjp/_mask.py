@@ -27,14 +27,36 @@ static configuration. Tracing flash_attention runs no jax op (tests/test_compile
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import threading
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+_NO_CONSTANTS = threading.local()
+
+
+@contextlib.contextmanager
+def no_static_constants():
+  """While tracing a body that may close over no array constants (a `custom_partitioning`
+  op's global body: jax asserts `not closed_call.consts`), the static block lists are built
+  from iotas instead of numpy (`static_constants_allowed`). The per-shard bodies the
+  partitioner lowers are traced outside it, and get numpy constants."""
+  depth = getattr(_NO_CONSTANTS, "depth", 0)
+  _NO_CONSTANTS.depth = depth + 1
+  try:
+    yield
+  finally:
+    _NO_CONSTANTS.depth = depth
+
+
+def static_constants_allowed() -> bool:
+  return getattr(_NO_CONSTANTS, "depth", 0) == 0
 
 
 def is_static(*xs) -> bool:
@@ -310,12 +332,16 @@ def block_classes(spec: MaskSpec, q_seg, kv_seg, mask, block_q, block_kv, num_q_
   a block partial (padded rows are sliced off in the forward and get p = 0 backward).
   """
   nq, nk = num_q_blocks, num_kv_blocks
-  i = jnp.arange(nq, dtype=jnp.int32)[:, None]
-  j = jnp.arange(nk, dtype=jnp.int32)[None, :]
-  lo, hi = spec.kv_block_range(i, block_q, block_kv, nk)
-  f_lo, f_hi = spec.full_kv_block_range(i, block_q, block_kv)
-  some = (j >= lo) & (j < hi)
-  every = some & (j >= f_lo) & (j < f_hi)
+  if static_constants_allowed():  # the static part: numpy constants (no device op)
+    static = static_block_classes(spec, block_q, block_kv, nq, nk)
+    some, every = static != EMPTY, static == FULL
+  else:
+    i = jnp.arange(nq, dtype=jnp.int32)[:, None]
+    j = jnp.arange(nk, dtype=jnp.int32)[None, :]
+    lo, hi = spec.kv_block_range(i, block_q, block_kv, nk)
+    f_lo, f_hi = spec.full_kv_block_range(i, block_q, block_kv)
+    some = (j >= lo) & (j < hi)
+    every = some & (j >= f_lo) & (j < f_hi)
   some, every = some[None, None], every[None, None]  # [1, 1, nq, nk]
   if q_seg is not None:
     B = q_seg.shape[0]
@@ -324,7 +350,9 @@ def block_classes(spec: MaskSpec, q_seg, kv_seg, mask, block_q, block_kv, num_q_
     qmin, qmax = qb.min(-1)[:, :, None], qb.max(-1)[:, :, None]
     kmin, kmax = kb.min(-1)[:, None, :], kb.max(-1)[:, None, :]
     some = some & ((qmin <= kmax) & (kmin <= qmax))[:, None]
-    every = every & ((qmin == qmax) & (kmin == kmax) & (qmin == kmin))[:, None]
+    # one id on both sides: qmax <= kmin <= kmax <= qmin <= qmax (no separate equalities:
+    # compares of the four block extremes only, which XLA fuses into one op)
+    every = every & ((qmax <= kmin) & (kmax <= qmin))[:, None]
   if mask is not None:
     Bm, Hm, Sq, Sk = mask.shape
     mq, mk = (nq, block_q) if Sq != 1 else (1, 1)
@@ -340,13 +368,47 @@ def block_classes(spec: MaskSpec, q_seg, kv_seg, mask, block_q, block_kv, num_q_
 
 
 def _compact(selected):
-  """(count [...], indices [..., n]) of the True entries of `selected` [..., n], padded."""
-  count = jnp.sum(selected, axis=-1, dtype=jnp.int32)
-  order = jnp.argsort(jnp.logical_not(selected), axis=-1, stable=True).astype(jnp.int32)
-  last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
-  last = jnp.where(count[..., None] > 0, last, 0)
-  pos = lax.broadcasted_iota(jnp.int32, order.shape, order.ndim - 1)
-  return count, jnp.where(pos < count[..., None], order, last)
+  """(count [...], indices [...,  n]) of the True entries of `selected` [..., n], in increasing
+  order, padded with the last one (0 for none): with c the running count of `selected`, the
+  p-th entry is the number of columns j with c[j] <= p. Elementwise ops and reductions only
+  (one cumsum, one fusion), no sort or gather: XLA:TPU runs a sort + gather chain op by op."""
+  sel = selected.astype(jnp.int32)
+  c = jnp.cumsum(sel, axis=-1)  # [..., n]
+  count = c[..., -1]
+  n = selected.shape[-1]
+  p = lax.broadcasted_iota(jnp.int32, count.shape + (n, 1), count.ndim)  # output slot
+  p = jnp.minimum(p, jnp.maximum(count[..., None, None] - 1, 0))  # past the count: the last
+  idx = jnp.sum((c[..., None, :] <= p).astype(jnp.int32), axis=-1, dtype=jnp.int32)  # [..., n]
+  return count, jnp.where(count[..., None] > 0, idx, 0)
+
+
+def compact_np(selected: np.ndarray):
+  """`_compact` in numpy (static classes known at trace time)."""
+  selected = np.asarray(selected, bool)
+  count = selected.sum(-1).astype(np.int32)
+  n = selected.shape[-1]
+  order = np.argsort(~selected, axis=-1, kind="stable").astype(np.int32)
+  last = np.take_along_axis(order, np.maximum(count - 1, 0)[..., None], axis=-1)
+  last = np.where(count[..., None] > 0, last, 0)
+  return count, np.where(np.arange(n) < count[..., None], order, last).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=512)
+def static_block_classes(spec: MaskSpec, block_q: int, block_kv: int, num_q_blocks: int,
+                         num_kv_blocks: int) -> np.ndarray:
+  """`block_classes` with no segment ids, dense mask or mask_mod, in numpy: int8 [nq, nk]
+  from causal / window / padding alone (read-only; cached per static configuration), so
+  a static mask's lists are constants of the program, not device ops."""
+  i = np.arange(num_q_blocks)[:, None]
+  j = np.arange(num_kv_blocks)[None, :]
+  lo, hi = spec.kv_block_range(i, block_q, block_kv, num_kv_blocks)
+  f_lo, f_hi = spec.full_kv_block_range(i, block_q, block_kv)
+  some = (j >= lo) & (j < hi)
+  every = some & (j >= f_lo) & (j < f_hi)
+  cls = np.where(every, FULL, np.where(some, PARTIAL, EMPTY)).astype(np.int8)
+  cls = np.broadcast_to(cls, (num_q_blocks, num_kv_blocks)).copy()
+  cls.flags.writeable = False
+  return cls
 
 
 def block_lists(spec: MaskSpec, q_seg, kv_seg, mask, block_q, block_kv, num_q_blocks,

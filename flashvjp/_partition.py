@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec
 
 from flashvjp import _aligned
 from flashvjp import _delta
+from flashvjp import _mask
 from flashvjp import _mask_mod
 from flashvjp import _record
 from flashvjp import _strategy
@@ -532,7 +533,12 @@ class _Wrapped:
     if _has_ordered_effects(self.name, cfg):
       return _run_whole(cfg, sig, arrays)
     op = self._ops[kind]
-    fn = custom_vmap(lambda *a: op(cfg, sig, *a))
+
+    def call(*a):
+      with _mask.no_static_constants():  # the op's global body may close over no constants
+        return op(cfg, sig, *a)
+
+    fn = custom_vmap(call)
 
     @fn.def_vmap
     def _vmap_rule(axis_size, in_batched, *a):

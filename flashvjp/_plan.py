@@ -118,6 +118,7 @@ class ModePlan:
   collectives: tuple[Collective, ...]
   kernels: tuple[Kernel, ...]
   resources_note: str = ""
+  ops: tuple[str, ...] = ()  # `entry_ops`: the program's top-level ops, kernels included
 
   @property
   def total_bytes(self) -> int:
@@ -216,6 +217,15 @@ def _report(p: Plan) -> str:
         lines.append(f"    {k.kind:<16} {k.name:<24} {count:<4} {', '.join(parts)}".rstrip())
     else:
       lines.append("  kernels: none (no Pallas / Mosaic custom call in the program)")
+    if m.ops:
+      n_calls = sum(o == "custom-call" for o in m.ops)
+      others: dict[str, int] = {}
+      for o in m.ops:
+        if o != "custom-call":
+          others[o] = others.get(o, 0) + 1
+      rest = ", ".join(f"{o} x{c}" for o, c in sorted(others.items()))
+      lines.append(f"  program: {len(m.ops)} top-level ops, {n_calls} of them custom calls"
+                   + (f"; the others: {rest}" if rest else ""))
     if m.resources_note:
       lines.append(f"  note: {m.resources_note}")
   return "\n".join(lines)
@@ -352,7 +362,7 @@ def _computations(hlo: str) -> dict[str, list[str]]:
       cur = comps.setdefault(name.lstrip("%"), [])
       if head[0] == "ENTRY":
         comps["__entry__"] = cur
-    elif line.startswith("}"):
+    elif line.rstrip() == "}":  # not "}}, metadata=...": a multi-line backend_config's end
       cur = None
     elif cur is not None:
       cur.append(line)
@@ -401,6 +411,35 @@ def _instructions(hlo: str):
       m = pat.match(line)
       if m:
         yield times, m.group(1), m.group(2), m.group(3), line
+
+
+# Entry-computation instructions that are not work of their own: arguments, literals, tuple
+# plumbing, free reinterpretations, and the asynchronous copies and slices XLA:TPU's
+# memory-space assignment adds to prefetch operands (splash attention's programs have them too).
+_BOOKKEEPING = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast",
+                          "copy-start", "copy-done", "slice-start", "slice-done"})
+# Custom calls that are XLA's own plumbing, not kernels (v6e's prefetch splits a copy in two
+# slices and rejoins them with one).
+_PLUMBING_CALLS = ("ConcatBitcast",)
+
+
+def entry_ops(hlo: str) -> tuple[str, ...]:
+  """The opcodes of the compiled program's top-level instructions (its entry computation),
+  bookkeeping aside (`_BOOKKEEPING`): on a TPU each runs in sequence, with a fixed cost, so
+  the ops around the kernels (a block list computed on the device, a layout copy) are time
+  a short sequence or a ring step pays. Kernels are custom-calls."""
+  entry = _computations(hlo).get("__entry__", [])
+  pat = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?[\s)}]([a-z][a-z0-9\-]*)\(")
+  ops = []
+  for line in entry:
+    m = pat.match(line)
+    if m is None or m.group(1) in _BOOKKEEPING:
+      continue
+    if m.group(1) == "custom-call" and any(f'custom_call_target="{t}"' in line
+                                           for t in _PLUMBING_CALLS):
+      continue
+    ops.append(m.group(1))
+  return tuple(ops)
 
 
 def collectives(hlo: str, seq_len: int, seq_sharded: bool) -> tuple[Collective, ...]:
@@ -667,7 +706,7 @@ def _compile_mode(mode, q, kv, seg, kw, platform, target, n, seq_len, seq_sharde
                   temp_bytes=int(mem.temp_size_in_bytes),
                   generated_code_bytes=int(mem.generated_code_size_in_bytes),
                   collectives=collectives(hlo, seq_len, seq_sharded), kernels=tuple(kernels),
-                  resources_note=note)
+                  resources_note=note, ops=entry_ops(hlo))
 
 
 _NOISE = re.compile(r"ptxas info|^\s+\d+ bytes stack frame|subprocess_compilation\.cc|"

@@ -271,6 +271,32 @@ def _static_cfg(causal, window, S, blocks):
       blocks=blocks)
 
 
+@pytest.mark.parametrize("causal,window,S,bq,bk", [
+    (True, None, 1024, 128, 128), (False, None, 1000, 128, 256), (False, (300, 0), 2048, 256, 128),
+    (True, (None, 40), 777, 64, 128), (False, (64, 64), 512, 128, 128)])
+def test_static_lists_are_numpy_constants_equal_to_the_device_ones(causal, window, S, bq, bk):
+  """Without segment ids, a dense mask or a mask_mod the lists are numpy arrays built at
+  trace time (no device op), and hold exactly what the device path computes (which runs
+  inside custom_partitioning bodies, where constants are not allowed), for both kernels'
+  row orders; block_class_table likewise."""
+  cfg = _static_cfg(causal, window, S, _config.BlockSizes(bq, bk))
+  g = _layout.geometry((1, 1, S, 64), (1, 1, S, 64), (1, 1, S, 64), bq, bk)
+  for by in ("q", "kv"):
+    lists, counts, entries = _layout.visit_lists(cfg, g, None, None, None, by)
+    assert isinstance(counts, np.ndarray) and isinstance(entries, np.ndarray)
+    with _mask.no_static_constants():
+      dlists, dcounts, dentries = _layout.visit_lists(cfg, g, None, None, None, by)
+    assert not isinstance(dentries, np.ndarray)
+    assert (lists.Bl, lists.Hl, lists.R, lists.W) == (dlists.Bl, dlists.Hl, dlists.R, dlists.W)
+    np.testing.assert_array_equal(counts, np.asarray(dcounts))
+    np.testing.assert_array_equal(lists.rows(entries), dlists.rows(dentries))
+  table = _layout.block_class_table(cfg, g, None, None, None)
+  with _mask.no_static_constants():
+    dtable = _layout.block_class_table(cfg, g, None, None, None)
+  assert isinstance(table[2], np.ndarray)
+  np.testing.assert_array_equal(table[2], np.asarray(dtable[2]))
+
+
 def test_lists_visit_exactly_the_non_empty_blocks():
   """Packed documents + causal: the merged lists hold every non-empty block once, in
   increasing order, with the mask bit set exactly on partial blocks; idle entries repeat
@@ -284,7 +310,7 @@ def test_lists_visit_exactly_the_non_empty_blocks():
   seg = jnp.asarray(ids)
   lists, counts, entries = _layout.visit_lists(cfg, g, seg, seg, None, "q")
   counts = np.asarray(counts).reshape(lists.R)
-  entries = np.asarray(entries).reshape(lists.R, lists.W)
+  entries = lists.rows(entries).reshape(lists.R, lists.W)
   allowed = np.asarray(_mask.MaskSpec(True, None, S, S).dense(seg, seg))[0, 0]
   tiles = allowed.reshape(g.nq, bq, g.nk, bk)
   for i in range(g.nq):
@@ -318,7 +344,7 @@ def test_mask_mod_lists_visit_exactly_the_non_empty_blocks():
   for by in ("q", "kv"):
     lists, counts, entries = _layout.visit_lists(cfg, g, None, None, None, by, mod_cls)
     counts = np.asarray(counts).reshape(lists.Bl, lists.R)
-    entries = np.asarray(entries).reshape(lists.Bl, lists.R, lists.W)
+    entries = lists.rows(entries).reshape(lists.Bl, lists.R, lists.W)
     assert lists.Bl == B
     for b in range(B):
       a = allowed[b] if by == "q" else allowed[b].T

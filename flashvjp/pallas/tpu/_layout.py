@@ -27,6 +27,7 @@ causal / window bounds (`static_width`), never the full kv length for local mask
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,7 @@ class Lists:
   Hl: int
   R: int
   W: int
+  slot_major: bool = False  # entries [W, Bl * Hl * R] (2-D), not flat [rows * W]
 
   def row(self, b, h, r):
     bb = b if self.Bl != 1 else 0
@@ -108,10 +110,39 @@ class Lists:
     return (bb * self.Hl + hh) * self.R + rr
 
   def entry(self, ent_ref, b, h, r, s):
+    if self.slot_major:  # entries [W, Bl * Hl * R]
+      return ent_ref[s, self.row(b, h, r)].astype(jnp.int32)
     return ent_ref[self.row(b, h, r) * self.W + s].astype(jnp.int32)
+
+  def rows(self, entries) -> np.ndarray:
+    """The entries as numpy [Bl * Hl * R, W], row by row, whichever way they are stored
+    (tests and benchmarks read the lists so)."""
+    e = np.asarray(entries)
+    return e.T.copy() if self.slot_major else e.reshape(self.Bl * self.Hl * self.R, self.W)
 
   def count(self, cnt_ref, b, h, r):
     return cnt_ref[self.row(b, h, r)].astype(jnp.int32)
+
+
+def _entries_dtype(n_cols: int):
+  # SMEM is small: int16 words when the entries fit (as splash attention downcasts).
+  return np.int16 if 2 * n_cols + 2 < 2**15 else np.int32
+
+
+@functools.lru_cache(maxsize=512)
+def _static_visit_lists(cfg: AttentionConfig, g: C.Geometry, by: str):
+  """`visit_lists` for causal / window / padding alone, in numpy (read-only constants)."""
+  cls = _mask.static_block_classes(C.mask_spec(cfg), g.bq, g.bk, g.nq, g.nk)
+  if by == "kv":
+    cls = cls.T
+  W = min(static_width(cfg, g, by), cls.shape[-1])
+  count, idx = _mask.compact_np(cls != _mask.EMPTY)
+  part = np.take_along_axis(cls, idx, axis=-1) == _mask.PARTIAL
+  entries = np.where(count[:, None] > 0, 2 * idx + part, 0)[:, :W]
+  small = _entries_dtype(cls.shape[-1])
+  count, entries = count.astype(small), np.ascontiguousarray(entries).reshape(-1).astype(small)
+  count.flags.writeable = entries.flags.writeable = False
+  return Lists(1, 1, cls.shape[0], W), count, entries
 
 
 def visit_lists(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p, by: str,
@@ -120,7 +151,14 @@ def visit_lists(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p, 
 
   q_seg_p / kv_seg_p: padded int32 segment ids (or None); mask_p: padded bool mask (or None);
   mod_cls: the mask_mod's block classes at these blocks (`_common.mod_classes`, or None).
+  Without any of them (no mask, causal, window, padding) the lists are numpy constants built
+  at trace time (`_static_visit_lists`, cached): the program computes nothing for them. With
+  them, the device computes the block classes and then the lists from one running count and
+  one fusion of compares and sums (`_mask._compact`'s way: no sort, no gather).
   """
+  static = q_seg_p is None and mask_p is None and mod_cls is None
+  if static and _mask.static_constants_allowed():
+    return _static_visit_lists(cfg, g, by)
   spec = C.mask_spec(cfg)
   # `_mask.block_lists`, on classes broadcast to every (q block, kv block): where nothing
   # varies along the rows, block_classes returns a size-1 row dim, which by="kv" would
@@ -129,28 +167,49 @@ def visit_lists(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p, 
   cls = jnp.broadcast_to(cls, cls.shape[:2] + (g.nq, g.nk))
   if by == "kv":
     cls = jnp.swapaxes(cls, -1, -2)
-  bl = _mask.BlockLists(*_mask._compact(cls == _mask.PARTIAL), *_mask._compact(cls == _mask.FULL))
-  W = min(static_width(cfg, g, by), bl.partial.shape[-1])
-  n_cols = bl.partial.shape[-1]
-  pos = lax.broadcasted_iota(jnp.int32, bl.partial.shape, bl.partial.ndim - 1)
-  big = jnp.int32(2 * n_cols + 2)
-  kp = jnp.where(pos < bl.num_partial[..., None], 2 * bl.partial + 1, big)
-  kf = jnp.where(pos < bl.num_full[..., None], 2 * bl.full, big)
-  keys = jnp.sort(jnp.concatenate([kp, kf], axis=-1), axis=-1)[..., :W]
-  count = (bl.num_partial + bl.num_full).astype(jnp.int32)
-  last = jnp.take_along_axis(keys, jnp.clip(count - 1, 0, W - 1)[..., None], axis=-1)
-  last = jnp.where(count[..., None] > 0, last, 0)
-  posw = lax.broadcasted_iota(jnp.int32, keys.shape, keys.ndim - 1)
-  entries = jnp.where(posw < count[..., None], keys, last).astype(jnp.int32)
+  n_cols = cls.shape[-1]
+  W = min(static_width(cfg, g, by), n_cols)
+  # The visiting order is every non-empty block in increasing order, entry = 2 * block +
+  # needs_mask; past the count, the last entry again (0 for an empty row). With c the running
+  # count of non-empty blocks and p slot p clipped to count - 1: slot p's block is
+  # #{j : c[j] <= p} and it needs the mask when the one block j with c[j] == p + 1 that is
+  # non-empty (the first such j) is partial, so the entry is one sum over j (one fusion after
+  # the running count; -1 for an empty row makes it 0).
+  sel = cls != _mask.EMPTY
+  part = cls == _mask.PARTIAL
+  # The running count as one matmul with a triangle of ones (exact: 0 / 1 in bfloat16, sums
+  # in float32), which XLA fuses with the classification feeding it (a cumsum is a
+  # reduce-window of its own).
+  tri: np.ndarray | jax.Array
+  if _mask.static_constants_allowed():
+    tri = np.triu(np.ones((n_cols, n_cols), jnp.bfloat16))  # tri[j', j] = j' <= j
+  else:
+    tri = (lax.broadcasted_iota(jnp.int32, (n_cols, n_cols), 0)
+           <= lax.broadcasted_iota(jnp.int32, (n_cols, n_cols), 1)).astype(jnp.bfloat16)
+  c = jnp.dot(sel.astype(jnp.bfloat16), tri, preferred_element_type=jnp.float32)
+  c = c.astype(jnp.int32)
+  count = c[..., -1]
   Bl, Hl, R = count.shape
-  # SMEM is small: int16 words when the entries fit (as splash attention downcasts).
-  small = jnp.int16 if 2 * n_cols + 2 < 2**15 else jnp.int32
-  return Lists(Bl, Hl, R, W), count.reshape(-1).astype(small), entries.reshape(-1).astype(small)
+  p = lax.broadcasted_iota(jnp.int32, count.shape + (W, 1), count.ndim)
+  p = jnp.minimum(p, count[..., None, None] - 1)
+  cj = c[..., None, :]  # [..., 1, n_cols]
+  small = _entries_dtype(n_cols)
+  entries = jnp.sum(2 * (cj <= p).astype(small) + ((cj == p + 1) & part[..., None, :]).astype(small),
+                    axis=-1, dtype=small)
+  # Stored slot-major (entry of (row, slot) at slot * rows + row): XLA:TPU lays a [rows, W]
+  # array with the rows minor when W is small, and reads that layout as this flat order
+  # without a relayout copy.
+  entries = entries.reshape(Bl * Hl * R, W).T  # [W, rows]: 2-D in SMEM, no flattening relayout
+  return Lists(Bl, Hl, R, W, slot_major=True), count.reshape(-1).astype(small), entries
 
 
 def block_class_table(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p,
                       mod_cls=None):
-  """(Bl, Hl, flat int8 [Bl * Hl * nq * nk]): EMPTY / PARTIAL / FULL per block pair (SMEM)."""
+  """(Bl, Hl, flat int8 [Bl * Hl * nq * nk]): EMPTY / PARTIAL / FULL per block pair (SMEM);
+  numpy constants without segment ids, a dense mask or a mask_mod."""
+  if q_seg_p is None and mask_p is None and mod_cls is None and (
+      _mask.static_constants_allowed()):
+    return 1, 1, _mask.static_block_classes(C.mask_spec(cfg), g.bq, g.bk, g.nq, g.nk).reshape(-1)
   cls = _mask.block_classes(C.mask_spec(cfg), q_seg_p, kv_seg_p, mask_p, g.bq, g.bk, g.nq,
                             g.nk, mod_cls)
   cls = jnp.broadcast_to(cls, cls.shape[:2] + (g.nq, g.nk))
