@@ -687,7 +687,14 @@ def explain(query, key, value, *, layout: str | None = None, target=None,
   if target is not None:
     target = _target.named(target)
   if layout == "BSHD":
-    _check_qkv(query, key, value, allow_shapes=True)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+      if not _is_array(x, True):
+        raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}")
+      if x.ndim != 4:
+        raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim] (layout"
+                         f" 'BSHD'), got shape {x.shape}")
+    # the rest of `_check_qkv` once read as [batch, heads, seq, head_dim] (in `_prepare`):
+    # read as BHSD here it would take seq_kv for num_kv_heads (decoding: T != S, GQA)
     if target is None:  # the inputs' target, read before they become shapes
       target = _target.of(query, key, value)
     query, key, value = (_as_bhsd(x) for x in (query, key, value))
