@@ -215,3 +215,14 @@ def test_plain_jit_sequence_sharded():
                         mask=_dense(T, S, kv_len), return_lse=True)
   assert rep.passed, str(rep)
   assert any(e.stage == "partition" and e.detail is not None for e in events), events
+
+
+def test_a_user_mask_mods_ring_hint_is_kept():
+  """The AND is inside the user's mask, so its kv_intervals hint (the ring skips chunk pairs
+  outside it) still holds; the per-sequence bound adds none (the offsets may be traced)."""
+  from flashvjp import _api
+  user = flashvjp.chunked(16)
+  causal, mod = _api._per_sequence_causal(None, jnp.asarray([30, 64, 7]), B, 4, 64, user)
+  assert causal == "bottom_right" and mod.kv_intervals is user.kv_intervals
+  causal, mod = _api._per_sequence_causal(jnp.asarray([1, 4, 2]), None, B, 4, 64)
+  assert causal is False and not hasattr(mod, "kv_intervals")
