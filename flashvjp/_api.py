@@ -207,6 +207,39 @@ def _align_causal(causal, window, seq_q: int, seq_kv: int):
   return False, (left, d if right is None else min(right, d))
 
 
+def _per_sequence_causal(q_lengths, kv_lengths, batch: int, seq_q: int, seq_kv: int,
+                         mask_mod=None):
+  """The drop-in's ``is_causal="bottom_right"`` with sequence lengths: (causal, mask_mod).
+
+  Each sequence's diagonal ends at its own lengths (FlashAttention's ``cache_seqlens``, a
+  decoding loop over a partly filled KV cache): ``kv_pos <= q_pos + off[b]`` with
+  ``off[b] = kv_len[b] - q_len[b]`` (kv_len defaults to seq_kv, q_len to seq_q), an int32
+  [batch] array read per batch index by a mask_mod (ANDed with the user's `mask_mod`, whose
+  ring hint it keeps). Without q lengths ``off[b] <= seq_kv - seq_q``, so the static
+  bottom-right bound holds as well and stays (whole blocks skipped statically); with them
+  an offset may exceed it (fewer valid queries than seq_q), and causal is False. The
+  lengths themselves still become segment ids (padding), as for any drop-in call.
+  """
+  def full(n):
+    return jnp.full((batch,), n, jnp.int32)
+  q_n = full(seq_q) if q_lengths is None else jnp.asarray(q_lengths, jnp.int32)
+  kv_n = full(seq_kv) if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
+  off = kv_n - q_n
+
+  def aligned(b, h, q_idx, kv_idx):
+    del h
+    return kv_idx <= q_idx + off[b]
+
+  mod = aligned
+  if mask_mod is not None:
+    def mod(b, h, q_idx, kv_idx):
+      return aligned(b, h, q_idx, kv_idx) & mask_mod(b, h, q_idx, kv_idx)
+    hint = getattr(mask_mod, "kv_intervals", None)
+    if hint is not None:  # a superset of the user's mask is one of the AND too
+      mod.kv_intervals = hint  # type: ignore[attr-defined]
+  return ("bottom_right" if q_lengths is None else False), mod
+
+
 def _check_block(name, b):
   if b is None:
     return None
@@ -552,7 +585,13 @@ def flash_attention(
       (kv_pos <= q_pos + seq_kv - seq_q: the last query sees the last key, as
       FlashAttention and PyTorch's causal_lower_right; for chunked prefill and decoding
       against a KV cache). The same when seq_q == seq_kv. With seq_q > seq_kv, bottom-right
-      leaves the first seq_q - seq_kv rows nothing (out 0, lse -inf).
+      leaves the first seq_q - seq_kv rows nothing (out 0, lse -inf). The bound is the
+      buffer's (the arrays' seq_q and seq_kv) also with `segment_ids` or a `mask`:
+      segment ids may pack many sequences of any lengths, so they do not move the
+      diagonal. To align it to each sequence's own lengths (a KV cache buffer partly
+      filled), use `flashvjp.dot_product_attention(..., is_causal="bottom_right",
+      key_value_seq_lengths=..., query_seq_lengths=...)` (docs/decoding.md), or a
+      mask_mod ``kv_idx <= q_idx + off[b]`` with ``off = kv_len - q_len`` int32 [batch].
     window: (left, right): q_pos - left <= kv_pos <= q_pos + right; None side = unbounded.
     segment_ids: int [batch, seq] (seq_q == seq_kv) or (q_ids [batch, seq_q], kv_ids [batch, seq_kv]).
     score_mod: (scores, b, h, q_idx, kv_idx) -> scores, elementwise; arrays it closes over
@@ -686,8 +725,16 @@ def explain(query, key, value, *, layout: str | None = None, target=None,
                     " layout='BHSD' use flash_attention's (causal, window, segment_ids)")
   if target is not None:
     target = _target.named(target)
+  per_sequence = ""
   if layout == "BSHD":
-    _check_qkv(query, key, value, allow_shapes=True)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+      if not _is_array(x, True):
+        raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}")
+      if x.ndim != 4:
+        raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim] (layout"
+                         f" 'BSHD'), got shape {x.shape}")
+    # the rest of `_check_qkv` once read as [batch, heads, seq, head_dim] (in `_prepare`):
+    # read as BHSD here it would take seq_kv for num_kv_heads (decoding: T != S, GQA)
     if target is None:  # the inputs' target, read before they become shapes
       target = _target.of(query, key, value)
     query, key, value = (_as_bhsd(x) for x in (query, key, value))
@@ -701,6 +748,16 @@ def explain(query, key, value, *, layout: str | None = None, target=None,
     if ql is not None or kvl is not None:  # the drop-in's lengths become segment ids
       B, Sq, Skv = query.shape[0], query.shape[2], key.shape[2]
       kwargs["segment_ids"] = (np.zeros((B, Sq), np.int32), np.zeros((B, Skv), np.int32))
+      if kwargs.get("causal") == "bottom_right":  # aligned to each sequence's lengths
+        zeros = lambda x: None if x is None else np.zeros((B,), np.int32)
+        kwargs["causal"], kwargs["mask_mod"] = _per_sequence_causal(
+            zeros(ql), zeros(kvl), B, Sq, Skv, kwargs.get("mask_mod"))
+        per_sequence = (
+            "; is_causal='bottom_right' with sequence lengths: aligned to each sequence's"
+            " lengths, kv_pos <= q_pos + kv_len[b] - q_len[b] (the offsets int32[batch]:"
+            " mask_mod[0]; " + ("the static bound kv_pos <= q_pos + seq_kv - seq_q kept too)"
+                                if ql is None else "no static bound: with query lengths an"
+                                " offset may exceed seq_kv - seq_q)"))
   params = dict(bias=None, mask=None, causal=False, window=None, segment_ids=None,
                 score_mod=None, scale=None, dropout_rate=0.0, dropout_rng=None,
                 deterministic=True, implementation=None, block_q=None, block_kv=None,
@@ -717,7 +774,8 @@ def explain(query, key, value, *, layout: str | None = None, target=None,
                   ((cfg.score_mod, "score_mod"), (cfg.mask_mod, "mask_mod")) if fn is not None),
                  ())
   decision = dataclasses.replace(
-      decision, reading=f"query read as {layout}: batch {B}, heads {H}, seq {Sq}, head_dim {D}",
+      decision, reading=(f"query read as {layout}: batch {B}, heads {H}, seq {Sq}, head_dim"
+                         f" {D}{per_sequence}"),
       operands=operands)
   sharding = getattr(query, "sharding", None)
   spec = getattr(sharding, "spec", None)

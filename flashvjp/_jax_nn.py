@@ -8,6 +8,7 @@ Room: ecosystem adapter. Translates jax.nn's layout and arguments into one
     [batch, seq, heads, head_dim]         [batch, heads, seq, head_dim] (transposed)
     [seq, heads, head_dim] (rank 3)       batch of 1, squeezed again on the way out
     is_causal                             causal (top-left aligned, as jax.nn)
+    is_causal="bottom_right" + lengths    a mask_mod: kv <= q + kv_len[b] - q_len[b]
     local_window_size=w or (l, r)         window=(w, w) or (l, r)
     query_seq_lengths [batch]             q segment ids: 0 where pos < len, else -1
     key_value_seq_lengths [batch]         kv segment ids: 0 where pos < len, else -2
@@ -15,7 +16,9 @@ Room: ecosystem adapter. Translates jax.nn's layout and arguments into one
 
 Sequence lengths become segment ids, never a dense [batch, heads, seq_q, seq_kv]
 mask, so memory stays O(seq). Padded query rows (pos >= query_seq_lengths) give 0,
-as in jax.nn.
+as in jax.nn. With is_causal="bottom_right" the lengths also place each sequence's
+diagonal (a KV cache partly filled: docs/decoding.md), through an int32 [batch] offset
+read per batch index by a mask_mod (`_api._per_sequence_causal`).
 
 The one intended difference: a query row with no allowed key (for example
 key_value_seq_lengths == 0, or a mask row that is all False) gives 0 here, while
@@ -91,9 +94,17 @@ def dot_product_attention(
     scale: logit scale (default 1 / sqrt(H)): a Python float, or a scalar array such as
       a traced, learned temperature (differentiable, as in jax.nn; see flash_attention).
     is_causal: key position <= query position (top-left aligned when T != S, as
-      jax.nn). flashvjp extension: ``"bottom_right"`` aligns the ends (key position <=
-      query position + S - T), as FlashAttention and PyTorch's causal_lower_right.
-    query_seq_lengths: int [B]; query rows at positions >= length output 0.
+      jax.nn; lengths do not move it). flashvjp extension: ``"bottom_right"`` aligns the
+      ends, as FlashAttention and PyTorch's causal_lower_right: key position <= query
+      position + S - T, and with `key_value_seq_lengths` and/or `query_seq_lengths` the
+      ends of each sequence: key position <= query position + kv_len[b] - q_len[b]
+      (kv_len defaults to S, q_len to T), FlashAttention's ``cache_seqlens``. That is
+      decoding against a KV cache buffer of S keys of which kv_len[b] are filled, the
+      T new queries (q_len[b] of them real) being the last tokens of sequence b: a decode
+      step (T = 1) or a chunk (chunked prefill, speculative decoding); docs/decoding.md.
+      A query row whose sequence has fewer keys than queries before it sees nothing (0).
+    query_seq_lengths: int [B]; query rows at positions >= length output 0 (and get
+      zero gradients).
     key_value_seq_lengths: int [B]; keys at positions >= length are ignored.
     local_window_size: int w (= (w, w)) or (left, right): query t attends keys in
       [t - left, t + right]. A None side is unbounded (flashvjp extension).
@@ -105,7 +116,8 @@ def dot_product_attention(
       (or [T, N]). Unlike jax.nn's it is differentiable, and -inf for a row with
       no allowed key.
     mask_mod: flashvjp extension (keyword only): ``(b, h, q_idx, kv_idx) -> bool`` with
-      h the query head N (see `flashvjp.flash_attention`); ANDed with the other masks.
+      h the query head N (see `flashvjp.flash_attention`); ANDed with the other masks
+      (with ``is_causal="bottom_right"`` and lengths, with the per-sequence diagonal).
     sinks: flashvjp extension (keyword only): float [N], differentiable attention sinks.
     return_max_logits: flashvjp extension (keyword only): also return the max logits,
       float32 [B, N] (or [N]; `flash_attention`'s ``return_max_logits``: no gradient),
@@ -155,12 +167,15 @@ def dot_product_attention(
   q_len = _lengths("query_seq_lengths", query_seq_lengths, B)
   kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, B)
   segment_ids = _segment_ids(q_len, kv_len, B, T, S)
+  causal = is_causal
+  if is_causal == "bottom_right" and segment_ids is not None:  # each sequence's own end
+    causal, mask_mod = _api._per_sequence_causal(q_len, kv_len, B, T, S, mask_mod)
 
   to_bnth = lambda x: jnp.swapaxes(x, 1, 2)
   # flash_attention takes a scalar-array scale too; its annotation (float | None) is the narrow
   # one. (Drop the ignore when _api widens it: warn_unused_ignores will say so.)
   result = _api.flash_attention(
-      to_bnth(query), to_bnth(key), to_bnth(value), bias=bias, mask=mask, causal=is_causal,
+      to_bnth(query), to_bnth(key), to_bnth(value), bias=bias, mask=mask, causal=causal,
       window=window, segment_ids=segment_ids, scale=scale,  # type: ignore[arg-type]
       return_lse=return_residual, implementation=implementation, mask_mod=mask_mod, sinks=sinks,
       return_max_logits=return_max_logits)

@@ -60,7 +60,7 @@ def test_snippets_found():
 # The user-facing pages whose snippets must run (a page that lost its runnable snippets, or
 # left FILES, would silently stop being checked).
 PAGES = ("README.md", "getting_started.md", "implementations.md", "distributed.md", "testing.md",
-         "ecosystem.md", "forward_mode.md")
+         "ecosystem.md", "forward_mode.md", "decoding.md")
 
 
 def test_user_pages_have_running_snippets():

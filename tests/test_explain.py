@@ -62,6 +62,15 @@ def test_drop_in_layout_and_keywords(mesh):
   assert "BHSD: batch 2, heads 4, seq 256" in str(want)
   # the jax.nn layout said out loud, no keyword needed
   assert "heads 4" in flashvjp.explain(bshd, bshd, bshd, layout="BSHD").reading
+  # the jax.nn layout with seq_q != seq_kv and GQA (decoding) is checked as BSHD, not read
+  # as [batch, heads, seq, head_dim] (seq_kv taken for the kv heads)
+  dec = flashvjp.explain(jax.ShapeDtypeStruct((2, 4, 8, 16), jnp.float32),
+                         *(jax.ShapeDtypeStruct((2, 64, 2, 16), jnp.float32),) * 2,
+                         is_causal="bottom_right")
+  assert "BSHD: batch 2, heads 8, seq 4" in str(dec)
+  with pytest.raises(ValueError, match=r"key must have rank 4 \[batch, seq, heads"):
+    flashvjp.explain(bshd, jax.ShapeDtypeStruct((2, 256, 4), jnp.float32), bshd,
+                     is_causal=True)
   with pytest.raises(TypeError, match="is_causal.*layout='BHSD'"):
     flashvjp.explain(bhsd, bhsd, bhsd, is_causal=True, layout="BHSD")
   with pytest.raises(ValueError, match="layout must be"):
