@@ -26,9 +26,9 @@ FLOORS = {
     "blockwise": 1, "pallas": 1,
     "_partition": 2, "_strategy": 2, "ring": 2,
     "_vjp": 3, "_dispatch": 3,
-    "_api": 4,
-    "distributed": 5, "_jax_nn": 5, "flax": 5, "_flax_modules": 5, "_check": 5, "testing": 5,
-    "_bench": 6, "_plan": 6, "cli": 6, "__main__": 6, "__init__": 6,
+    "_api": 4, "_check": 4,
+    "distributed": 5, "_jax_nn": 5, "flax": 5, "_flax_modules": 5, "testing": 5,
+    "_bench": 6, "_plan": 6, "_selfcheck": 6, "cli": 6, "__main__": 6, "__init__": 6,
 }
 
 
