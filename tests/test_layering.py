@@ -27,7 +27,7 @@ FLOORS = {
     "_partition": 2, "_strategy": 2, "ring": 2,
     "_vjp": 3, "_dispatch": 3,
     "_api": 4, "_check": 4,
-    "distributed": 5, "_jax_nn": 5, "flax": 5, "_flax_modules": 5, "testing": 5,
+    "distributed": 5, "_jax_nn": 5, "flax": 5, "_flax_fn": 5, "_flax_modules": 5, "testing": 5,
     "_bench": 6, "_plan": 6, "_selfcheck": 6, "cli": 6, "__main__": 6, "__init__": 6,
 }
 
