@@ -22,13 +22,13 @@ import flax.linen as nn
 import jax.numpy as jnp
 from flax import nnx
 
+from flashvjp import _flax_fn
 from flashvjp import _score_mod
-from flashvjp import flax as _adapter
 
 
 def _attention_fn(causal, window, implementation, table, max_distance, sinks):
   score_mod = None if table is None else _score_mod.relative_position_bias(table, max_distance)
-  return _adapter.make_attention_fn(causal=causal, window=window, score_mod=score_mod,
+  return _flax_fn.make_attention_fn(causal=causal, window=window, score_mod=score_mod,
                                     sinks=sinks, implementation=implementation)
 
 

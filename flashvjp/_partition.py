@@ -242,15 +242,15 @@ def _call_backend(name, kind, cfg, base, extra, mod, kw):
 
 def _has_ordered_effects(name: str, cfg) -> bool:
   """Kernels run through ordered-effect callbacks, which custom_partitioning cannot lower,
-  run unpartitioned (replicated): the Mosaic-TPU simulator (`flashvjp.pallas.tpu.
+  run unpartitioned (replicated): the Mosaic-TPU simulator (`flashvjp.pallas.tpu._interpret.
   INTERPRET_PARAMS`, a test hook) and the Mosaic-GPU interpret mode (how CPU runs that
   family)."""
   if name == "pallas_mosaic_gpu":
     return bool(cfg.interpret)
   if name != "pallas_tpu":
     return False
-  from flashvjp.pallas import tpu
-  return tpu.INTERPRET_PARAMS is not None
+  from flashvjp.pallas.tpu import _interpret
+  return _interpret.INTERPRET_PARAMS is not None
 
 
 def _parts(cfg, sig, arrays):

@@ -101,7 +101,8 @@ def _check_rows(args):
   import jax.numpy as jnp
 
   import flashvjp
-  from flashvjp import _check as check
+  from flashvjp import _check
+  from flashvjp import _selfcheck as check
 
   start = time.perf_counter()
   plat = jax.default_backend()
@@ -136,7 +137,7 @@ def _check_rows(args):
   print(f"flashvjp {flashvjp.__version__}, jax {jax.__version__}, platform {plat}")
   print(f"Checking output and gradients (dq, dk, dv and more) of {', '.join(impls)} against naive"
         f" attention in float64: {len(features)} features x {len(impls)} = {n_rows} rows.")
-  tols = {impl: check.tolerance(dtype, impl) for impl in impls}
+  tols = {impl: _check.tolerance(dtype, impl) for impl in impls}
   if len(set(tols.values())) == 1:
     tol_text = f"{tols[impls[0]]:g}"
   else:  # float32 through TF32 matmuls (Pallas-Triton's default precision) gets a wider one
@@ -198,7 +199,7 @@ def _check_rows(args):
 
 def _feature_arg(name: str) -> str:
   """A feature name, or an unambiguous start of one ("window", "mask", "dropout")."""
-  from flashvjp import _check as check
+  from flashvjp import _selfcheck as check
   if name in check.FEATURES:
     return name
   hits = [f for f in check.FEATURES if f.startswith(name)]

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import flashvjp
-from flashvjp import _check
+from flashvjp import _selfcheck
 from flashvjp import cli
 
 
@@ -46,7 +46,7 @@ def test_pass_rule_is_stated_once_everywhere(capsys):
 
 def test_features_match_the_checked_list():
   import jax.numpy as jnp  # noqa: F401
-  assert tuple(name for name, _ in _check._features(1, 4, 70)) == _check.FEATURES
+  assert tuple(name for name, _ in _selfcheck._features(1, 4, 70)) == _selfcheck.FEATURES
 
 
 def test_check_prints_each_row_and_a_summary(capsys):
@@ -90,13 +90,13 @@ def test_run_reports_rows_as_they_finish_and_unsupported_features(monkeypatch):
 
   monkeypatch.setattr(flashvjp, "explain", explain)
   seen = []
-  rows = _check.run(["naive"], features=["plain", "causal"], S=20, D=8,
-                    on_row=lambda r: seen.append((r.feature, r.passed, r.skipped)))
+  rows = _selfcheck.run(["naive"], features=["plain", "causal"], S=20, D=8,
+                        on_row=lambda r: seen.append((r.feature, r.passed, r.skipped)))
   assert seen == [("plain", True, None),
                   ("causal", False, "implementation='naive' cannot run this input: test refusal")]
   assert rows[1].errors == () and rows[0].seconds > 0
   with pytest.raises(ValueError, match="features"):
-    _check.run(["naive"], features=["nope"])
+    _selfcheck.run(["naive"], features=["nope"])
 
 
 def test_check_fails_loudly(monkeypatch, capsys):

@@ -37,6 +37,8 @@ _WHY = _compat.unavailable()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"Mosaic-GPU Pallas: {_WHY}")
 
 if _WHY is None:
+  from flashvjp.pallas.mosaic_gpu import _ring
+  from flashvjp.pallas.mosaic_gpu import _tile
   from flashvjp.pallas.mosaic_gpu import backward as mgpu_backward
 
 
@@ -165,12 +167,12 @@ def test_dropout_hash_split(broadcast):
   are exactly `_dropout.keep`'s, for every (b, h, q, kv) of a small grid (no kernel run)."""
   B, H, S = 2, 3, 80
   cfg = _cfg(S, S, 64, dropout_rate=0.3, dropout_broadcast=broadcast)
-  blk = mgpu_backward._BLOCK
+  blk = _ring._BLOCK
   g = Geometry(B=B, H=H, Hkv=H, Sq=S, Skv=S, D=64, Dv=64, bq=blk, bk=blk, Dp=64, Dvp=64)
   seed = jnp.asarray([0x1234567, 0x89ABCDE], jnp.uint32)
-  cq, cq2 = mgpu_backward._dropout_rows(cfg, seed, g)
+  cq, cq2 = _tile._dropout_rows(cfg, seed, g)
   kv = jnp.arange(S, dtype=jnp.int32)[None, None, None, :]
-  got = mgpu_backward._keep(cfg, kv, cq[..., :S, None], cq2[..., :S, None]) > 0
+  got = _tile._keep(cfg, kv, cq[..., :S, None], cq2[..., :S, None]) > 0
   b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
   h = jnp.arange(H, dtype=jnp.int32)[None, :, None, None]
   q = jnp.arange(S, dtype=jnp.int32)[None, None, :, None]
@@ -339,19 +341,19 @@ _REPORTS = ("RACE DETECTED", "no threads observed phase")
 
 def assert_mutation_caught(monkeypatch, name, run):
   """`run()` (a call of the backward's kernels, or of kernels sharing their ring protocol)
-  is clean; with the mutation `name` (`backward._MUTATIONS`: one synchronisation step
+  is clean; with the mutation `name` (`_ring._MUTATIONS`: one synchronisation step
   removed) the interpreter reports the hazard. Leaves the interpreter reset."""
-  assert name in mgpu_backward._MUTATIONS
+  assert name in _ring._MUTATIONS
   _compat.reset_interpret_state()
   jax.block_until_ready(run())  # the same call, unmutated: clean
   assert not _compat.interpret_races_found()
-  monkeypatch.setattr(mgpu_backward, "_TEST_MUTATION", name)
+  monkeypatch.setattr(_ring, "_TEST_MUTATION", name)
   _compat.reset_interpret_state()
   try:
     with pytest.raises(Exception) as info:
       jax.block_until_ready(run())
   finally:
-    monkeypatch.setattr(mgpu_backward, "_TEST_MUTATION", None)
+    monkeypatch.setattr(_ring, "_TEST_MUTATION", None)
     _compat.reset_interpret_state()
     jax.clear_caches()
   text = str(info.value)

@@ -21,7 +21,7 @@ from flashvjp import _config
 from flashvjp import _dispatch
 from flashvjp import _mask
 from flashvjp.pallas import _compat
-from flashvjp.pallas import tpu as pallas_tpu
+from flashvjp.pallas.tpu import _interpret as tpu_interpret
 from flashvjp.pallas.tpu import _layout
 from flashvjp.pallas.tpu import _limits
 from tests import _util
@@ -80,7 +80,7 @@ def test_mosaic_simulator_subset(name, monkeypatch):
     pytest.skip("this jax has no pltpu.InterpretParams")
   # (The simulator's callbacks are ordered effects, which custom_partitioning cannot lower:
   # with INTERPRET_PARAMS set, the partitioning wrapper calls the kernels directly.)
-  monkeypatch.setattr(pallas_tpu, "INTERPRET_PARAMS", params)
+  monkeypatch.setattr(tpu_interpret, "INTERPRET_PARAMS", params)
   got = run_case("pallas_tpu", name, jnp.float32)
   ref = run_case("naive", name, jnp.float32)
   _util.assert_close(got, ref, jnp.float32, what=f"pallas_tpu[InterpretParams]/{name}")
@@ -92,7 +92,7 @@ def test_mosaic_simulator_several_blocks(monkeypatch):
   params = _compat.tpu_interpret_params(detect_races=True)
   if params is None:
     pytest.skip("this jax has no pltpu.InterpretParams")
-  monkeypatch.setattr(pallas_tpu, "INTERPRET_PARAMS", params)
+  monkeypatch.setattr(tpu_interpret, "INTERPRET_PARAMS", params)
   q, k, v = _util.random_qkv(0, 1, 2, 1, 256, 384, 32, 16)
   bias = jax.random.normal(jax.random.key(1), (1, 2, 1, 384), jnp.float32)
   with jax.default_matmul_precision("highest"):

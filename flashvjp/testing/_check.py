@@ -1,10 +1,11 @@
 """`check` / `assert_close`: an attention function against autodiff of float64 naive attention.
 
 Room: testing (public gradient checks). Calls the public API (`flashvjp.flash_attention`,
-`flashvjp.dot_product_attention` with implementation="naive" as the reference) and the
-score_mod / mask_mod closure conversion (`flashvjp._score_mod.convert`,
-`flashvjp._mask_mod.convert`) to find the arrays a mod closes over; the tolerances are
-the one table in `flashvjp._check`.
+`flashvjp.dot_product_attention` with implementation="naive" as the reference), imported
+from the modules that define them (`flashvjp._api`, `flashvjp._jax_nn`: the package's
+`__init__` imports this one), and the score_mod / mask_mod closure conversion
+(`flashvjp._score_mod.convert`, `flashvjp._mask_mod.convert`) to find the arrays a mod
+closes over; the tolerances are the one table in `flashvjp._check`.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flashvjp import _api
 from flashvjp import _check as _tables
+from flashvjp import _jax_nn
 from flashvjp import _mask_mod
 from flashvjp import _score_mod
 from flashvjp.testing._compare import SCALE_FLOOR
@@ -187,14 +190,13 @@ def _names_in_order(diff) -> list:
 
 
 def _tolerance_for(fn, dtype, kwargs, layout, query, key, value) -> float:
-  import flashvjp
   impl = kwargs.get("implementation")
   if not isinstance(impl, str) or impl not in ("naive", "blockwise", "pallas", "pallas_triton",
                                                "pallas_tpu", "pallas_mosaic_gpu"):
     impl = None
-  if impl is None and fn is flashvjp.flash_attention and layout == "BHSD":
+  if impl is None and fn is _api.flash_attention and layout == "BHSD":
     try:
-      impl = flashvjp.explain(query, key, value, **kwargs).implementation
+      impl = _api.explain(query, key, value, **kwargs).implementation
     except (TypeError, ValueError):
       impl = None
   return _tables.tolerance(dtype, impl or "naive")
@@ -248,10 +250,9 @@ def check(fn: Callable | None = None, *, query, key, value, layout: str = "BHSD"
                            implementation="blockwise")
     assert report.passed, report   # compares out, dq, dk, dv and d score_mod[0]
   """
-  import flashvjp
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-  fn = flashvjp.flash_attention if fn is None else fn
+  fn = _api.flash_attention if fn is None else fn
   if not callable(fn):
     raise TypeError(f"fn must be callable, got {type(fn).__name__}")
   for name, x in (("query", query), ("key", key), ("value", value)):
@@ -295,7 +296,7 @@ def check(fn: Callable | None = None, *, query, key, value, layout: str = "BHSD"
   w_out = np.asarray(jnp.asarray(rng.standard_normal(out_shape.shape), out_shape.dtype))
 
   # The reference: autodiff of naive attention in float64, always with lse.
-  ref_fn = flashvjp.flash_attention if layout == "BHSD" else flashvjp.dot_product_attention
+  ref_fn = _api.flash_attention if layout == "BHSD" else _jax_nn.dot_product_attention
   ref_base = {n: x for n, x in kwargs.items() if n not in _HOW[layout]}
   ref_base.update({"return_lse" if layout == "BHSD" else "return_residual": True},
                   implementation="naive")

@@ -35,6 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flashvjp import _mask_mod
+from flashvjp import _score_mod
+
 FEATURES = ("causal", "window", "segment_ids", "mask", "bias", "softcap", "alibi",
             "relative_position_bias", "prefix_lm", "chunked", "sliding_window_with_global",
             "sinks", "scale", "array_scale", "dropout")
@@ -67,7 +70,6 @@ def problems(draw, dtypes: Sequence = (jnp.float32,), features: Sequence[str] = 
   Returns (a strategy of) dict(query=..., key=..., value=..., **flash_attention options);
   pass it on with ``check(fn, **problem)``.
   """
-  import flashvjp
   unknown = sorted(set(features) - set(FEATURES))
   if unknown:
     raise ValueError(f"features must be among {FEATURES}, got unknown {unknown}")
@@ -108,21 +110,21 @@ def problems(draw, dtypes: Sequence = (jnp.float32,), features: Sequence[str] = 
   if mods:
     m = mods[0]
     if m == "softcap":
-      out["score_mod"] = flashvjp.softcap(float(draw(st.floats(1.0, 20.0))))
+      out["score_mod"] = _score_mod.softcap(float(draw(st.floats(1.0, 20.0))))
     elif m == "alibi":
-      out["score_mod"] = flashvjp.alibi(flashvjp.alibi_slopes(H).astype(dtype))
+      out["score_mod"] = _score_mod.alibi(_score_mod.alibi_slopes(H).astype(dtype))
     else:
       dist = draw(st.integers(1, 8))
       table = jnp.asarray(0.3 * rng.standard_normal((H, 2 * dist + 1)), dtype)
-      out["score_mod"] = flashvjp.relative_position_bias(table, max_distance=dist)
+      out["score_mod"] = _score_mod.relative_position_bias(table, max_distance=dist)
   if mask_mods:
     m = mask_mods[0]
     if m == "prefix_lm":
-      out["mask_mod"] = flashvjp.prefix_lm(jnp.asarray(rng.integers(0, Sq + 1, B), jnp.int32))
+      out["mask_mod"] = _mask_mod.prefix_lm(jnp.asarray(rng.integers(0, Sq + 1, B), jnp.int32))
     elif m == "chunked":
-      out["mask_mod"] = flashvjp.chunked(draw(st.integers(1, 32)), causal=draw(st.booleans()))
+      out["mask_mod"] = _mask_mod.chunked(draw(st.integers(1, 32)), causal=draw(st.booleans()))
     else:
-      out["mask_mod"] = flashvjp.sliding_window_with_global(draw(st.integers(1, 16)),
+      out["mask_mod"] = _mask_mod.sliding_window_with_global(draw(st.integers(1, 16)),
                                                             draw(st.integers(0, 4)))
   return out
 

@@ -2,7 +2,10 @@
 
 Room: Pallas Mosaic-GPU backend (backward). Probabilities are recomputed from the saved
 logsumexp in the exp2 domain; nothing O(seq_q * seq_kv) is kept or written; no atomics:
-every output block is written by exactly one program (bitwise deterministic).
+every output block is written by exactly one program (bitwise deterministic). The ring
+protocol below is `_ring`'s and the per-tile math (`_probs`, `_dscores`, dropout's `_keep`)
+`_tile`'s, shared with the d(rel) kernel (`drel`, which this module calls) and the tangent
+kernel (`tangent`, which builds on this module).
 
 Both kernels run two warpgroups per program (`plgpu.kernel`, num_threads=2):
 
@@ -102,41 +105,53 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from flashvjp import _ad_compat as _ac
 from flashvjp import _delta
-from flashvjp import _dropout
 from flashvjp import _mask
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas.mosaic_gpu import _compat
 from flashvjp.pallas.mosaic_gpu import _rel
+from flashvjp.pallas.mosaic_gpu import drel as _drel
 from flashvjp.pallas.mosaic_gpu import forward as F
+from flashvjp.pallas.mosaic_gpu._ring import _BLOCK
+from flashvjp.pallas.mosaic_gpu._ring import _PAIRS
+from flashvjp.pallas.mosaic_gpu._ring import _STAGES
+from flashvjp.pallas.mosaic_gpu._ring import _WARPGROUPS
+from flashvjp.pallas.mosaic_gpu._ring import _block
+from flashvjp.pallas.mosaic_gpu._ring import _i32
+from flashvjp.pallas.mosaic_gpu._ring import _interpret
+from flashvjp.pallas.mosaic_gpu._ring import _is_kv_vector
+from flashvjp.pallas.mosaic_gpu._ring import _is_q_vector
+from flashvjp.pallas.mosaic_gpu._ring import _is_rel
+from flashvjp.pallas.mosaic_gpu._ring import _load_mask
+from flashvjp.pallas.mosaic_gpu._ring import _mm_t2
+from flashvjp.pallas.mosaic_gpu._ring import _mutated
+from flashvjp.pallas.mosaic_gpu._ring import _pair_tile
+from flashvjp.pallas.mosaic_gpu._ring import _produce
+from flashvjp.pallas.mosaic_gpu._ring import _produce_step
+from flashvjp.pallas.mosaic_gpu._ring import _rel_window
+from flashvjp.pallas.mosaic_gpu._ring import _slot_inputs
+from flashvjp.pallas.mosaic_gpu._ring import _smem
+from flashvjp.pallas.mosaic_gpu._ring import _visit_row
+from flashvjp.pallas.mosaic_gpu._ring import _wait_loaded
+from flashvjp.pallas.mosaic_gpu._tile import LOG2E
+from flashvjp.pallas.mosaic_gpu._tile import _dropout_rows
+from flashvjp.pallas.mosaic_gpu._tile import _dscores
+from flashvjp.pallas.mosaic_gpu._tile import _probs
 
-LOG2E = math.log2(math.e)
-_STAGES = 2  # ring slots of the streamed operands
-_BLOCK = 64  # block_q = block_kv: one wgmma M tile per compute warpgroup
 _MAX_HEAD_DIM = 256
 # The widest output accumulator a compute warpgroup holds: above it (head dims 129..256) the
 # output columns are split over two programs per block (`_parts`).
 _ACC_DIM = 128
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
-_WARPGROUPS = 2  # per CTA (both kernels)
 
-# Test-only fault injection (tests/test_pallas_mosaic_gpu_backward.py): a name from
-# _MUTATIONS removes one synchronisation step so the interpreter's race detector can be
-# shown to catch it. Read when the kernels are traced; never set outside tests.
-_MUTATIONS = ("skip_loaded_wait", "skip_free_wait", "skip_lse_fence", "skip_dbias_wait",
-              "skip_drel_free_wait", "skip_drel_fence")  # the last two: the d(rel) kernel's
-_TEST_MUTATION: str | None = None
-_DETECT_RACES = True  # interpret mode: race detection on (the tests assert none)
 
 
 def _pad_head(d: int, parts: int = 1) -> int:
@@ -223,13 +238,8 @@ def _dkdv_block_q(g: C.Geometry, cfg) -> int:
   return 32 if max(g.Dp, g.Dvp) > 64 or cfg.score_mod is not None else 64
 
 
-def _i32(x):
-  """A scalar as int32 (with jax_enable_x64 a Python int would make int64 indices)."""
-  return jnp.asarray(x, jnp.int32)
 
 
-def _mutated(name: str) -> bool:
-  return _TEST_MUTATION == name
 
 
 def _preprocess(out, lse, dout, dlse, g: C.Geometry):
@@ -251,52 +261,10 @@ def _lse2(lse, g: C.Geometry):
   return jnp.pad(lse2, ((0, 0), (0, 0), (0, g.Sqp - g.Sq)), constant_values=big)
 
 
-def _dropout_rows(cfg, seed, g: C.Geometry, off=None):
-  """(cq, cq2), uint32 [B, H, Sqp]: the per-(b, h, q) part of `_dropout.random_bits`.
-
-  The counter hash is split where its inputs split: everything before the kv position is
-  a function of (seed, b, h, q) and is computed here, by XLA, once per row; the kernels
-  finish it per element (`_keep`): bits = fmix(fmix(kv * K ^ cq) + cq2). The same bits as
-  `_dropout.keep` (tests/test_pallas_mosaic_gpu_backward.py checks the split). `off`: None
-  or the int32 [4] global (b0, h0, q0, kv0) of local element 0 (`C.offset_operand`): the
-  words are those of the global (b, h, q); kv0 is added in the kernel (`_keep`).
-  """
-  u32 = jnp.uint32
-  fmix = _dropout._fmix
-  b = jnp.arange(g.B, dtype=jnp.int32)[:, None, None]
-  h = jnp.arange(g.H, dtype=jnp.int32)[None, :, None]
-  q = jnp.arange(g.Sqp, dtype=jnp.int32)[None, None, :]
-  if off is not None:
-    b, h, q = b + off[0], h + off[1], q + off[2]
-  b, h = _dropout.hash_coords(cfg.dropout_broadcast, b, h)
-  seed = jnp.asarray(seed).astype(u32)
-  c = fmix(seed[0] ^ fmix(seed[1] + u32(0x9E3779B9)))
-  c = fmix(c ^ (jnp.asarray(b).astype(u32) * u32(0x27D4EB2F)))
-  c = fmix(c + jnp.asarray(h).astype(u32) * u32(0x165667B1))
-  cq = fmix(c ^ (q.astype(u32) * u32(0x9E3779B1)))
-  cq2 = fmix(cq + u32(0x7FEB352D))
-  shape = (g.B, g.H, g.Sqp)
-  return jnp.broadcast_to(cq, shape), jnp.broadcast_to(cq2, shape)
 
 
-def _keep(cfg, kv_idx, cq, cq2, kv0=None):
-  """float32 dropout multiplier of a tile: 1 / (1 - rate) where kept, 0 where dropped.
-  `kv0`: None, or the global kv offset (int32, broadcast to the tile)."""
-  u32 = jnp.uint32
-  fmix = _dropout._fmix
-  if kv0 is not None:
-    kv_idx = kv_idx + kv0
-  kv = lax.bitcast_convert_type(kv_idx, u32)  # positions are >= 0
-  bits = fmix(fmix((kv * u32(0x85EBCA77)) ^ cq) + cq2)
-  keep = bits >= u32(_dropout.threshold(cfg.dropout_rate))
-  return jnp.where(keep, jnp.float32(1.0 / (1.0 - cfg.dropout_rate)), jnp.float32(0.0))
 
 
-def _smem(shape, dtype, minor):
-  """A wgmma operand tile in SMEM, swizzled for rows of `minor` elements: every operand of
-  one wgmma must share its swizzle, so a kernel uses one for all its tiles (the narrowest
-  tile's)."""
-  return _compat.plgpu().SMEM(shape, dtype, transforms=_compat.mma_transforms(dtype, minor))
 
 
 def _visit(run, lo, hi, full, masked_any, carry=None):
@@ -307,181 +275,26 @@ def _visit(run, lo, hi, full, masked_any, carry=None):
   return _mask.split_loop(run, lo, hi, full, carry)
 
 
-def _residual_tiles(v, prefix=""):
-  """A mod's residual tiles in its tile part's order: per-(b, h) ("res<n>"), per q position
-  ("qres<n>"), per kv position ("kvres<n>"), by kv_idx - q_idx ("relres<n>": windows of a
-  skewed array, `_rel`); `prefix` "m" for the mask_mod's, "t" for the tangents. Returns
-  (per-head, q, kv, rel) tuples."""
-  get = lambda name: tuple(v[f"{prefix}{name}{n}"] for n in range(_num_res(v, prefix + name)))
-  return get("res"), get("qres"), get("kvres"), get("relres")
 
 
-def _plain_adds(fn):
-  """`fn` with autodiff's `add_any` (the sum of a jvp's tangent terms, a vjp's fan-in of
-  cotangents) evaluated as `lax.add`: the Mosaic-GPU lowering has no rule for add_any, and
-  a score_mod's jvp / vjp in the kernels makes one whenever a value and an array it reads
-  both carry tangents (``s * temp[q_idx]``) or a value is used twice."""
-  def run(*args):
-    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
-    out = _ac.eval_jaxpr_varying(closed.jaxpr, closed.consts, *jax.tree.leaves(args),
-                                 add_any_as_add=True)
-    return jax.tree.unflatten(jax.tree.structure(shapes), out)
-  return run
 
 
-def _with(fn, args, idx):
-  """fn(x, *args) as a function of (x, *args[i] for i in idx)."""
-  def f(x, *d):
-    a = list(args)
-    for i, val in zip(idx, d):
-      a[i] = val
-    return fn(x, *a)
-  return f
 
 
-def _probs(cfg, s, lse2, q_idx, kv_idx, masked, v, tangent=None, pos_diff=(0, 0),
-           rel_diff=0):
-  """(p, ok, m, sm_vjp) of one tile from raw scores s = q k (any orientation; lse2, the
-  indices and the per-row / per-column vectors `v` (segment ids, dropout and score_mod
-  words) already broadcast to the tile): the probabilities, the mask (None when not
-  `masked`), the dropout multiplier (None without dropout) and the score_mod's vjp (None
-  without one: d(modded score) -> (d(score before the mod), d(differentiable residual
-  tiles)...)).
-
-  The score_mod's differentiable residuals: the first cfg.num_diff_consts per-(b, h) ones,
-  then the first `pos_diff` = (n_q, n_kv) per-q- and per-kv-position ones; the vjp returns
-  their tile gradients in that order. With `rel_diff` (the d(rel) kernel, `drel`): the first
-  rel_diff rel residuals ("relres<n>") instead, and only they.
-
-  `tangent` (the tangent kernel): the tangent of score = scale * q k + bias, and in `v` the
-  tangents of the first few residuals of each kind ("tres<n>", "tqres<n>", "tkvres<n>");
-  then the 4th result is the modded score's tangent (the score_mod's jvp; the tangent
-  itself without one)."""
-  f32 = jnp.float32
-  ok = None
-  if masked:
-    ok = C.mask_spec(cfg).allowed(q_idx, kv_idx, q_seg=v.get("q_seg"), kv_seg=v.get("kv_seg"),
-                                  dense=v.get("dense"))
-    if cfg.mask_mod is not None:
-      # The tile part of `C.split_mask_mod` at positions clamped into the real sequences,
-      # made global (as `C.mask_mod_allowed`); (b, h) are folded into its residuals.
-      mres = sum(_residual_tiles(v, "m"), ())
-      kv_m = jnp.minimum(kv_idx, cfg.seq_kv - 1) + v["kv0"]
-      allowed = jnp.vectorize(lambda q_, k_, *r: cfg.mask_mod(0, 0, q_, k_, *r))
-      ok = ok & allowed(v["qm"], kv_m, *mres)
-  sm_vjp = tangent
-  if cfg.score_mod is None:
-    d = s * f32(cfg.scale * LOG2E) - lse2
-    if "bias" in v:
-      d = d + v["bias"] * f32(LOG2E)
-  else:
-    # As the other kernels (`C.scores`): masked q k set to 0 first (finite, whatever a
-    # padded K holds), score = scale * q k + bias, then the mod at global positions.
-    st = C.masked_scores_for_mod(cfg, s, ok) * f32(cfg.scale)
-    if "bias" in v:
-      st = st + v["bias"]
-    res, qres, kvres, rel = _residual_tiles(v)
-    args = res + qres + kvres + rel
-    kv_g = kv_idx + v["kv0"]
-    # The tile part of `C.split_per_head`: (b, h) are folded into its residuals (it ignores
-    # its b, h arguments), which arrive as tiles (one word per row or column, broadcast)
-    # and are vectorised over like the indices.
-    mod = jnp.vectorize(lambda x, q_, k_, *r: cfg.score_mod(x, 0, 0, q_, k_, *r))
-    fn = lambda x, *r: mod(x, v["qg"], kv_g, *r)
-    at = lambda n_res, n_q, n_kv, n_rel=0: (
-        list(range(n_res)) + [len(res) + n for n in range(n_q)]
-        + [len(res) + len(qres) + n for n in range(n_kv)]
-        + [len(res) + len(qres) + len(kvres) + n for n in range(n_rel)])
-    if tangent is not None:  # forward mode: the jvp along the tangents
-      ts = tangent if ok is None else jnp.where(ok, tangent, f32(0.0))
-      t_res, t_q, t_kv, t_rel = _residual_tiles(v, "t")
-      idx = at(len(t_res), len(t_q), len(t_kv), len(t_rel))
-      st, sm_vjp = _plain_adds(lambda p, t: jax.jvp(_with(fn, args, idx), p, t))(
-          (st, *(args[i] for i in idx)), (ts, *t_res, *t_q, *t_kv, *t_rel))
-    else:  # the differentiable residuals take gradients (per element; the rel ones only in
-      # the block-diagonal kernel, `drel`)
-      idx = at(0, 0, 0, rel_diff) if rel_diff else at(cfg.num_diff_consts, *pos_diff)
-      st, vjp = jax.vjp(_with(fn, args, idx), st, *(args[i] for i in idx))
-      sm_vjp = _plain_adds(vjp)
-    d = st * f32(LOG2E) - lse2
-  if ok is not None:
-    d = jnp.where(ok, d, C.mask_value(f32))
-  m = _keep(cfg, kv_idx, v["cq"], v["cq2"], v.get("kv0")) if cfg.dropout_active else None
-  return jnp.exp2(d), ok, m, sm_vjp
 
 
-def _num_res(v, prefix) -> int:
-  return sum(1 for name in v if name.startswith(prefix) and name[len(prefix):].isdigit())
 
 
-def _dscores(p, dp, delta, ok, m, sm_vjp):
-  """(ds, dres) of one tile: dL/d(score) (score = scale * q k + bias, before any score_mod:
-  multiply by the scale for dL/d(q k)) from `_probs` and dp = dO v, and the tiles of
-  dL/d(differentiable score_mod residual) (a tuple, empty without)."""
-  f32 = jnp.float32
-  if m is not None:
-    dp = dp * m
-  ds = p * (dp - delta)
-  if ok is not None:
-    # A select, not p * (...): a masked entry contributes exactly nothing.
-    ds = jnp.where(ok, ds, f32(0.0))
-  if sm_vjp is None:
-    return ds, ()
-  ds, *dres = sm_vjp(ds)
-  return ds, tuple(dres)
 
 
-def _mm_t2(shape, a1, b1, a2, b2):
-  """(a1 @ b1^T, a2 @ b2^T) on the tensor cores (SS-wgmma, operands in SMEM), both issued
-  before either is read back (one wgmma wait for the two): [M, N] each."""
-  plgpu = _compat.plgpu()
-
-  def body(acc1, acc2):
-    plgpu.wgmma(acc1, a1, b1.T)
-    plgpu.wgmma(acc2, a2, b2.T)
-    return acc1[...], acc2[...]
-
-  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
 
-def _wait_loaded(loaded, slot):
-  plgpu = _compat.plgpu()
-  for n_bar, bar in enumerate(loaded):
-    if n_bar == 0 and _mutated("skip_loaded_wait"):
-      continue
-    plgpu.barrier_wait(bar.at[slot])
 
 
-def _produce_step(t, fill, free, stages=_STAGES, mutation="skip_free_wait"):
-  """The producer's step t: its operands into slot t % stages (`fill(slot)` issues the TMA
-  copies), once the consumer freed the slot's previous step (the wait a test removes with
-  `mutation`)."""
-  plgpu = _compat.plgpu()
-  slot = lax.rem(t, _i32(stages))
-  if not _mutated(mutation):
-    @pl.when(t >= stages)
-    def _wait_free():
-      plgpu.barrier_wait(free.at[slot])
-  fill(slot)
 
 
-def _produce(total, fill, free, stages=_STAGES, mutation="skip_free_wait"):
-  """The producer warpgroup's loop over steps [0, total) (`fill(t, slot)`)."""
-  def body(t, carry):
-    _produce_step(t, functools.partial(fill, t), free, stages, mutation)
-    return carry
-
-  lax.fori_loop(_i32(0), total, body, None)
 
 
-def _visit_row(r, b, h, row):
-  """Row `row` of the kernel's visit lists (`_visit_lists`) for (b, h), or None without
-  lists: (n_partial, n_full, the block of step n), read as scalars from GMEM."""
-  if "visits" not in r:
-    return None
-  ref = r["visits"]
-  ref = ref.at[b if ref.shape[0] != 1 else 0, h if ref.shape[1] != 1 else 0, row]
-  return ref[0], ref[1], lambda n: ref[2 + n]
 
 
 def _visit_lists(cfg, g: C.Geometry, q_seg, kv_seg, mask, mod, by: str):
@@ -504,19 +317,8 @@ def _visit_lists(cfg, g: C.Geometry, q_seg, kv_seg, mask, mod, by: str):
   return jnp.concatenate([n_partial[..., None], n_full[..., None], entries], axis=-1)
 
 
-def _block(ref, b, h, sl):
-  """The TMA source of one block of a [B, H, S, D], [B, H, S] or [B, S] operand."""
-  if len(ref.shape) == 4:
-    return ref.at[b, h, sl, :]
-  if len(ref.shape) == 3:
-    return ref.at[b, h, sl]
-  return ref.at[b, sl]
 
 
-# Operands with both seq dims ([B|1, H|1, Sqp, Skvp]): a tile depends on both blocks, so it
-# always streams with the loop; the dK/dV kernel reads the transposed copy ("...T": its
-# [bk, bq] tiles).
-_PAIRS = ("bias", "mask")
 
 
 def _operands(kind, arrays):
@@ -582,53 +384,18 @@ def _load_resident(srcs, dsts, bars):
     plgpu.barrier_wait(bars.at[n_bar])
 
 
-def _pair_tile(ref, b, h, rows, cols):
-  """The TMA source of one tile of a [B|1, H|1, S1, S2] operand (mask, bias)."""
-  return ref.at[b if ref.shape[0] != 1 else 0, h if ref.shape[1] != 1 else 0, rows, cols]
 
 
-def _load_mask(ref):
-  """bool tile of an int8 mask tile in SMEM, in the wgmma accumulator's layout (a generic
-  load: the tile is not swizzled, so not the optimized path)."""
-  wgmma_layout, _, _ = _compat.layouts()
-  return _compat.plgpu().load(ref, layout=wgmma_layout, optimized=False) != 0
 
 
-# Per-q vectors broadcast to a tile (loaded from SMEM with the wgmma layout's row / column
-# vector layout); the kv ones ("kv_seg") are per kv position.
-_Q_VECTORS = ("q_seg", "cq", "cq2", "kv0", "qg", "qm")
 
 
-def _is_q_vector(name: str) -> bool:
-  """A per-q word travelling like lse: segment ids, dropout words, the score_mod's global
-  q index, per-head residuals ("res<n>") and per-q-position ones ("qres<n>"), their
-  tangents ("tres<n>", "tqres<n>": the tangent kernel's), the mask_mod's ("qm", "mres<n>",
-  "mqres<n>")."""
-  return name in _Q_VECTORS or name.startswith(("res", "mres", "tres", "qres", "mqres",
-                                                "tqres"))
 
 
-def _is_rel(name: str) -> bool:
-  """A row by kv_idx - q_idx (the score_mod's "relres<n>", the mask_mod's "mrelres<n>", the
-  tangents' "trelres<n>"): [B, H, Sqp + Skvp] in `_inputs`, the skewed array [B, H, 64,
-  width] (`_rel`) in a kernel, whose ring takes one [rows, cols] window per step."""
-  return name.startswith(("relres", "mrelres", "trelres"))
 
 
-def _rel_window(r, name, b, h, q0, k0, g: C.Geometry, transposed: bool):
-  """The TMA source of the window of skewed rel array `name` (`_rel`, made by `_launch` at
-  the operands' padded lengths) that is the tile of queries q0.. against keys k0..: [bk, bq]
-  with keys as rows when `transposed` (the dK/dV kernel's tiles), else [bq, bk]."""
-  rows, cols = (g.bk, g.bq) if transposed else (g.bq, g.bk)
-  start = _rel.window_start(q0, k0, r["q"].shape[2], rows, r["k"].shape[2], transposed)
-  return r[name].at[_rel.batch_index(r[name], b), h, :, pl.ds(start, cols)]
 
 
-def _is_kv_vector(name: str) -> bool:
-  """A per-(b, h, kv position) word: the score_mod's per-kv-position residuals ("kvres<n>"),
-  their tangents ("tkvres<n>"), the mask_mod's ("mkvres<n>"). [B, H, Skvp]: indexed by the
-  query head (unlike K / V and the kv segment ids)."""
-  return name.startswith(("kvres", "mkvres", "tkvres"))
 
 
 # ---- dK / dV ----------------------------------------------------------------------
@@ -955,25 +722,6 @@ class _KvStream:
                   carry)
 
 
-def _slot_inputs(rs, slot, vecs, shape):
-  """`vecs` with the kv side of ring slot `slot` read generically into [bq, bk] tiles
-  (`shape`): kv segment ids and per-kv-position words ([bk] each, broadcast), the dense mask
-  ("dense"), the bias (float32) and the rel windows."""
-  plgpu = _compat.plgpu()
-  wgmma_layout, _, col = _compat.layouts()
-  v = dict(vecs)
-  for name in rs:
-    if name == "kv_seg" or _is_kv_vector(name):
-      v[name] = lax.broadcast_in_dim(plgpu.load(rs[name].at[slot], layout=col), shape, [1])
-  if "mask" in rs:
-    v["dense"] = _load_mask(rs["mask"].at[slot])
-  if "bias" in rs:
-    v["bias"] = plgpu.load(rs["bias"].at[slot], layout=wgmma_layout,
-                           optimized=False).astype(jnp.float32)
-  for name in rs:
-    if _is_rel(name):
-      v[name] = plgpu.load(rs[name].at[slot], layout=wgmma_layout, optimized=False)
-  return v
 
 
 def _launch(kind, cfg, g: C.Geometry, arrays, masked_any, visits=None, *, body=None,
@@ -1034,8 +782,6 @@ def _launch(kind, cfg, g: C.Geometry, arrays, masked_any, visits=None, *, body=N
 
 # ---- entry point -----------------------------------------------------------------------
 
-def _interpret(cfg):
-  return _compat.interpret_params(detect_races=_DETECT_RACES) if cfg.interpret else None
 
 
 def _reduce_dbias(cfg, ds, bias, g: C.Geometry, visits=None):
@@ -1153,7 +899,6 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   if pos is not None and pos.n_rel_diff:
     # d(rows read by kv_idx - q_idx): sums along the diagonals of every tile, by one more
     # kernel over the block diagonals
-    from flashvjp.pallas.mosaic_gpu import drel as _drel  # it builds on this module
     drel = _drel.rel_grads(cfg, g, arrays, pos, q_seg, kv_seg, mask, mod)
   return dq, dk, dv, dbias, _dconsts(ins.split, outs, dkv_cols, drel, user_consts, n_user_diff,
                                      Sq, F.positions(cfg))

@@ -11,16 +11,17 @@ diagonal's [64, 64] d(value) tiles elementwise, in order (deterministic, no atom
 reduces each summed tile along its diagonals (`_common.rel_grad_rows`), as the Triton and
 Mosaic-TPU families' drel kernels do.
 
-Two warpgroups (the backward kernels' structure, `backward`): warpgroup 1 streams each tile's
-operands by TMA into a ring of slots (Q, dO, lse, delta and the per-q words of block i; K, V
-and the per-kv words of block j; the dense mask / bias tiles; the rel residuals' windows of
-their skewed arrays, `_rel`), warpgroup 0 recomputes S = Q K^T and dP = dO V^T on SS-wgmma,
-the probabilities from the saved logsumexp (`backward._probs`: mask, bias, dropout, the
-mods), dS and the score_mod's vjp with respect to the rel residuals only, and accumulates
-their tiles in registers; they leave through SMEM by TMA. Visited tiles: the causal / window
-band of the mask model's static bounds, or the diagonal's non-empty tiles with segment ids,
-a dense mask or a mask_mod (`_common.diagonal_lists`); every visited tile runs the
-elementwise mask. Ring: two slots, one at head dims above 128 (four [64, 256] tiles a slot).
+Two warpgroups (the backward kernels' structure and ring protocol, `backward`, `_ring`):
+warpgroup 1 streams each tile's operands by TMA into a ring of slots (Q, dO, lse, delta and
+the per-q words of block i; K, V and the per-kv words of block j; the dense mask / bias tiles;
+the rel residuals' windows of their skewed arrays, `_rel`), warpgroup 0 recomputes S = Q K^T
+and dP = dO V^T on SS-wgmma, the probabilities from the saved logsumexp (`_tile._probs`: mask,
+bias, dropout, the mods), dS and the score_mod's vjp with respect to the rel residuals only,
+and accumulates their tiles in registers; they leave through SMEM by TMA. Visited tiles: the
+causal / window band of the mask model's static bounds, or the diagonal's non-empty tiles with
+segment ids, a dense mask or a mask_mod (`_common.diagonal_lists`); every visited tile runs
+the elementwise mask. Ring: two slots, one at head dims above 128 (four [64, 256] tiles a
+slot).
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas.mosaic_gpu import _compat
 from flashvjp.pallas.mosaic_gpu import _rel
-from flashvjp.pallas.mosaic_gpu import backward as Bw
+from flashvjp.pallas.mosaic_gpu import _ring as R
+from flashvjp.pallas.mosaic_gpu import _tile as T
 from flashvjp.pallas.mosaic_gpu import forward as F
 
 _KV_SIDE = ("k", "v", "kv_seg")  # indexed by the kv head (kv_seg: per batch)
@@ -44,11 +46,11 @@ _KV_SIDE = ("k", "v", "kv_seg")  # indexed by the kv head (kv_seg: per batch)
 
 def _stages(g: C.Geometry) -> int:
   """Ring slots: two, one above head dim 128 (Q, dO, K and V of [64, 256] take 128 KiB)."""
-  return Bw._STAGES if max(g.Dp, g.Dvp) <= 128 else 1
+  return R._STAGES if max(g.Dp, g.Dvp) <= 128 else 1
 
 
 def _is_q_side(name: str) -> bool:
-  return name in ("q", "do", "lse", "delta") or Bw._is_q_vector(name)
+  return name in ("q", "do", "lse", "delta") or R._is_q_vector(name)
 
 
 def _drel_kernel(*refs, cfg, g: C.Geometry, names, ring, n_rel, stages):
@@ -60,9 +62,9 @@ def _drel_kernel(*refs, cfg, g: C.Geometry, names, ring, n_rel, stages):
   rs = dict(zip(ring, ring_smem))
   b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
   wg = lax.axis_index("wg")
-  hk = lax.div(h, Bw._i32(g.G))
+  hk = lax.div(h, R._i32(g.G))
   shift = t - (g.nq - 1)  # kv block - q block
-  listed = Bw._visit_row(r, b, h, t)
+  listed = R._visit_row(r, b, h, t)
   if listed is None:
     # The diagonal's tiles hold kv - q in [shift * n - (n - 1), shift * n + (n - 1)]: outside
     # the causal / window band the whole diagonal is empty
@@ -87,19 +89,19 @@ def _drel_kernel(*refs, cfg, g: C.Geometry, names, ring, n_rel, stages):
       j = i + shift
       rows, cols = pl.ds(i * g.bq, g.bq), pl.ds(j * g.bk, g.bk)
       for name, bar in zip(ring, loaded):
-        if name in Bw._PAIRS:
-          src = Bw._pair_tile(r[name], b, h, rows, cols)
-        elif Bw._is_rel(name):
-          src = Bw._rel_window(r, name, b, h, i * g.bq, j * g.bk, g, transposed=False)
+        if name in R._PAIRS:
+          src = R._pair_tile(r[name], b, h, rows, cols)
+        elif R._is_rel(name):
+          src = R._rel_window(r, name, b, h, i * g.bq, j * g.bk, g, transposed=False)
         elif name in _KV_SIDE:
-          src = Bw._block(r[name], b, hk, cols)
-        elif Bw._is_kv_vector(name):
-          src = Bw._block(r[name], b, h, cols)
+          src = R._block(r[name], b, hk, cols)
+        elif R._is_kv_vector(name):
+          src = R._block(r[name], b, h, cols)
         else:
-          src = Bw._block(r[name], b, h, rows)
+          src = R._block(r[name], b, h, rows)
         plgpu.copy_gmem_to_smem(src, rs[name].at[slot], bar.at[slot])
 
-    Bw._produce(steps, fill, free, stages, "skip_drel_free_wait")
+    R._produce(steps, fill, free, stages, "skip_drel_free_wait")
 
   @pl.when(wg == 0)
   def _compute():
@@ -108,28 +110,28 @@ def _drel_kernel(*refs, cfg, g: C.Geometry, names, ring, n_rel, stages):
     kv_iota = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
 
     def step(m, accs):
-      slot = lax.rem(m, Bw._i32(stages))
+      slot = lax.rem(m, R._i32(stages))
       i = block_of(m)
       j = i + shift
-      Bw._wait_loaded(loaded, slot)
-      s, dp = Bw._mm_t2(shape, rs["q"].at[slot], rs["k"].at[slot], rs["do"].at[slot],
-                        rs["v"].at[slot])
+      R._wait_loaded(loaded, slot)
+      s, dp = R._mm_t2(shape, rs["q"].at[slot], rs["k"].at[slot], rs["do"].at[slot],
+                       rs["v"].at[slot])
       # the q side's per-row words (lse, delta, ...), then the kv side's (`_slot_inputs`)
       v = {name: lax.broadcast_in_dim(plgpu.load(rs[name].at[slot], layout=row), shape, [0])
            for name in rs if _is_q_side(name) and name not in ("q", "do")}
-      v = Bw._slot_inputs(rs, slot, v, shape)
+      v = R._slot_inputs(rs, slot, v, shape)
       lse2, delta = v.pop("lse"), v.pop("delta")
-      p, ok, keep, sm_vjp = Bw._probs(cfg, s, lse2, i * g.bq + q_iota, j * g.bk + kv_iota, True,
-                                      v, rel_diff=n_rel)
-      _, drel = Bw._dscores(p, dp, delta, ok, keep, sm_vjp)
-      if not Bw._mutated("skip_drel_fence"):
+      p, ok, keep, sm_vjp = T._probs(cfg, s, lse2, i * g.bq + q_iota, j * g.bk + kv_iota, True,
+                                     v, rel_diff=n_rel)
+      _, drel = T._dscores(p, dp, delta, ok, keep, sm_vjp)
+      if not R._mutated("skip_drel_fence"):
         plgpu.commit_smem()  # the slot's generic loads before the producer's TMA refill
       plgpu.wgmma_wait(0)
       plgpu.barrier_arrive(free.at[slot])
       return tuple(a + d for a, d in zip(accs, drel))
 
     zero = tuple(_compat.wgmma_tile(jnp.zeros(shape, jnp.float32)) for _ in range(n_rel))
-    accs = lax.fori_loop(Bw._i32(0), steps, step, zero)
+    accs = lax.fori_loop(R._i32(0), steps, step, zero)
     for buf, x in zip(tiles, accs):
       buf[...] = x
     plgpu.commit_smem()
@@ -164,9 +166,9 @@ def rel_grads(cfg: AttentionConfig, g: C.Geometry, arrays, pos: C.PosResiduals, 
   words, "mask" / "bias" tiles, the rel rows "relres<n>" ...)."""
   plgpu = _compat.plgpu()
   n_rel = pos.n_rel_diff
-  assert g.bq == g.bk == Bw._BLOCK, g
+  assert g.bq == g.bk == R._BLOCK, g
   Sqp, Skvp = arrays["q"].shape[2], arrays["k"].shape[2]
-  ins = {n: (_rel.skewed(x, Sqp, Skvp, g.bq) if Bw._is_rel(n) else x)
+  ins = {n: (_rel.skewed(x, Sqp, Skvp, g.bq) if R._is_rel(n) else x)
          for n, x in arrays.items() if n not in ("maskT", "biasT")}
   visits = _diagonal_visits(cfg, g, q_seg, kv_seg, mask, mod)
   if visits is not None:
@@ -179,10 +181,10 @@ def rel_grads(cfg: AttentionConfig, g: C.Geometry, arrays, pos: C.PosResiduals, 
 
   def buf(name):
     x = ins[name]
-    if name in Bw._PAIRS or Bw._is_rel(name):
+    if name in R._PAIRS or R._is_rel(name):
       return plgpu.SMEM((stages,) + tile, x.dtype)
     if x.ndim == 4:
-      return Bw._smem((stages, g.bq, x.shape[3]), x.dtype, minor)
+      return R._smem((stages, g.bq, x.shape[3]), x.dtype, minor)
     return plgpu.SMEM((stages, g.bq), x.dtype)
 
   smem = (tuple(buf(n) for n in ring), tuple(plgpu.SMEM(tile, jnp.float32)
@@ -195,8 +197,8 @@ def rel_grads(cfg: AttentionConfig, g: C.Geometry, arrays, pos: C.PosResiduals, 
                         stages=stages),
       out_type=(jax.ShapeDtypeStruct((g.B, g.H, n_diag, g.bq, g.bk), jnp.float32),) * n_rel,
       scratch_types=scratch, grid=(g.B, g.H, n_diag), grid_names=("b", "h", "t"),
-      kernel_name="flashvjp_bwd_drel", num_threads=Bw._WARPGROUPS, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=Bw._interpret(cfg))
+      kernel_name="flashvjp_bwd_drel", num_threads=R._WARPGROUPS, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=R._interpret(cfg))
   tiles = kernel(*ins.values())
   tiles = tiles if isinstance(tiles, (tuple, list)) else (tiles,)
   return tuple(C.rel_grad_rows(x, pos, g) for x in tiles)

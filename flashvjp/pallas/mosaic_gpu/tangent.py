@@ -2,7 +2,7 @@
 
 Room: Pallas Mosaic-GPU backend (forward mode). The dQ kernel's structure (`backward`): grid
 (batch, head, 64-row q block), two warpgroups: a producer streams the kv side of each visited
-block by TMA into a ring of `backward._STAGES` slots (K, V and their tangents t_k, t_v,
+block by TMA into a ring of `_ring._STAGES` slots (K, V and their tangents t_k, t_v,
 segment ids, dense mask / bias / t_bias tiles), over the same blocks as every other kernel
 (the mask model's static bounds, or the visit lists of segment ids, a dense mask, a
 mask_mod); the compute warpgroup holds Q, t_q, the lse row and the per-row words (dropout,
@@ -41,6 +41,8 @@ from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas.mosaic_gpu import _compat
 from flashvjp.pallas.mosaic_gpu import _rel
+from flashvjp.pallas.mosaic_gpu import _ring as R
+from flashvjp.pallas.mosaic_gpu import _tile as T
 from flashvjp.pallas.mosaic_gpu import backward as Bw
 from flashvjp.pallas.mosaic_gpu import forward as F
 
@@ -94,9 +96,9 @@ def _tangent_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident
 
     def scope(a_acc):
       def step(n, masked, mu):
-        slot = lax.rem(n, Bw._i32(Bw._STAGES))
+        slot = lax.rem(n, R._i32(R._STAGES))
         j = kv.block_of(n)  # the kv block
-        Bw._wait_loaded(loaded, slot)
+        R._wait_loaded(loaded, slot)
         tk_s = rs["tk"].at[slot] if "tk" in rs else None
         s, ts = scores(rs["k"].at[slot], tk_s)
         v = kv.slot_inputs(rs, slot, vecs)
@@ -104,8 +106,8 @@ def _tangent_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident
         if "tbias" in rs:
           ts = ts + plgpu.load(rs["tbias"].at[slot], layout=wgmma_layout,
                                optimized=False).astype(f32)
-        p, ok, m, ts = Bw._probs(cfg, s, lse2, q_idx, j * g.bk + kv_iota, masked, v,
-                                 tangent=ts)
+        p, ok, m, ts = T._probs(cfg, s, lse2, q_idx, j * g.bk + kv_iota, masked, v,
+                                tangent=ts)
         pt = p * ts
         if ok is not None:  # a select: a masked entry contributes exactly nothing
           pt = jnp.where(ok, pt, f32(0.0))
@@ -210,10 +212,10 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   if out is not None:
     arrays["out"] = C.pad_seq_head(out.astype(q.dtype), g.Sqp, g.Dvp)
   problem = smem_problem(g, arrays)
-  if problem is not None and g.bk > Bw._BLOCK // 2:
+  if problem is not None and g.bk > R._BLOCK // 2:
     # a ring of kv blocks of 32 instead (the rel windows, [64, bk] float32 each, and their
     # tangents' fill shared memory at 64); the operands stay padded to 64-blocks
-    g = dataclasses.replace(g, bk=Bw._BLOCK // 2)
+    g = dataclasses.replace(g, bk=R._BLOCK // 2)
     problem = smem_problem(g, arrays)
   if problem is not None:
     raise NotImplementedError(problem)
@@ -235,7 +237,7 @@ def smem_problem(g: C.Geometry, arrays) -> str | None:
     return None
   return (f"the pallas_mosaic_gpu tangent kernel needs {need} bytes of shared memory here"
           f" (head dim {g.D}, the tangents of q / k / v / bias, the bias / mask tiles and the"
-          f" windows of tables read by kv_idx - q_idx in a {Bw._STAGES}-slot ring) and {_OVERHEAD} for barriers, over Hopper's {SMEM_LIMIT};"
+          f" windows of tables read by kv_idx - q_idx in a {R._STAGES}-slot ring) and {_OVERHEAD} for barriers, over Hopper's {SMEM_LIMIT};"
           " use"
           " implementation='pallas_triton'")
 

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas import _compat
+from flashvjp.pallas.tpu import _interpret
 from flashvjp.pallas.tpu import _layout as Lo
 
 PARALLEL, ARBITRARY = "parallel", "arbitrary"
@@ -266,9 +267,8 @@ def split_consts(cfg, consts, acc, B, H, grads, offsets=None, positions=None):
 
 def interpret_arg(cfg: AttentionConfig):
   """What pallas_call's interpret= gets: False, True or the test hook's InterpretParams."""
-  from flashvjp.pallas import tpu as _pkg
-  if cfg.interpret and _pkg.INTERPRET_PARAMS is not None:
-    return _pkg.INTERPRET_PARAMS
+  if cfg.interpret and _interpret.INTERPRET_PARAMS is not None:
+    return _interpret.INTERPRET_PARAMS
   return bool(cfg.interpret)
 
 
