@@ -48,7 +48,7 @@ def tolerance(dtype, implementation: str = "naive", precision=None, platform=Non
   float32 gets TOL_TF32 where the matmuls run in TF32: at "default" the Pallas-Triton
   kernels (GPU, and interpret mode, which emulates the GPU) and every implementation on a
   GPU (XLA's float32 default there), at "high" XLA on a GPU (its HIGH is TF32 there);
-  TOL_TF32X3 for Pallas-Triton at "high"; otherwise TOL[dtype] (README "Precision").
+  TOL_TF32X3 for Pallas-Triton at "high"; otherwise TOL[dtype] (docs/implementations.md "Precision").
   """
   from flashvjp import _config
   from flashvjp import _dispatch

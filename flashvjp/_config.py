@@ -53,7 +53,7 @@ PALLAS_INTERPRET_DEFAULT = BlockSizes(block_q=64, block_kv=64)
 # ---- Pallas-Triton launch table -------------------------------------------------------------
 # Float32 matmul precision, as jax.default_matmul_precision names it, reduced to what the
 # kernels' float32 dots do (16-bit inputs are unaffected). The one table of what each setting
-# computes, its measured error and its cost is README.md's "Precision" section:
+# computes, its measured error and its cost is docs/implementations.md's "Precision" section:
 #   "default": TF32 on the GPU (jax.nn's float32 default there; 10 explicit mantissa bits,
 #              the tensor cores ignore the low 13 bits of each operand); Mosaic's default
 #              contraction on a TPU. Also None, "fastest", "bfloat16", "tensorfloat32".

@@ -266,11 +266,11 @@ class AttentionTests:
   def test_any_block_size(self, blocks):
     self.check("causal_window", jnp.float32, block_q=blocks[0], block_kv=blocks[1])
 
-  # ---- precision and extreme values (README "Precision") ----
+  # ---- precision and extreme values (docs/implementations.md "Precision") ----
   PRECISIONS = (None, "high", "highest")
   # A representative set of the cases for the IEEE float32 check at "highest" (combo: causal,
   # segment ids, a dense mask with empty rows, dropout, bias and ALiBi together). Every case
-  # was measured (README "Precision"): the largest error is 0.91 of the bound.
+  # was measured (docs/implementations.md "Precision"): the largest error is 0.91 of the bound.
   HIGHEST_CASES = ("plain", "causal_window", "mask_dense", "softcap", "mqa", "combo")
 
   @pytest.mark.parametrize("precision", PRECISIONS)

@@ -312,7 +312,7 @@ def test_h100x8_sequence_sharded_runs_the_strategy(feature, strategy):
 # 433.5 -> 321.5 MiB (4.95x). With ring_head_groups=8 (the ring once per kv head, one after
 # the other: 2026-12-06) the ring holds one head group's state: 112.7 MiB (1.73x). These
 # bounds are the measured MiB with a margin: a regression guard, not the goal. Why no
-# strategy as built reaches the goal at this shape: README "Context parallelism: memory".
+# strategy as built reaches the goal at this shape: docs/distributed.md "Memory per device".
 TEMP_MIB = {"one device": 530, "ulysses": 150, "ring": 335, "ring, 8 head groups": 125}
 
 

@@ -100,7 +100,7 @@ def test_mask_mod_lowers_for_tpu_at_default_blocks(mod):
 @pytest.mark.parametrize("precision", ["high", "highest"])
 def test_float32_precisions_lower_for_tpu(precision):
   """Mosaic lowers every kernel's float32 dots at HIGH (bf16x3) and HIGHEST (fp32), the
-  contraction precisions "high" / "highest" request (README "Precision")."""
+  contraction precisions "high" / "highest" request (docs/implementations.md "Precision")."""
   with jax.default_matmul_precision(precision):
     exported, _ = export_case("combo", jnp.float32)
   kernels = re.findall(r'kernel_name = "([^"]+)"', exported.mlir_module())

@@ -4,7 +4,7 @@ GPU float32 default = TF32 (jax.nn's default on a GPU); "high" = Triton's 3xTF32
 (nearly float32); "highest" = IEEE float32 dots. Pallas-Triton's interpret mode emulates
 each on the CPU (flashvjp.pallas._common), so these CPU tests assert the accuracy the GPU
 gives; the tolerances are flashvjp._check.TOL / TOL_TF32 / TOL_TF32X3 / HIGHEST_*
-(README "Precision"). The shared base (tests/attention_base.py) holds the per-case checks:
+(docs/implementations.md "Precision"). The shared base (tests/attention_base.py) holds the per-case checks:
 "highest" elementwise against float64, and extreme values in masked K / V at each setting.
 """
 import contextlib
