@@ -368,18 +368,13 @@ def block_classes(spec: MaskSpec, q_seg, kv_seg, mask, block_q, block_kv, num_q_
 
 
 def _compact(selected):
-  """(count [...], indices [...,  n]) of the True entries of `selected` [..., n], in increasing
-  order, padded with the last one (0 for none): with c the running count of `selected`, the
-  p-th entry is the number of columns j with c[j] <= p. Elementwise ops and reductions only
-  (one cumsum, one fusion), no sort or gather: XLA:TPU runs a sort + gather chain op by op."""
-  sel = selected.astype(jnp.int32)
-  c = jnp.cumsum(sel, axis=-1)  # [..., n]
-  count = c[..., -1]
-  n = selected.shape[-1]
-  p = lax.broadcasted_iota(jnp.int32, count.shape + (n, 1), count.ndim)  # output slot
-  p = jnp.minimum(p, jnp.maximum(count[..., None, None] - 1, 0))  # past the count: the last
-  idx = jnp.sum((c[..., None, :] <= p).astype(jnp.int32), axis=-1, dtype=jnp.int32)  # [..., n]
-  return count, jnp.where(count[..., None] > 0, idx, 0)
+  """(count [...], indices [..., n]) of the True entries of `selected` [..., n], padded."""
+  count = jnp.sum(selected, axis=-1, dtype=jnp.int32)
+  order = jnp.argsort(jnp.logical_not(selected), axis=-1, stable=True).astype(jnp.int32)
+  last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
+  last = jnp.where(count[..., None] > 0, last, 0)
+  pos = lax.broadcasted_iota(jnp.int32, order.shape, order.ndim - 1)
+  return count, jnp.where(pos < count[..., None], order, last)
 
 
 def compact_np(selected: np.ndarray):
