@@ -17,13 +17,11 @@ import pytest
 import flashvjp
 from flashvjp import _plan
 from flashvjp import cli
+from tests import _aot
 
-CUDA_PROBLEM = _plan.compiler_problem("gpu")  # None: the CUDA plugin at jaxlib's version
-TPU_PROBLEM = _plan.compiler_problem("tpu")
-HAS_CUDA = CUDA_PROBLEM is None
-HAS_TPU = TPU_PROBLEM is None
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason=str(CUDA_PROBLEM))
-needs_tpu = pytest.mark.skipif(not HAS_TPU, reason=str(TPU_PROBLEM))
+# the compile tests' one reading of the installed compilers (tests/_aot.py)
+CUDA_PROBLEM, HAS_CUDA, needs_cuda = _aot.CUDA_PROBLEM, _aot.HAS_CUDA_PLUGIN, _aot.needs_cuda
+HAS_TPU, needs_tpu = _aot.HAS_LIBTPU, _aot.needs_tpu
 
 # The layer of the GPU tests: causal GQA, small enough to compile in seconds on a CPU.
 SMALL = dict(batch=1, num_heads=8, num_kv_heads=2, seq_len=8192, head_dim=64, causal=True)
