@@ -26,11 +26,11 @@ import numpy as np
 import pytest
 
 from flashvjp import _dropout
-from flashvjp import _plan
 from flashvjp import reference
 from flashvjp._config import AttentionConfig
 from flashvjp._config import BlockSizes
 from flashvjp.pallas.mosaic_gpu import _compat
+from tests import _aot
 from tests import _sass
 from tests import _util
 
@@ -460,8 +460,8 @@ def test_parse_ptxas():
   assert parse_ptxas(text) == (251, 12)
 
 
-@pytest.mark.skipif(_plan.compiler_problem("gpu") is not None,
-                    reason=f"the deviceless sm_90a compile: {_plan.compiler_problem('gpu')}")
+@pytest.mark.skipif(not _aot.HAS_CUDA_PLUGIN,
+                    reason=f"the deviceless sm_90a compile: {_aot.CUDA_PROBLEM}")
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_compiles_for_sm90a_without_spills(D, tmp_path):
   """Causal forwards (plain, segment ids, dropout, bias, dense mask, a score_mod, a mask_mod,
