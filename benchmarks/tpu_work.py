@@ -97,13 +97,13 @@ def _copies(seq: np.ndarray) -> int:
 def ours(name: str, S: int, bq: int, bk: int):
   causal, window, seg = our_call(name, S)
   cfg = AttentionConfig(scale=1.0, causal=causal, window=window, seq_q=S, seq_kv=S,
-                        dropout_rate=0.0, blocks=BlockSizes(bq, bk))
+                        dropout_rate=0.0, blocks=BlockSizes(bq, bk), interpret=True)
   g = _layout.geometry((1, 1, S, 128), (1, 1, S, 128), (1, 1, S, 128), bq, bk)
   seg_j = None if seg is None else jnp.asarray(seg[None])
   out = {}
   for kernel, by in (("fwd", "q"), ("dq", "q"), ("dkv", "kv")):
     lists, counts, entries = _layout.visit_lists(cfg, g, seg_j, seg_j, None, by)
-    counts = np.asarray(counts).reshape(lists.R)
+    counts = lists.host_counts(counts, entries).reshape(lists.R)
     entries = lists.rows(entries).reshape(lists.R, lists.W)
     if lists.R == 1 and (g.nq if by == "q" else g.nk) > 1:  # rows broadcast
       n = g.nq if by == "q" else g.nk

@@ -20,6 +20,7 @@ import flashvjp
 from flashvjp import _config
 from flashvjp import _dispatch
 from flashvjp import _mask
+from flashvjp.pallas import _common
 from flashvjp.pallas import _compat
 from flashvjp.pallas.tpu import _interpret as tpu_interpret
 from flashvjp.pallas.tpu import _layout
@@ -305,11 +306,13 @@ def test_lists_visit_exactly_the_non_empty_blocks():
   ids = np.zeros((1, S), np.int32)
   for c in (200, 450, 700):
     ids[:, c:] += 1
-  cfg = _static_cfg(True, None, S, _config.BlockSizes(bq, bk))
+  # interpret: the segment-id lists kernel runs on this CPU
+  cfg = dataclasses.replace(_static_cfg(True, None, S, _config.BlockSizes(bq, bk)),
+                            interpret=True)
   g = _layout.geometry((1, 1, S, 64), (1, 1, S, 64), (1, 1, S, 64), bq, bk)
   seg = jnp.asarray(ids)
   lists, counts, entries = _layout.visit_lists(cfg, g, seg, seg, None, "q")
-  counts = np.asarray(counts).reshape(lists.R)
+  counts = lists.host_counts(counts, entries).reshape(lists.R)
   entries = lists.rows(entries).reshape(lists.R, lists.W)
   allowed = np.asarray(_mask.MaskSpec(True, None, S, S).dense(seg, seg))[0, 0]
   tiles = allowed.reshape(g.nq, bq, g.nk, bk)
@@ -321,6 +324,40 @@ def test_lists_visit_exactly_the_non_empty_blocks():
     np.testing.assert_array_equal(got % 2 == 1, ~every[some])
     assert (entries[i, counts[i]:] == entries[i, counts[i] - 1]).all()
   assert lists.W == g.nk  # causal: the longest row visits every kv block
+
+
+@pytest.mark.parametrize("causal,window,Sq,Skv,bq,bk", [
+    (True, None, 1024, 1024, 128, 128), (False, None, 1000, 1000, 128, 256),
+    (True, (300, 0), 2048, 2048, 256, 128), (True, (None, 40), 777, 777, 64, 128),
+    (False, None, 512, 1536, 64, 128)])
+def test_segment_id_lists_kernel_equals_the_xla_lists(monkeypatch, causal, window, Sq, Skv, bq,
+                                                      bk):
+  """The lists kernel (`_lists.build`, interpret mode) against the same lists as XLA ops
+  (what longer ids and custom_partitioning bodies get), both rows orders, two batch rows of
+  random sorted ids: the same visits, mask bits and counts; and the kernel's own idle bits
+  mark exactly the slots past each row's count."""
+  from flashvjp.pallas.tpu import _lists
+  rng = np.random.default_rng(Sq + Skv + bq)
+  cfg = dataclasses.replace(_static_cfg(causal, window, Sq, _config.BlockSizes(bq, bk)),
+                            seq_kv=Skv, interpret=True)
+  g = _layout.geometry((2, 1, Sq, 64), (2, 1, Skv, 64), (2, 1, Skv, 64), bq, bk)
+  ids = [jnp.asarray(np.sort(rng.integers(0, 5, (2, n)), axis=1).astype(np.int32))
+         for n in (Sq, Skv)]
+  qp, kp = _common.pad_segments(*ids, g)
+  for by in ("q", "kv"):
+    lists, counts, entries = _layout.visit_lists(cfg, g, qp, kp, None, by)
+    with monkeypatch.context() as m:
+      m.setattr(_lists, "fits", lambda *a: False)
+      xlists, xcounts, xentries = _layout.visit_lists(cfg, g, qp, kp, None, by)
+    assert lists.flagged and not xlists.flagged
+    assert (lists.Bl, lists.R, lists.W) == (xlists.Bl, xlists.R, xlists.W)
+    got_counts = lists.host_counts(counts, entries)
+    np.testing.assert_array_equal(got_counts, xlists.host_counts(xcounts, xentries))
+    np.testing.assert_array_equal(lists.rows(entries), xlists.rows(xentries))
+    raw = np.asarray(entries).reshape(lists.Bl, lists.Wp, lists.R)
+    idle = (raw & 2) != 0
+    slot = np.arange(lists.Wp)[None, :, None]
+    np.testing.assert_array_equal(idle, slot >= got_counts.reshape(lists.Bl, 1, lists.R))
 
 
 def test_mask_mod_lists_visit_exactly_the_non_empty_blocks():
@@ -343,7 +380,7 @@ def test_mask_mod_lists_visit_exactly_the_non_empty_blocks():
       fn, consts, idx((B, 1, 1)), 0, idx((1, S, 1)), idx((1, 1, S))), (B, S, S)))
   for by in ("q", "kv"):
     lists, counts, entries = _layout.visit_lists(cfg, g, None, None, None, by, mod_cls)
-    counts = np.asarray(counts).reshape(lists.Bl, lists.R)
+    counts = lists.host_counts(counts, entries).reshape(lists.Bl, lists.R)
     entries = lists.rows(entries).reshape(lists.Bl, lists.R, lists.W)
     assert lists.Bl == B
     for b in range(B):

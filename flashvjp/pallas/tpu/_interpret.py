@@ -14,3 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 INTERPRET_PARAMS: Any = None
+
+
+def interpret_arg(cfg) -> Any:
+  """What pallas_call's interpret= gets: False, True or the test hook's InterpretParams."""
+  if cfg.interpret and INTERPRET_PARAMS is not None:
+    return INTERPRET_PARAMS
+  return bool(cfg.interpret)

@@ -39,6 +39,8 @@ from flashvjp import _mask
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas import _compat
+from flashvjp.pallas.tpu import _interpret
+from flashvjp.pallas.tpu import _lists
 
 LANES = 128
 SUBLANES = 8
@@ -91,10 +93,13 @@ def static_tiles(cfg: AttentionConfig, g: C.Geometry, by: str = "q") -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Lists:
-  """Static layout of the flat SMEM block lists (arrays travel as scalar-prefetch args).
+  """Static layout of the SMEM block lists (arrays travel as scalar-prefetch args).
 
   counts: [Bl * Hl * R]; entries: [Bl * Hl * R * W], entry = 2 * block + needs_mask
   (int16 when they fit, else int32; read back as int32). Bl / Hl / R are 1 when the lists do not vary along batch / heads / rows.
+  slot_major: entries [W, Bl * Hl * R] (2-D). flagged (the segment-id kernel's lists,
+  `_lists.build`): entries int32 [Bl * Wp, R] (slot-major per batch row, Wp = W rounded up
+  to 8), entry = 4 * block + 2 * idle + needs_mask; the counts array is unused.
   """
 
   Bl: int
@@ -102,6 +107,11 @@ class Lists:
   R: int
   W: int
   slot_major: bool = False  # entries [W, Bl * Hl * R] (2-D), not flat [rows * W]
+  flagged: bool = False
+
+  @property
+  def Wp(self) -> int:
+    return round_up(self.W, SUBLANES)
 
   def row(self, b, h, r):
     bb = b if self.Bl != 1 else 0
@@ -110,15 +120,40 @@ class Lists:
     return (bb * self.Hl + hh) * self.R + rr
 
   def entry(self, ent_ref, b, h, r, s):
+    if self.flagged:  # entries [Bl * Wp, R]; Hl == 1
+      bb = b if self.Bl != 1 else 0
+      return ent_ref[bb * self.Wp + s, r if self.R != 1 else 0]
     if self.slot_major:  # entries [W, Bl * Hl * R]
       return ent_ref[s, self.row(b, h, r)].astype(jnp.int32)
     return ent_ref[self.row(b, h, r) * self.W + s].astype(jnp.int32)
 
+  def block(self, ent_ref, b, h, r, s):
+    """Step s's block of row r (what the index maps read)."""
+    e = self.entry(ent_ref, b, h, r, s)
+    return div(e, 4) if self.flagged else div(e, 2)
+
+  def step(self, cnt_ref, ent_ref, b, h, r, s):
+    """(active, block, needs_mask) of step s of row r."""
+    e = self.entry(ent_ref, b, h, r, s)
+    if self.flagged:
+      return rem(e, 4) < 2, div(e, 4), rem(e, 2) == 1
+    return s < self.count(cnt_ref, b, h, r), div(e, 2), rem(e, 2) == 1
+
   def rows(self, entries) -> np.ndarray:
-    """The entries as numpy [Bl * Hl * R, W], row by row, whichever way they are stored
-    (tests and benchmarks read the lists so)."""
+    """The entries as numpy [Bl * Hl * R, W] in the `2 * block + needs_mask` form, row by
+    row, whichever way they are stored (tests and benchmarks read the lists so)."""
     e = np.asarray(entries)
+    if self.flagged:
+      e = e.reshape(self.Bl, self.Wp, self.R)[:, : self.W].transpose(0, 2, 1)
+      return (2 * (e >> 2) + (e & 1)).reshape(self.Bl * self.R, self.W)
     return e.T.copy() if self.slot_major else e.reshape(self.Bl * self.Hl * self.R, self.W)
+
+  def host_counts(self, counts, entries) -> np.ndarray:
+    """The counts as numpy [Bl * Hl * R] (flagged lists: the active entries per row)."""
+    if not self.flagged:
+      return np.asarray(counts).reshape(-1)
+    e = np.asarray(entries).reshape(self.Bl, self.Wp, self.R)[:, : self.W]
+    return ((e & 2) == 0).sum(axis=1).reshape(-1)
 
   def count(self, cnt_ref, b, h, r):
     return cnt_ref[self.row(b, h, r)].astype(jnp.int32)
@@ -160,6 +195,17 @@ def visit_lists(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p, 
   if static and _mask.static_constants_allowed():
     return _static_visit_lists(cfg, g, by)
   spec = C.mask_spec(cfg)
+  if mask_p is None and mod_cls is None and _mask.static_constants_allowed():
+    # segment ids alone: one kernel builds the lists (`_lists`), when the ids fit its VMEM
+    rows, cols = (g.nq, g.nk) if by == "q" else (g.nk, g.nq)
+    if _lists.fits(rows, cols, g.Sqp, g.Skvp):
+      cls = _mask.static_block_classes(spec, g.bq, g.bk, g.nq, g.nk)
+      cls = cls if by == "q" else cls.T
+      W = min(static_width(cfg, g, by), cls.shape[-1])
+      q_k, k_k = _sublane_ids(q_seg_p), _sublane_ids(kv_seg_p)
+      sides = (q_k, k_k, g.bq, g.bk) if by == "q" else (k_k, q_k, g.bk, g.bq)
+      entries = _lists.build(cls, *sides, W, _interpret.interpret_arg(cfg))
+      return (Lists(q_seg_p.shape[0], 1, rows, W, flagged=True), _UNUSED_COUNTS, entries)
   # `_mask.block_lists`, on classes broadcast to every (q block, kv block): where nothing
   # varies along the rows, block_classes returns a size-1 row dim, which by="kv" would
   # turn into a size-1 column dim.
@@ -203,6 +249,16 @@ def visit_lists(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p, 
   return Lists(Bl, Hl, R, W, slot_major=True), count.reshape(-1).astype(small), entries
 
 
+_UNUSED_COUNTS = np.zeros((1,), np.int32)  # flagged lists' counts operand (read by none)
+_UNUSED_COUNTS.flags.writeable = False
+
+
+def _sublane_ids(ids_p):
+  """Padded ids [B, S] -> the kernels' sublane-broadcast layout [B, 8, S] int32."""
+  return jnp.broadcast_to(ids_p[:, None, :], (ids_p.shape[0], SUBLANES, ids_p.shape[1])
+                          ).astype(jnp.int32)
+
+
 def block_class_table(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p,
                       mod_cls=None):
   """(Bl, Hl, flat int8 [Bl * Hl * nq * nk]): EMPTY / PARTIAL / FULL per block pair (SMEM);
@@ -236,7 +292,7 @@ def segments(q_seg, kv_seg, g: C.Geometry):
     return None, None, None, None
   qp, kp = C.pad_segments(q_seg, kv_seg, g)
   q_l = jnp.broadcast_to(qp[:, :, None], qp.shape + (LANES,)).astype(jnp.int32)
-  k_l = jnp.broadcast_to(kp[:, None, :], (kp.shape[0], SUBLANES, kp.shape[1])).astype(jnp.int32)
+  k_l = _sublane_ids(kp)
   return qp, kp, q_l, k_l
 
 

@@ -172,7 +172,7 @@ def _dkdv(cfg, g, q, k, v, dout, lse_l, delta_l, bias, mask, q_seg, kv_seg, seed
 
   def index(b, hk, j, t, cnt, ent, *_):
     h = hk * G + Lo.div(t, W)
-    return b, h, Lo.div(lists.entry(ent, b, h, j, Lo.rem(t, W)), 2)
+    return b, h, lists.block(ent, b, h, j, Lo.rem(t, W))
 
   def q_map(*a):
     b, h, i = index(*a)

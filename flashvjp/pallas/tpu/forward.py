@@ -139,7 +139,7 @@ def row_inputs(cfg: AttentionConfig, g: C.Geometry, lists: Lo.Lists, q, k, v, bi
   G = g.G
 
   def kv_block(b, h, i, s, cnt, ent):
-    return Lo.div(lists.entry(ent, b, h, i, s), 2)
+    return lists.block(ent, b, h, i, s)
 
   def index(b, h, i, s, cnt, ent, *_):
     return b, h, i, kv_block(b, h, i, s, cnt, ent)
@@ -172,8 +172,7 @@ def prepare(cfg, g, q_seg, kv_seg, mask, by, mod=None):
 
 def step_info(lists: Lo.Lists, cnt_ref, ent_ref, b, h, row, s):
   """(active, block, needs_mask) of step s of `row`'s list."""
-  e = lists.entry(ent_ref, b, h, row, s)
-  return s < lists.count(cnt_ref, b, h, row), Lo.div(e, 2), Lo.rem(e, 2) == 1
+  return lists.step(cnt_ref, ent_ref, b, h, row, s)
 
 
 def when_active(active, partial, may_mask: bool, compute):
@@ -265,11 +264,7 @@ def split_consts(cfg, consts, acc, B, H, grads, offsets=None, positions=None):
   return split.cfg, split, Lo.const_arrays(split, acc), Lo.ConstMeta(tuple(split.scalar), H)
 
 
-def interpret_arg(cfg: AttentionConfig):
-  """What pallas_call's interpret= gets: False, True or the test hook's InterpretParams."""
-  if cfg.interpret and _interpret.INTERPRET_PARAMS is not None:
-    return _interpret.INTERPRET_PARAMS
-  return bool(cfg.interpret)
+interpret_arg = _interpret.interpret_arg
 
 
 def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None,

@@ -133,7 +133,7 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   G = g.G
 
   def kv_block(b, h, i, s, cnt, ent):
-    return Lo.div(lists.entry(ent, b, h, i, s), 2)
+    return lists.block(ent, b, h, i, s)
 
   def index(b, h, i, s, cnt, ent, *_):
     return b, h, i, kv_block(b, h, i, s, cnt, ent)
