@@ -296,11 +296,13 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
              interpret, dropout_broadcast=(False, False), mask_mod=None, block_mask=None,
              sinks=None, allow_shapes=False, fold_scale=False, context_parallel="auto",
              max_logits=False, causal_lengths=None, program_target=None,
-             ring_head_groups=1):
+             ring_head_groups=1, outside_bias=False):
   """Validate everything; return (decision, cfg, arrays) without tracing any kernel.
 
-  fold_scale: an array (traced) scale with low-precision inputs and no bias becomes the
-  first step of the score_mod (`_fold_scale`) instead of pre-scaling the query in `_run`.
+  fold_scale: an array (traced) scale with low-precision inputs becomes the first step of
+  the score_mod (`_fold_scale`) instead of pre-scaling the query in `attend`; with a bias
+  (or `outside_bias`: one the caller normalises itself, as ring_attention), the bias is
+  folded through it there (`AttentionConfig.fold_bias`).
   """
   _check_qkv(query, key, value, allow_shapes)
   _check_explicit_axes(query=query, key=key, value=value)
@@ -342,10 +344,14 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
   sm_fn, consts, n_diff = None, (), 0
   if score_mod is not None and not callable(score_mod):
     raise TypeError(f"score_mod must be callable (scores, b, h, q_idx, kv_idx) -> scores, got {type(score_mod).__name__}")
-  out_f32 = (fold_scale and scale_array is not None and bias is None and implementation != "naive"
+  out_f32 = (fold_scale and scale_array is not None and implementation != "naive"
              and jnp.dtype(query.dtype).itemsize <= 2)
-  if out_f32:
-    score_mod, scale_array = _fold_scale(scale_array, score_mod), None
+  fold_bias = bool(out_f32) and (bias is not None or bool(outside_bias))
+  # the folded bias' rows shifted by their max: exact only when no score_mod follows
+  fold_shift = fold_bias and score_mod is None
+  if out_f32:  # with a bias, `attend` divides it by the scale (scale_array stays for that)
+    score_mod = _fold_scale(scale_array, score_mod, with_bias=fold_bias)
+    scale_array = scale_array if fold_bias else None
   if score_mod is not None:
     sm_fn, consts, n_diff = _score_mod.check(score_mod, target, acc)
   mm_fn, mm_consts, mm_uses = None, (), (True, True)
@@ -403,7 +409,8 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       implementation=decision.implementation, precision=precision,
       dropout_broadcast=dropout_broadcast if dropout_active else (False, False),
       mask_mod=mm_fn, mask_mod_blocks=mm_blocks, mask_mod_uses=mm_uses,
-      out_f32=bool(out_f32) and decision.implementation != "naive",
+      out_f32=bool(out_f32) and decision.implementation != "naive", fold_bias=fold_bias,
+      fold_shift=fold_shift,
       context_parallel=context_parallel, ring_head_groups=ring_head_groups,
       # the hint only matters when a mesh can shard the sequence; on one device it would
       # only make the config (and the compile cache) depend on the mask_mod object
@@ -425,7 +432,16 @@ def _user_stacklevel() -> int:
   return level
 
 
-def _fold_scale(scale_array, score_mod):
+# A traced scale with a bias (`_fold_scale`): the bias is folded through the scale where
+# |scale| >= _FOLD_MIN_SCALE; below it (0 included) the query is pre-scaled as before.
+_FOLD_MIN_SCALE = 2.0 ** -14
+# A folded value (bias / scale, or a folded score) beyond this in magnitude (an inf, or a
+# masking value such as -1e30 or finfo.min divided by the scale) gives the scale no gradient.
+_FOLD_HUGE = 2.0 ** 64
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _fold_scale(scale_array, score_mod, with_bias=False):
   """A traced scale as the first step of the score_mod: ``s -> score_mod(scale * s, ...)``.
 
   For bfloat16 / float16 inputs. The kernels then run with scale 1.0 on the query as
@@ -436,12 +452,78 @@ def _fold_scale(scale_array, score_mod):
   float32 probabilities. Pre-scaling the query instead gives d scale = sum(q * dq) from
   dq in the query's dtype, and delta from the rounded out, whose error d scale (a sum
   over every score, mostly cancelling) amplifies: about 8x naive bfloat16 autodiff's
-  error (tests/test_testing.py). Only without a bias, which is added after the scale.
+  error (tests/test_testing.py), 10-18x with a bias (float16 and bfloat16).
+
+  with_bias: the bias, added after the scale, is folded through it
+  (``scale * q k^T + bias = scale * (q k^T + bias / scale)``): `attend` gives the kernels
+  ``bias' = (bias - shift) / scale`` in float32 (`_fold_bias`: float32 so that d bias'
+  comes back in float32, since autodiff forms d scale from two terms,
+  ``sum(dS * (q k^T + bias'))`` here and ``-sum(dS * bias')`` through the
+  division, which cancel to ``sum(dS * q k^T)`` at float32 precision; shift, each bias
+  row's largest finite entry when no score_mod follows, keeps bias' small and is added
+  back to lse), and d bias = d bias' / scale. The cancellation costs about float32's
+  epsilon times |bias - shift| / |scale * q k^T| relative, far below 16-bit rounding
+  unless the bias dominates the logits by thousands. Where |scale| < `_FOLD_MIN_SCALE` (0
+  included) the folded part is 1 and `attend` pre-scales the query instead (no division
+  by a tiny scale; d scale as accurate as before there). A folded score beyond
+  `_FOLD_HUGE` (an infinite bias, or a masking value such as finfo.min over the scale)
+  keeps its value with no gradient to the scale (never inf - inf, nor 0 * inf).
   """
   def mod(s, b, h, q_idx, kv_idx):
-    s = s * scale_array.astype(s.dtype)
+    c = scale_array.astype(s.dtype)
+    if with_bias:
+      c = jnp.where(jnp.abs(c) >= _FOLD_MIN_SCALE, c, 1.0)  # `_fold_split`'s folded part
+      # beyond _FOLD_HUGE: c * s without a gradient to c; an inf (an infinite bias, which
+      # `_fold_bias` leaves as it is) passes unscaled: it never multiplies c, since the
+      # kernels' tangent passes differentiate the tile part against their per-head values
+      # with dense zero tangents (inf * 0 is NaN)
+      huge, inf = ~(jnp.abs(s) <= _FOLD_HUGE), jnp.isinf(s)
+      s_huge = jnp.where(inf, s, jnp.where(inf, 0.0, s) * lax.stop_gradient(c))
+      s = jnp.where(huge, s_huge, jnp.where(huge, 0.0, s) * c)
+    else:
+      s = s * c
     return s if score_mod is None else score_mod(s, b, h, q_idx, kv_idx)
   return mod
+
+
+def _fold_split(scale_array):
+  """(folded part, query part) of a traced scale with a bias (`_fold_scale`), float32:
+  (scale, 1) where |scale| >= _FOLD_MIN_SCALE, else (1, scale)."""
+  c = scale_array.astype(jnp.float32)
+  folds = jnp.abs(c) >= _FOLD_MIN_SCALE
+  return jnp.where(folds, c, 1.0), jnp.where(folds, 1.0, c)
+
+
+def _fold_bias(bias, c, shift_rows=True):
+  """(bias', shift): ``bias' = (bias - shift) / c`` in float32 (`_fold_scale`'s with_bias),
+  c the folded part of the scale; with shift_rows, shift [.., 1] is each bias row's
+  largest finite entry (0 for a row with none), a constant (no gradient) that `attend`
+  adds back to lse and the row maxima; else None (no shift).
+
+  The shift leaves the softmax as it is (lse moves by it; only without a score_mod, which
+  need not commute with it: `AttentionConfig.fold_shift`) and keeps the folded values
+  small where they are not masking values: a row made only of large entries (finfo.min
+  over every key of a padded row) becomes zeros instead of a cancellation, in d scale's
+  two terms, of values 1 / scale times its size.
+  An infinite entry stays as it is (the score_mod's step passes an infinite score
+  unscaled), so -inf still removes a position whatever c's sign; a finite entry whose
+  quotient would overflow is clamped to +-finfo(float32).max / 2 (a masking value stays a
+  finite masking value), with d bias still d bias' / c. Entries beyond `_FOLD_HUGE` give
+  c no gradient (as in the step).
+  """
+  b = bias.astype(jnp.float32)
+  shift = None
+  if shift_rows:
+    shift = jnp.max(jnp.where(jnp.isfinite(b), b, -jnp.inf), axis=-1, keepdims=True)
+    shift = lax.stop_gradient(jnp.where(jnp.isfinite(shift), shift, 0.0))
+    b = jnp.where(jnp.isfinite(b), b - shift, b)  # a finite b - shift may overflow to -inf
+  lim = lax.stop_gradient((_F32_MAX / 2) * jnp.abs(c))  # |b| <= lim: b / c is finite
+  finite = jnp.isfinite(b)
+  bf = jnp.where(finite, b, 0.0)
+  bf = bf + lax.stop_gradient(jnp.clip(bf, -lim, lim) - bf)  # d bf / d b stays 1
+  y = bf / lax.stop_gradient(c)
+  huge = ~(jnp.abs(y) <= _FOLD_HUGE)
+  return jnp.where(finite, jnp.where(huge, y, jnp.where(huge, 0.0, bf) / c), b), shift
 
 
 def _check_scale(scale, head_dim):
@@ -497,11 +579,19 @@ def attend(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, const
   A ring call (cfg.ring) gets no mask_mod classes: each chunk pair masks elementwise
   and its static hint (`flashvjp.ring._schedule`) skips whole pairs.
   """
+  shift = None  # cfg.fold_bias: the bias rows' shift (`_fold_bias`), added back to lse
   if scale_array is not None:
     # A traced scale: pre-scale the query in the accumulation dtype (rounded once to the
     # query's dtype, e.g. bfloat16), kernels run with scale 1.0; autodiff differentiates it.
+    # With cfg.fold_bias the score_mod multiplies by the folded part (`_fold_scale`), the
+    # bias is divided by it, and the query takes the rest (1, or the scale when tiny).
     acc = jnp.promote_types(q.dtype, jnp.float32)
-    q = (q.astype(acc) * scale_array.astype(acc)).astype(q.dtype)
+    q_scale = scale_array
+    if cfg.fold_bias:
+      folded, q_scale = _fold_split(scale_array)
+      if bias is not None:
+        bias, shift = _fold_bias(bias, folded, cfg.fold_shift)
+    q = (q.astype(acc) * q_scale.astype(acc)).astype(q.dtype)
   mod = None
   if cfg.mask_mod is not None:
     # naive: dense; ring: elementwise per pair; with more than one device the partitioning
@@ -523,6 +613,9 @@ def attend(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, const
   out, lse = res[:2]
   # the row maxima: logits only (sinks are no position), no gradient (QK-clip reads them)
   row_max = lax.stop_gradient(res[2]) if cfg.max_logits else None
+  if shift is not None:  # the softmax of bias - shift: lse and the logits move by shift
+    lse = lse + shift[..., 0].astype(lse.dtype)
+    row_max = None if row_max is None else row_max + shift[..., 0].astype(row_max.dtype)
   if sinks is not None:
     out, lse = _apply_sinks(out, lse, sinks)
   out = out.astype(q.dtype)  # cfg.out_f32: the op's float32 out, rounded once here
