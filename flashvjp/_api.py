@@ -559,8 +559,8 @@ def _run(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
   materialized (nor seen by jax.debug_infs, which checks a jit's outputs).
 
   A mask_mod's block classes are computed here once per call (both passes use them)
-  unless a BlockMask brought them; sinks are applied to (out, lse) after the op
-  (`_apply_sinks`).
+  unless a BlockMask brought them; sinks are applied to (out, lse) inside the op
+  (`_vjp.apply_sinks`).
   """
   out, lse, row_max = attend(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
                              scale_array, mod_consts, mod_classes, sinks)
@@ -604,41 +604,30 @@ def attend(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, const
                                        cfg.seq_q, cfg.seq_kv, *cfg.mask_mod_blocks)
       mod_classes = _remat.name_mask_mod_blocks(mod_classes)  # a checkpoint policy saves them
     mod = _mask_mod.ModInputs(mod_classes, tuple(mod_consts))
+  # sinks (`_vjp.apply_sinks`): per head, as [1, H, 1] row logits; in the shifted frame of a
+  # folded bias (`_fold_bias`) less the shift. Inside the op for every implementation but
+  # naive (there, after it)
+  row_sinks = None
+  if sinks is not None:
+    row_sinks = sinks.astype(jnp.promote_types(q.dtype, jnp.float32))[None, :, None]
+    if shift is not None:
+      row_sinks = row_sinks - shift[..., 0]
   if cfg.implementation == "naive":
     res = reference.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod)
+    if row_sinks is not None:
+      res = _vjp.apply_sinks(res[0], res[1], row_sinks) + tuple(res[2:])
   else:
     n = cfg.num_diff_consts
     res = _vjp.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
-                         tuple(consts[:n]), tuple(consts[n:]), mod)
+                         tuple(consts[:n]), tuple(consts[n:]), mod, row_sinks)
   out, lse = res[:2]
   # the row maxima: logits only (sinks are no position), no gradient (QK-clip reads them)
   row_max = lax.stop_gradient(res[2]) if cfg.max_logits else None
   if shift is not None:  # the softmax of bias - shift: lse and the logits move by shift
     lse = lse + shift[..., 0].astype(lse.dtype)
     row_max = None if row_max is None else row_max + shift[..., 0].astype(row_max.dtype)
-  if sinks is not None:
-    out, lse = _apply_sinks(out, lse, sinks)
   out = out.astype(q.dtype)  # cfg.out_f32: the op's float32 out, rounded once here
   return out, lse, row_max
-
-
-def _apply_sinks(out, lse, sinks):
-  """Attention sinks on (out, lse): each row's denominator gains exp(sinks[h]).
-
-  With the sink, ``lse' = logaddexp(lse, sinks[h])`` and every probability shrinks by
-  ``w = exp(lse - lse')``, so ``out' = w * out`` (the sink attends to no value; dropout
-  on p commutes with the scaling). An O(seq) elementwise step after the op: its gradient
-  (autodiff of these few lines) feeds the hand-written backward's dout / dlse, and
-  ``d sinks[h] = -sum_i w_i' (delta_i - dlse_i)`` with ``w_i' = exp(sinks[h] - lse'_i)``
-  comes out of it in closed form, without another pass over the keys. An empty row
-  (lse = -inf) keeps out = 0 and gets lse' = sinks[h], with zero, finite gradients.
-  """
-  acc = lse.dtype
-  s = sinks.astype(acc)[None, :, None]
-  new_lse = jnp.logaddexp(lse, s)
-  w = jnp.exp(lse - new_lse)
-  out = (out.astype(acc) * w[..., None]).astype(out.dtype)
-  return out, new_lse
 
 
 def flash_attention(
