@@ -850,21 +850,28 @@ def explain(query, key, value, *, layout: str | None = None, target=None,
     raise TypeError(f"explain() got unexpected arguments {sorted(unknown)}")
   params.update(kwargs)
   decision, cfg, arrays = _prepare(query, key, value, **params, allow_shapes=True,
-                                   program_target=target)
+                                   program_target=target, fold_scale=True)
   B, H, Sq, D = query.shape
   operands = sum((_indexing.of_mod(fn, name) for fn, name in
                   ((cfg.score_mod, "score_mod"), (cfg.mask_mod, "mask_mod")) if fn is not None),
                  ())
+  reason = decision.reason
+  if cfg.out_f32:  # a traced scale with 16-bit inputs (`_fold_scale`): say where it went
+    reason += ("; the traced scale is the score_mod's first step (score_mod[0]), out float32"
+               " inside the op" + (", the bias divided by it in float32" if cfg.fold_bias
+                                   else ""))
   decision = dataclasses.replace(
       decision, reading=(f"query read as {layout}: batch {B}, heads {H}, seq {Sq}, head_dim"
                          f" {D}{per_sequence}"),
-      operands=operands)
+      operands=operands, reason=reason)
   sharding = getattr(query, "sharding", None)
   spec = getattr(sharding, "spec", None)
   if sharding is not None and spec is not None and cfg.implementation != "naive":
     bias, mask, q_seg = arrays[3], arrays[4], arrays[5]
     pairs = {n: (tuple(x.shape), x.dtype) for n, x in (("bias", bias), ("mask", mask))
              if x is not None}
+    if cfg.fold_bias and bias is not None:  # the kernels get bias / scale in float32
+      pairs["bias"] = (tuple(bias.shape), jnp.dtype(jnp.float32))
     strategy = _partition.strategy_for(
         cfg, sharding.mesh, spec, tuple(query.shape), tuple(key.shape), tuple(value.shape),
         jnp.dtype(query.dtype).itemsize, pairs, q_seg is not None)
