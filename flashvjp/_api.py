@@ -689,13 +689,19 @@ def flash_attention(
       denominator that attends to no value (gpt-oss-style attention sinks).
     scale: default 1 / sqrt(head_dim). A Python float is compiled in. A scalar float
       array (for example a traced, learned temperature, as jax.nn accepts) is
-      differentiable. For float32 inputs, or with a bias, it multiplies the query in
-      float32 before the kernels, the product rounded once to the query's dtype. For
-      bfloat16 / float16 inputs without a bias it multiplies the float32 scores inside
-      the kernels (as the first step of the score_mod), with ``p @ v`` and out kept in
-      float32 inside the op (out rounded after it: the residual out is float32), so
-      that d scale, a sum over every score, is accumulated in float32 with an exact
-      ``delta``: its error is that of float32, not 8x naive bfloat16 autodiff's.
+      differentiable. For float32 inputs it multiplies the query in float32 before the
+      kernels, the product rounded once to the query's dtype. For bfloat16 / float16
+      inputs it multiplies the float32 scores inside the kernels (as the first step of
+      the score_mod), with ``p @ v`` and out kept in float32 inside the op (out rounded
+      after it: the residual out is float32), so that d scale, a sum over every score, is
+      accumulated in float32 with an exact ``delta``: its error is that of float32, not
+      8-18x naive 16-bit autodiff's. A bias, added after the scale, is then folded
+      through it (``scale * q k^T + bias = scale * (q k^T + bias / scale)``): the kernels
+      get ``(bias - shift) / scale`` in float32 (a float32 copy in the bias' own broadcast
+      shape, and a float32 d bias' from the kernels; shift is each bias row's largest
+      finite entry without a score_mod, else 0; -inf entries stay -inf) and d bias =
+      d bias' / scale. Where |scale| < 2^-14 (0 included) the query is pre-scaled as for
+      float32 instead.
     dropout_rate: dropout probability on p; active only when deterministic=False.
     dropout_rng: one JAX PRNG key (``jax.random.key(seed)``, shape (), or a legacy
       ``jax.random.PRNGKey(seed)``, uint32 [2]); required when dropout is active. An int,
