@@ -508,22 +508,35 @@ def _fold_bias(bias, c, shift_rows=True):
   An infinite entry stays as it is (the score_mod's step passes an infinite score
   unscaled), so -inf still removes a position whatever c's sign; a finite entry whose
   quotient would overflow is clamped to +-finfo(float32).max / 2 (a masking value stays a
-  finite masking value), with d bias still d bias' / c. Entries beyond `_FOLD_HUGE` give
-  c no gradient (as in the step).
+  finite masking value). d bias = d bias' / c everywhere; entries beyond `_FOLD_HUGE` give
+  c no gradient (as in the step). One float32 array in the bias' shape (the kernels'
+  operand, also what the derivative reads), no other copy (`_fold_div`).
   """
-  b = bias.astype(jnp.float32)
   shift = None
   if shift_rows:
-    shift = jnp.max(jnp.where(jnp.isfinite(b), b, -jnp.inf), axis=-1, keepdims=True)
+    shift = jnp.max(jnp.where(jnp.isfinite(bias), bias, -jnp.inf), axis=-1,
+                    keepdims=True).astype(jnp.float32)
     shift = lax.stop_gradient(jnp.where(jnp.isfinite(shift), shift, 0.0))
-    b = jnp.where(jnp.isfinite(b), b - shift, b)  # a finite b - shift may overflow to -inf
-  lim = lax.stop_gradient((_F32_MAX / 2) * jnp.abs(c))  # |b| <= lim: b / c is finite
-  finite = jnp.isfinite(b)
-  bf = jnp.where(finite, b, 0.0)
-  bf = bf + lax.stop_gradient(jnp.clip(bf, -lim, lim) - bf)  # d bf / d b stays 1
-  y = bf / lax.stop_gradient(c)
-  huge = ~(jnp.abs(y) <= _FOLD_HUGE)
-  return jnp.where(finite, jnp.where(huge, y, jnp.where(huge, 0.0, bf) / c), b), shift
+  return _fold_div(bias, jnp.zeros((), jnp.float32) if shift is None else shift, c), shift
+
+
+def _fold_value(bias, shift, c):
+  """where(finite, clip(bias - shift, +-lim) / c, bias) in float32, lim = max / 2 * |c|."""
+  b = bias.astype(jnp.float32)
+  lim = (_F32_MAX / 2) * jnp.abs(c)  # |b - shift| <= lim: the quotient is finite
+  return jnp.where(jnp.isfinite(b), jnp.clip(b - shift, -lim, lim) / c, b)
+
+
+_fold_div = jax.custom_jvp(_fold_value)
+
+
+@_fold_div.defjvp
+def _fold_div_jvp(primals, tangents):
+  bias, shift, c = primals
+  t_bias, _, t_c = tangents  # shift: a constant (stop_gradient)
+  y = _fold_value(bias, shift, c)
+  keep = jnp.abs(y) <= _FOLD_HUGE  # not inf, clamped or a masking value: d / dc = -y / c
+  return y, t_bias.astype(jnp.float32) / c - jnp.where(keep, y, 0.0) * (t_c / c)
 
 
 def _check_scale(scale, head_dim):
