@@ -416,6 +416,11 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       # only make the config (and the compile cache) depend on the mask_mod object
       mask_mod_hint=getattr(mask_mod, "kv_intervals", None) if program.partition else None,
       partition=program.partition, max_logits=bool(max_logits))
+  if cfg.out_f32:  # a traced scale with 16-bit inputs (`_fold_scale`): say where it went
+    decision = dataclasses.replace(decision, reason=(
+        f"{decision.reason}; the traced scale is the score_mod's first step (score_mod[0]),"
+        " out float32 inside the op" + (", the bias divided by it in float32"
+                                        if cfg.fold_bias else "")))
   seed = _dropout.seed_from_key(dropout_rng) if dropout_active else None
   if not allow_shapes:
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
@@ -874,15 +879,10 @@ def explain(query, key, value, *, layout: str | None = None, target=None,
   operands = sum((_indexing.of_mod(fn, name) for fn, name in
                   ((cfg.score_mod, "score_mod"), (cfg.mask_mod, "mask_mod")) if fn is not None),
                  ())
-  reason = decision.reason
-  if cfg.out_f32:  # a traced scale with 16-bit inputs (`_fold_scale`): say where it went
-    reason += ("; the traced scale is the score_mod's first step (score_mod[0]), out float32"
-               " inside the op" + (", the bias divided by it in float32" if cfg.fold_bias
-                                   else ""))
   decision = dataclasses.replace(
       decision, reading=(f"query read as {layout}: batch {B}, heads {H}, seq {Sq}, head_dim"
                          f" {D}{per_sequence}"),
-      operands=operands, reason=reason)
+      operands=operands)
   sharding = getattr(query, "sharding", None)
   spec = getattr(sharding, "spec", None)
   if sharding is not None and spec is not None and cfg.implementation != "naive":
