@@ -296,11 +296,13 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
              interpret, dropout_broadcast=(False, False), mask_mod=None, block_mask=None,
              sinks=None, allow_shapes=False, fold_scale=False, context_parallel="auto",
              max_logits=False, causal_lengths=None, program_target=None,
-             ring_head_groups=1):
+             ring_head_groups=1, outside_bias=False):
   """Validate everything; return (decision, cfg, arrays) without tracing any kernel.
 
-  fold_scale: an array (traced) scale with low-precision inputs and no bias becomes the
-  first step of the score_mod (`_fold_scale`) instead of pre-scaling the query in `_run`.
+  fold_scale: an array (traced) scale with low-precision inputs becomes the first step of
+  the score_mod (`_fold_scale`) instead of pre-scaling the query in `attend`; with a bias
+  (or `outside_bias`: one the caller normalises itself, as ring_attention), the bias is
+  folded through it there (`AttentionConfig.fold_bias`).
   """
   _check_qkv(query, key, value, allow_shapes)
   _check_explicit_axes(query=query, key=key, value=value)
@@ -342,10 +344,14 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
   sm_fn, consts, n_diff = None, (), 0
   if score_mod is not None and not callable(score_mod):
     raise TypeError(f"score_mod must be callable (scores, b, h, q_idx, kv_idx) -> scores, got {type(score_mod).__name__}")
-  out_f32 = (fold_scale and scale_array is not None and bias is None and implementation != "naive"
+  out_f32 = (fold_scale and scale_array is not None and implementation != "naive"
              and jnp.dtype(query.dtype).itemsize <= 2)
-  if out_f32:
-    score_mod, scale_array = _fold_scale(scale_array, score_mod), None
+  fold_bias = bool(out_f32) and (bias is not None or bool(outside_bias))
+  # the folded bias' rows shifted by their max: exact only when no score_mod follows
+  fold_shift = fold_bias and score_mod is None
+  if out_f32:  # with a bias, `attend` divides it by the scale (scale_array stays for that)
+    score_mod = _fold_scale(scale_array, score_mod, with_bias=fold_bias)
+    scale_array = scale_array if fold_bias else None
   if score_mod is not None:
     sm_fn, consts, n_diff = _score_mod.check(score_mod, target, acc)
   mm_fn, mm_consts, mm_uses = None, (), (True, True)
@@ -403,12 +409,18 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       implementation=decision.implementation, precision=precision,
       dropout_broadcast=dropout_broadcast if dropout_active else (False, False),
       mask_mod=mm_fn, mask_mod_blocks=mm_blocks, mask_mod_uses=mm_uses,
-      out_f32=bool(out_f32) and decision.implementation != "naive",
+      out_f32=bool(out_f32) and decision.implementation != "naive", fold_bias=fold_bias,
+      fold_shift=fold_shift,
       context_parallel=context_parallel, ring_head_groups=ring_head_groups,
       # the hint only matters when a mesh can shard the sequence; on one device it would
       # only make the config (and the compile cache) depend on the mask_mod object
       mask_mod_hint=getattr(mask_mod, "kv_intervals", None) if program.partition else None,
       partition=program.partition, max_logits=bool(max_logits))
+  if cfg.out_f32:  # a traced scale with 16-bit inputs (`_fold_scale`): say where it went
+    decision = dataclasses.replace(decision, reason=(
+        f"{decision.reason}; the traced scale is the score_mod's first step (score_mod[0]),"
+        " out float32 inside the op" + (", the bias divided by it in float32"
+                                        if cfg.fold_bias else "")))
   seed = _dropout.seed_from_key(dropout_rng) if dropout_active else None
   if not allow_shapes:
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
@@ -425,7 +437,16 @@ def _user_stacklevel() -> int:
   return level
 
 
-def _fold_scale(scale_array, score_mod):
+# A traced scale with a bias (`_fold_scale`): the bias is folded through the scale where
+# |scale| >= _FOLD_MIN_SCALE; below it (0 included) the query is pre-scaled as before.
+_FOLD_MIN_SCALE = 2.0 ** -14
+# A folded value (bias / scale, or a folded score) beyond this in magnitude (an inf, or a
+# masking value such as -1e30 or finfo.min divided by the scale) gives the scale no gradient.
+_FOLD_HUGE = 2.0 ** 64
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _fold_scale(scale_array, score_mod, with_bias=False):
   """A traced scale as the first step of the score_mod: ``s -> score_mod(scale * s, ...)``.
 
   For bfloat16 / float16 inputs. The kernels then run with scale 1.0 on the query as
@@ -436,12 +457,91 @@ def _fold_scale(scale_array, score_mod):
   float32 probabilities. Pre-scaling the query instead gives d scale = sum(q * dq) from
   dq in the query's dtype, and delta from the rounded out, whose error d scale (a sum
   over every score, mostly cancelling) amplifies: about 8x naive bfloat16 autodiff's
-  error (tests/test_testing.py). Only without a bias, which is added after the scale.
+  error (tests/test_testing.py), 10-18x with a bias (float16 and bfloat16).
+
+  with_bias: the bias, added after the scale, is folded through it
+  (``scale * q k^T + bias = scale * (q k^T + bias / scale)``): `attend` gives the kernels
+  ``bias' = (bias - shift) / scale`` in float32 (`_fold_bias`: float32 so that d bias'
+  comes back in float32, since autodiff forms d scale from two terms,
+  ``sum(dS * (q k^T + bias'))`` here and ``-sum(dS * bias')`` through the
+  division, which cancel to ``sum(dS * q k^T)`` at float32 precision; shift, each bias
+  row's largest finite entry when no score_mod follows, keeps bias' small and is added
+  back to lse), and d bias = d bias' / scale. The cancellation costs about float32's
+  epsilon times |bias - shift| / |scale * q k^T| relative, far below 16-bit rounding
+  unless the bias dominates the logits by thousands. Where |scale| < `_FOLD_MIN_SCALE` (0
+  included) the folded part is 1 and `attend` pre-scales the query instead (no division
+  by a tiny scale; d scale as accurate as before there). A folded score beyond
+  `_FOLD_HUGE` (an infinite bias, or a masking value such as finfo.min over the scale)
+  keeps its value with no gradient to the scale (never inf - inf, nor 0 * inf).
   """
   def mod(s, b, h, q_idx, kv_idx):
-    s = s * scale_array.astype(s.dtype)
+    c = scale_array.astype(s.dtype)
+    if with_bias:
+      c = jnp.where(jnp.abs(c) >= _FOLD_MIN_SCALE, c, 1.0)  # `_fold_split`'s folded part
+      # beyond _FOLD_HUGE: c * s without a gradient to c; an inf (an infinite bias, which
+      # `_fold_bias` leaves as it is) passes unscaled: it never multiplies c, since the
+      # kernels' tangent passes differentiate the tile part against their per-head values
+      # with dense zero tangents (inf * 0 is NaN)
+      huge, inf = ~(jnp.abs(s) <= _FOLD_HUGE), jnp.isinf(s)
+      s_huge = jnp.where(inf, s, jnp.where(inf, 0.0, s) * lax.stop_gradient(c))
+      s = jnp.where(huge, s_huge, jnp.where(huge, 0.0, s) * c)
+    else:
+      s = s * c
     return s if score_mod is None else score_mod(s, b, h, q_idx, kv_idx)
   return mod
+
+
+def _fold_split(scale_array):
+  """(folded part, query part) of a traced scale with a bias (`_fold_scale`), float32:
+  (scale, 1) where |scale| >= _FOLD_MIN_SCALE, else (1, scale)."""
+  c = scale_array.astype(jnp.float32)
+  folds = jnp.abs(c) >= _FOLD_MIN_SCALE
+  return jnp.where(folds, c, 1.0), jnp.where(folds, 1.0, c)
+
+
+def _fold_bias(bias, c, shift_rows=True):
+  """(bias', shift): ``bias' = (bias - shift) / c`` in float32 (`_fold_scale`'s with_bias),
+  c the folded part of the scale; with shift_rows, shift [.., 1] is each bias row's
+  largest finite entry (0 for a row with none), a constant (no gradient) that `attend`
+  adds back to lse and the row maxima; else None (no shift).
+
+  The shift leaves the softmax as it is (lse moves by it; only without a score_mod, which
+  need not commute with it: `AttentionConfig.fold_shift`) and keeps the folded values
+  small where they are not masking values: a row made only of large entries (finfo.min
+  over every key of a padded row) becomes zeros instead of a cancellation, in d scale's
+  two terms, of values 1 / scale times its size.
+  An infinite entry stays as it is (the score_mod's step passes an infinite score
+  unscaled), so -inf still removes a position whatever c's sign; a finite entry whose
+  quotient would overflow is clamped to +-finfo(float32).max / 2 (a masking value stays a
+  finite masking value). d bias = d bias' / c everywhere; entries beyond `_FOLD_HUGE` give
+  c no gradient (as in the step). One float32 array in the bias' shape (the kernels'
+  operand, also what the derivative reads), no other copy (`_fold_div`).
+  """
+  shift = None
+  if shift_rows:
+    shift = jnp.max(jnp.where(jnp.isfinite(bias), bias, -jnp.inf), axis=-1,
+                    keepdims=True).astype(jnp.float32)
+    shift = lax.stop_gradient(jnp.where(jnp.isfinite(shift), shift, 0.0))
+  return _fold_div(bias, jnp.zeros((), jnp.float32) if shift is None else shift, c), shift
+
+
+def _fold_value(bias, shift, c):
+  """where(finite, clip(bias - shift, +-lim) / c, bias) in float32, lim = max / 2 * |c|."""
+  b = bias.astype(jnp.float32)
+  lim = (_F32_MAX / 2) * jnp.abs(c)  # |b - shift| <= lim: the quotient is finite
+  return jnp.where(jnp.isfinite(b), jnp.clip(b - shift, -lim, lim) / c, b)
+
+
+_fold_div = jax.custom_jvp(_fold_value)
+
+
+@_fold_div.defjvp
+def _fold_div_jvp(primals, tangents):
+  bias, shift, c = primals
+  t_bias, _, t_c = tangents  # shift: a constant (stop_gradient)
+  y = _fold_value(bias, shift, c)
+  keep = jnp.abs(y) <= _FOLD_HUGE  # not inf, clamped or a masking value: d / dc = -y / c
+  return y, t_bias.astype(jnp.float32) / c - jnp.where(keep, y, 0.0) * (t_c / c)
 
 
 def _check_scale(scale, head_dim):
@@ -477,8 +577,8 @@ def _run(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
   materialized (nor seen by jax.debug_infs, which checks a jit's outputs).
 
   A mask_mod's block classes are computed here once per call (both passes use them)
-  unless a BlockMask brought them; sinks are applied to (out, lse) after the op
-  (`_apply_sinks`).
+  unless a BlockMask brought them; sinks are applied to (out, lse) inside the op
+  (`_vjp.apply_sinks`).
   """
   out, lse, row_max = attend(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
                              scale_array, mod_consts, mod_classes, sinks)
@@ -497,11 +597,19 @@ def attend(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, const
   A ring call (cfg.ring) gets no mask_mod classes: each chunk pair masks elementwise
   and its static hint (`flashvjp.ring._schedule`) skips whole pairs.
   """
+  shift = None  # cfg.fold_bias: the bias rows' shift (`_fold_bias`), added back to lse
   if scale_array is not None:
     # A traced scale: pre-scale the query in the accumulation dtype (rounded once to the
     # query's dtype, e.g. bfloat16), kernels run with scale 1.0; autodiff differentiates it.
+    # With cfg.fold_bias the score_mod multiplies by the folded part (`_fold_scale`), the
+    # bias is divided by it, and the query takes the rest (1, or the scale when tiny).
     acc = jnp.promote_types(q.dtype, jnp.float32)
-    q = (q.astype(acc) * scale_array.astype(acc)).astype(q.dtype)
+    q_scale = scale_array
+    if cfg.fold_bias:
+      folded, q_scale = _fold_split(scale_array)
+      if bias is not None:
+        bias, shift = _fold_bias(bias, folded, cfg.fold_shift)
+    q = (q.astype(acc) * q_scale.astype(acc)).astype(q.dtype)
   mod = None
   if cfg.mask_mod is not None:
     # naive: dense; ring: elementwise per pair; with more than one device the partitioning
@@ -514,38 +622,30 @@ def attend(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, const
                                        cfg.seq_q, cfg.seq_kv, *cfg.mask_mod_blocks)
       mod_classes = _remat.name_mask_mod_blocks(mod_classes)  # a checkpoint policy saves them
     mod = _mask_mod.ModInputs(mod_classes, tuple(mod_consts))
+  # sinks (`_vjp.apply_sinks`): per head, as [1, H, 1] row logits; in the shifted frame of a
+  # folded bias (`_fold_bias`) less the shift. Inside the op for every implementation but
+  # naive (there, after it)
+  row_sinks = None
+  if sinks is not None:
+    row_sinks = sinks.astype(jnp.promote_types(q.dtype, jnp.float32))[None, :, None]
+    if shift is not None:
+      row_sinks = row_sinks - shift[..., 0]
   if cfg.implementation == "naive":
     res = reference.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod)
+    if row_sinks is not None:
+      res = _vjp.apply_sinks(res[0], res[1], row_sinks) + tuple(res[2:])
   else:
     n = cfg.num_diff_consts
     res = _vjp.attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
-                         tuple(consts[:n]), tuple(consts[n:]), mod)
+                         tuple(consts[:n]), tuple(consts[n:]), mod, row_sinks)
   out, lse = res[:2]
   # the row maxima: logits only (sinks are no position), no gradient (QK-clip reads them)
   row_max = lax.stop_gradient(res[2]) if cfg.max_logits else None
-  if sinks is not None:
-    out, lse = _apply_sinks(out, lse, sinks)
+  if shift is not None:  # the softmax of bias - shift: lse and the logits move by shift
+    lse = lse + shift[..., 0].astype(lse.dtype)
+    row_max = None if row_max is None else row_max + shift[..., 0].astype(row_max.dtype)
   out = out.astype(q.dtype)  # cfg.out_f32: the op's float32 out, rounded once here
   return out, lse, row_max
-
-
-def _apply_sinks(out, lse, sinks):
-  """Attention sinks on (out, lse): each row's denominator gains exp(sinks[h]).
-
-  With the sink, ``lse' = logaddexp(lse, sinks[h])`` and every probability shrinks by
-  ``w = exp(lse - lse')``, so ``out' = w * out`` (the sink attends to no value; dropout
-  on p commutes with the scaling). An O(seq) elementwise step after the op: its gradient
-  (autodiff of these few lines) feeds the hand-written backward's dout / dlse, and
-  ``d sinks[h] = -sum_i w_i' (delta_i - dlse_i)`` with ``w_i' = exp(sinks[h] - lse'_i)``
-  comes out of it in closed form, without another pass over the keys. An empty row
-  (lse = -inf) keeps out = 0 and gets lse' = sinks[h], with zero, finite gradients.
-  """
-  acc = lse.dtype
-  s = sinks.astype(acc)[None, :, None]
-  new_lse = jnp.logaddexp(lse, s)
-  w = jnp.exp(lse - new_lse)
-  out = (out.astype(acc) * w[..., None]).astype(out.dtype)
-  return out, new_lse
 
 
 def flash_attention(
@@ -607,13 +707,19 @@ def flash_attention(
       denominator that attends to no value (gpt-oss-style attention sinks).
     scale: default 1 / sqrt(head_dim). A Python float is compiled in. A scalar float
       array (for example a traced, learned temperature, as jax.nn accepts) is
-      differentiable. For float32 inputs, or with a bias, it multiplies the query in
-      float32 before the kernels, the product rounded once to the query's dtype. For
-      bfloat16 / float16 inputs without a bias it multiplies the float32 scores inside
-      the kernels (as the first step of the score_mod), with ``p @ v`` and out kept in
-      float32 inside the op (out rounded after it: the residual out is float32), so
-      that d scale, a sum over every score, is accumulated in float32 with an exact
-      ``delta``: its error is that of float32, not 8x naive bfloat16 autodiff's.
+      differentiable. For float32 inputs it multiplies the query in float32 before the
+      kernels, the product rounded once to the query's dtype. For bfloat16 / float16
+      inputs it multiplies the float32 scores inside the kernels (as the first step of
+      the score_mod), with ``p @ v`` and out kept in float32 inside the op (out rounded
+      after it: the residual out is float32), so that d scale, a sum over every score, is
+      accumulated in float32 with an exact ``delta``: its error is that of float32, not
+      8-18x naive 16-bit autodiff's. A bias, added after the scale, is then folded
+      through it (``scale * q k^T + bias = scale * (q k^T + bias / scale)``): the kernels
+      get ``(bias - shift) / scale`` in float32 (a float32 copy in the bias' own broadcast
+      shape, and a float32 d bias' from the kernels; shift is each bias row's largest
+      finite entry without a score_mod, else 0; -inf entries stay -inf) and d bias =
+      d bias' / scale. Where |scale| < 2^-14 (0 included) the query is pre-scaled as for
+      float32 instead.
     dropout_rate: dropout probability on p; active only when deterministic=False.
     dropout_rng: one JAX PRNG key (``jax.random.key(seed)``, shape (), or a legacy
       ``jax.random.PRNGKey(seed)``, uint32 [2]); required when dropout is active. An int,
@@ -768,7 +874,7 @@ def explain(query, key, value, *, layout: str | None = None, target=None,
     raise TypeError(f"explain() got unexpected arguments {sorted(unknown)}")
   params.update(kwargs)
   decision, cfg, arrays = _prepare(query, key, value, **params, allow_shapes=True,
-                                   program_target=target)
+                                   program_target=target, fold_scale=True)
   B, H, Sq, D = query.shape
   operands = sum((_indexing.of_mod(fn, name) for fn, name in
                   ((cfg.score_mod, "score_mod"), (cfg.mask_mod, "mask_mod")) if fn is not None),
@@ -783,6 +889,8 @@ def explain(query, key, value, *, layout: str | None = None, target=None,
     bias, mask, q_seg = arrays[3], arrays[4], arrays[5]
     pairs = {n: (tuple(x.shape), x.dtype) for n, x in (("bias", bias), ("mask", mask))
              if x is not None}
+    if cfg.fold_bias and bias is not None:  # the kernels get bias / scale in float32
+      pairs["bias"] = (tuple(bias.shape), jnp.dtype(jnp.float32))
     strategy = _partition.strategy_for(
         cfg, sharding.mesh, spec, tuple(query.shape), tuple(key.shape), tuple(value.shape),
         jnp.dtype(query.dtype).itemsize, pairs, q_seg is not None)

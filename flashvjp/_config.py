@@ -268,6 +268,12 @@ class AttentionConfig:
   # with low-precision inputs (flashvjp._api._fold_scale), so that the backward's
   # delta = rowsum(dO * O) is that of the backward's own float32 probabilities.
   out_f32: bool = False
+  # With out_f32 and a bias: the traced scale's folded part divides the bias (float32)
+  # before the kernels (flashvjp._api._fold_bias), since the bias is added after the scale.
+  fold_bias: bool = False
+  # With fold_bias and no score_mod of the user's: the folded bias' rows are shifted by
+  # their largest finite entry (the softmax is shift invariant; lse gets it back).
+  fold_shift: bool = False
   # The sequence sharded over a mesh axis (implementation "ring"): a
   # flashvjp.ring.RingSpec (axis, layout, the per-pair backend); seq_q / seq_kv are then
   # the local lengths and causal / window / score_mod / mask_mod / dropout keep their

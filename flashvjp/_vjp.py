@@ -126,31 +126,73 @@ def forward_mode_paths(implementation: str) -> dict:
 # ---- the op ------------------------------------------------------------------------
 
 
+def apply_sinks(out, lse, sinks):
+  """Attention sinks on (out, lse): each row's denominator gains exp(sinks).
+
+  sinks: the sink logit of each row, broadcastable to lse [B, H, Sq] (the API's per-head
+  sinks[h] as [1, H, 1], less a row shift where the scores were shifted). With the sink,
+  ``lse' = logaddexp(lse, sinks)`` and every probability shrinks by ``w = exp(lse - lse')``,
+  so ``out' = w * out`` (the sink attends to no value; dropout on p commutes with the
+  scaling). An empty row (lse = -inf) keeps out = 0 and gets lse' = sinks, with zero,
+  finite gradients. Inside the op (`attention`), (out', lse') are its residuals: the
+  probabilities the backward and the tangent pass recompute, exp(s - lse'), are the
+  sink-including ones, so they take the caller's cotangents / give the tangents of
+  (out', lse') as they are (dO is never w * dO rounded to a 16-bit dtype); the sinks' own
+  terms are O(seq) (`_sinks_grad`, `_attention_jvp`).
+  """
+  acc = lse.dtype
+  new_lse = jnp.logaddexp(lse, sinks.astype(acc))
+  w = jnp.exp(lse - new_lse)
+  out = (out.astype(acc) * w[..., None]).astype(out.dtype)
+  return out, new_lse
+
+
+def _sinks_weight(lse, sinks):
+  """exp(sinks - lse'): each row's sink probability (lse' the sink-including lse)."""
+  return jnp.exp(sinks.astype(lse.dtype) - lse)
+
+
+def _sinks_grad(out, lse, dout, dlse, sinks):
+  """d sinks (sinks of lse's rank, dims 1 or full) from the sink-including residuals
+  (out', lse'): -w' * (rowsum(dO * O') - dlse), w' = exp(sinks - lse'), summed to sinks'
+  shape."""
+  from flashvjp import _delta
+  g = -_sinks_weight(lse, sinks) * _delta.delta(out, dout, dlse, lse.dtype)
+  axes = tuple(a for a, (n, m) in enumerate(zip(g.shape, sinks.shape)) if m == 1 and n != 1)
+  return jnp.sum(g, axis=axes, keepdims=True).astype(sinks.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention_vjp(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed,
-                   diff_consts, fixed_consts, mod=None):
-  return _backend(cfg.implementation, cfg.partition).forward(
+                   diff_consts, fixed_consts, mod=None, sinks=None):
+  outs = _backend(cfg.implementation, cfg.partition).forward(
       cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, tuple(diff_consts) + tuple(fixed_consts),
       mod)
+  if sinks is None:
+    return outs
+  return apply_sinks(outs[0], outs[1], sinks) + tuple(outs[2:])
 
 
-def _fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod=None):
+def _fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod=None,
+         sinks=None):
   outs = _attention_vjp(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts,
-                        fixed_consts, mod)
+                        fixed_consts, mod, sinks)
   out, lse = name_residuals(*outs[:2])
-  res = (q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod, out, lse)
+  res = (q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod, out, lse,
+         sinks)
   return (out, lse) + tuple(outs[2:]), res
 
 
 def _bwd(cfg, res, cts):
-  q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod, out, lse = res
+  q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod, out, lse, sinks = res
   dout, dlse = cts[:2]  # cfg.max_logits: the row maxima carry no gradient
   dq, dk, dv, dbias, dconsts = _backward(
       cfg, q, k, v, bias, mask, q_seg, kv_seg, seed,
       tuple(diff_consts) + tuple(fixed_consts), out, lse, dout, dlse, mod)
+  dsinks = None if sinks is None else _sinks_grad(out, lse, dout, dlse, sinks)
   none = lambda xs: None if xs is None else jax.tree_util.tree_map(lambda _: None, xs)
   return (dq, dk, dv, dbias, none(mask), none(q_seg), none(kv_seg), none(seed),
-          tuple(dconsts), tuple(None for _ in fixed_consts), none(mod))
+          tuple(dconsts), tuple(None for _ in fixed_consts), none(mod), dsinks)
 
 
 _attention_vjp.defvjp(_fwd, _bwd)
@@ -158,22 +200,25 @@ _attention_vjp.defvjp(_fwd, _bwd)
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def attention(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed,
-              diff_consts, fixed_consts, mod=None):
+              diff_consts, fixed_consts, mod=None, sinks=None):
   """(out [B, H, Sq, Dv], lse [B, H, Sq]), differentiable in forward and reverse mode.
 
   `mod`: None, or the mask_mod's inputs (`flashvjp._mask_mod.ModInputs`: its block
-  classes and the arrays it closes over); not differentiable. With cfg.max_logits a third
-  output, each row's maximum allowed logit [B, H, Sq] float32, from the same forward pass;
-  no gradient flows through it (its tangent is zero, its cotangent ignored).
+  classes and the arrays it closes over); not differentiable. `sinks`: None, or each
+  row's sink logit, broadcastable to lse (`apply_sinks`); differentiable. With
+  cfg.max_logits a third output, each row's maximum allowed logit [B, H, Sq] float32, from
+  the same forward pass (sinks are no position); no gradient flows through it (its
+  tangent is zero, its cotangent ignored).
   """
   return _attention_vjp(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts,
-                        fixed_consts, mod)
+                        fixed_consts, mod, sinks)
 
 
 def _attention_jvp(cfg, primals, tangents):
-  q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod = primals
+  q, k, v, bias, mask, q_seg, kv_seg, seed, diff_consts, fixed_consts, mod, sinks = primals
   tq, tk, tv, tbias = tangents[:4]
   tdc = tangents[8]
+  tsinks = None if sinks is None or _ac.is_zero(tangents[11]) else tangents[11]
   # out and lse are the backward's residuals: named where they are made, so a checkpoint
   # policy can save them (flashvjp._remat) and the forward is not re-run in the backward
   outs = attention(cfg, *primals)
@@ -182,10 +227,16 @@ def _attention_jvp(cfg, primals, tangents):
   t_extra = tuple(jnp.zeros_like(x) for x in extra)
   ts = [None if _ac.is_zero(t) else t for t in (tq, tk, tv, tbias, *tdc)]
   if all(t is None for t in ts):
-    return (out, lse) + extra, (jnp.zeros_like(out), jnp.zeros_like(lse)) + t_extra
-  consts = tuple(diff_consts) + tuple(fixed_consts)
-  t_out, t_lse = tangent(cfg, (q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, out, lse),
-                         ts)
+    t_out, t_lse = jnp.zeros_like(out), jnp.zeros_like(lse)
+  else:  # with sinks, (out, lse) include them: the tangent pass's p are the sinks' too
+    consts = tuple(diff_consts) + tuple(fixed_consts)
+    t_out, t_lse = tangent(cfg, (q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod, out,
+                                 lse), ts)
+  if tsinks is not None:  # the sink's own term: d lse' = w' t_sinks, d out' = -w' t_sinks out'
+    acc = lse.dtype
+    wt = _sinks_weight(lse, sinks) * tsinks.astype(acc)
+    t_lse = (t_lse.astype(acc) + wt).astype(lse.dtype)
+    t_out = (t_out.astype(acc) - wt[..., None] * out.astype(acc)).astype(t_out.dtype)
   return (out, lse) + extra, (t_out, t_lse) + t_extra
 
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck
 from hypothesis import given
 from hypothesis import settings
+from hypothesis import strategies as st
 
 import flashvjp
 from flashvjp import _score_mod
@@ -201,6 +202,67 @@ def test_bf16_learned_scale_gradient_within_2x_of_naive_bf16(impl, shape, block,
   got = _dscale_errors(impl, shape, seeds, block)
   naive = _dscale_errors("naive", shape, seeds)
   assert np.all(np.isfinite(got)) and got.max() <= factor * naive.max(), (got, naive)
+
+
+# d scale errors below this (the check's error, relative to the reference's scale) are
+# float32 rounding on either side: the 2x rule compares errors above it
+DSCALE_FLOOR = 1e-5
+
+
+def _fp16_bias_case(seed):
+  """The differential fuzz's report, small: float16, causal, a bias, softcap, chunked."""
+  rng = np.random.default_rng(seed)
+  arr = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float16)
+  return dict(query=arr(1, 2, 80, 32), key=arr(1, 1, 80, 32), value=arr(1, 1, 80, 32),
+              bias=arr(1, 2, 80, 80), scale=jnp.float32(0.3), causal=True,
+              score_mod=flashvjp.softcap(10.0), mask_mod=flashvjp.chunked(32, causal=False))
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "pallas_triton"])
+def test_fp16_learned_scale_with_bias_within_2x_of_naive_fp16(impl):
+  """d scale with a bias: the bias is folded through the scale (bias / scale in float32 to
+  the kernels, the scale the score_mod's first step; flashvjp._api._fold_scale), so d scale
+  accumulates in float32 as without a bias. It was 1.7e-3 (blockwise) / 1.5e-3
+  (pallas_triton) against naive float16 autodiff's 3.2e-4 here (the fuzz's case: 2.7e-2
+  against 1.5e-3), with the query pre-scaled; now 2e-7 to 9e-7 (seeds 0, 1; pallas_tpu
+  likewise; pallas_mosaic_gpu at head dim 64: 7e-6 / 1.9e-4, its P V in 16 bits). d bias
+  is no worse (1.6e-4 against naive's 2e-4: it comes back in float32, / scale)."""
+  got, naive = [], []
+  for seed in (0, 1):
+    kw = _fp16_bias_case(seed)
+    r = testing.check(**kw, implementation=impl, block_q=16, block_kv=16, return_lse=True,
+                      seed=seed)
+    n = testing.check(**kw, implementation="naive", return_lse=True, seed=seed)
+    assert r.passed, str(r)
+    got.append((r["dscale"].error, r["dbias"].error))
+    naive.append((n["dscale"].error, n["dbias"].error))
+  for i in (0, 1):  # d scale, d bias
+    assert max(g[i] for g in got) <= 2 * max(max(n[i] for n in naive), DSCALE_FLOOR), (
+        got, naive)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(strategies.problems(dtypes=(jnp.float16, jnp.bfloat16), max_seq=24, max_heads=2,
+                           head_dims=(8,), max_features=4,
+                           features=tuple(f for f in strategies.FEATURES
+                                          if f not in ("scale", "array_scale"))),
+       st.floats(0.05, 1.0), st.booleans())
+def test_fuzz_learned_scale_within_2x_of_naive_same_dtype(problem, scale, bias):
+  """The fuzz's 16-bit problems with a traced scale (a bias drawn or added): d scale within
+  2x of naive autodiff's error in the same dtype (above DSCALE_FLOOR). Over 160 problems
+  drawn so at max_seq 80 (77 with a bias, 44 with sinks, score_mods, masks, dropout) the
+  worst ratio is 1.02 (blockwise; pallas_triton 0.83), in a draw whose d scale is rounding
+  noise on both sides; 0.08 over the 128 whose d scale is not 0. Before: 19-31x (a bias,
+  sinks), 2000x where d scale is 0; 35 of 160 above 2x."""
+  problem = dict(problem, scale=jnp.asarray(scale, jnp.float32))
+  if bias and "bias" not in problem:
+    B, H, Sq, _ = problem["query"].shape
+    b = np.random.default_rng(int(scale * 1e6)).standard_normal((1, H, Sq, problem["key"].shape[2]))
+    problem["bias"] = jnp.asarray(b, problem["query"].dtype)
+  got = testing.check(**problem, implementation="blockwise", block_q=8, block_kv=8)
+  ref = testing.check(**problem, implementation="naive")
+  assert got["dscale"].error <= 2 * max(ref["dscale"].error, DSCALE_FLOOR), (got, ref)
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -114,7 +114,7 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
       dropout_rng=dropout_rng, deterministic=deterministic, implementation=implementation,
       block_q=block_q, block_kv=block_kv, interpret=interpret,
       dropout_broadcast=dropout_broadcast, mask_mod=mask_mod, sinks=sinks,
-      fold_scale=bias is None, causal_lengths=(n * Sl, n * Skv),
+      fold_scale=True, outside_bias=bias is not None, causal_lengths=(n * Sl, n * Skv),
       max_logits=_api._check_flag("return_max_logits", return_max_logits))
   _dispatch.log(decision)  # the per-pair backend (flashvjp.record_decisions sees it)
   q, k, v, _, _, q_seg, kv_seg, seed, consts, scale_array, mm_consts, _, sinks = arrays

@@ -16,8 +16,8 @@ step (`lax.ppermute`; steps no device needs are never taken), each pair's partia
 the GLOBAL (out, lse) (p = exp(s - lse) is then the global probability), dQ stays home,
 the dK/dV accumulators travel with their chunk and return to its owner after the last
 step. Tangent: with the global (out, lse) the fused tangent pass is additive over kv, so
-the per-pair tangents (a_p - mu_p out, mu_p) simply sum. Sinks are applied after the op
-(`flashvjp._api`), once, never per step.
+the per-pair tangents (a_p - mu_p out, mu_p) simply sum. Sinks are applied to the ring's
+global (out, lse) around it (`flashvjp._vjp.apply_sinks`), once, never per step.
 """
 from __future__ import annotations
 
