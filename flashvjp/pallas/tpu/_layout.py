@@ -199,12 +199,12 @@ def visit_lists(cfg: AttentionConfig, g: C.Geometry, q_seg_p, kv_seg_p, mask_p, 
     # segment ids alone: one kernel builds the lists (`_lists`), when the ids fit its VMEM
     rows, cols = (g.nq, g.nk) if by == "q" else (g.nk, g.nq)
     if _lists.fits(rows, cols, g.Sqp, g.Skvp):
-      cls = _mask.static_block_classes(spec, g.bq, g.bk, g.nq, g.nk)
-      cls = cls if by == "q" else cls.T
-      W = min(static_width(cfg, g, by), cls.shape[-1])
+      table = _mask.static_block_classes(spec, g.bq, g.bk, g.nq, g.nk)
+      table = table if by == "q" else table.T
+      W = min(static_width(cfg, g, by), table.shape[-1])
       q_k, k_k = _sublane_ids(q_seg_p), _sublane_ids(kv_seg_p)
       sides = (q_k, k_k, g.bq, g.bk) if by == "q" else (k_k, q_k, g.bk, g.bq)
-      entries = _lists.build(cls, *sides, W, _interpret.interpret_arg(cfg))
+      entries = _lists.build(table, *sides, W, _interpret.interpret_arg(cfg))
       return (Lists(q_seg_p.shape[0], 1, rows, W, flagged=True), _UNUSED_COUNTS, entries)
   # `_mask.block_lists`, on classes broadcast to every (q block, kv block): where nothing
   # varies along the rows, block_classes returns a size-1 row dim, which by="kv" would
