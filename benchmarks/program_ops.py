@@ -108,6 +108,31 @@ def splash(target: str, mask: str, mode: str) -> tuple[str, ...]:
   return _count(lambda *a: jax.value_and_grad(_loss(attn), tuple(range(3)))(*a[:n]), args)
 
 
+def ring_steps(target: str = "v5e", shape: str = "2x4", mask: str = "causal"):
+  """The sequence-sharded ring's forward over a deviceless slice (`sharded_attention`, the
+  sequence split over its chips; unrolled): (top-level ops, [each step branch's ops]), the
+  branches being the per-device `lax.switch` of the step's chunk pair (the one that
+  computes; the other branch of a causal pair that sees nothing is empty)."""
+  import re
+  topo = topologies.get_topology_desc(topology_name=f"{target}:{shape}", platform="tpu")
+  mesh = topologies.make_mesh(topo, (len(topo.devices),), ("sp",))
+  n = len(topo.devices)
+  x = jax.ShapeDtypeStruct((B, H, S // 4 * n, D), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, P(None, None, "sp", None)))
+  fn = lambda q, k, v: flashvjp.sharded_attention(q, k, v, mesh=mesh, seq_axis="sp",
+                                                  **KWARGS[mask])
+  hlo = jax.jit(fn).lower(x, x, x).compile().as_text() or ""
+  comps = _plan._computations(hlo)
+  steps = []
+  for line in comps.get("__entry__", []):
+    m = re.search(r" conditional\(.*branch_computations=\{([^}]*)\}", line)
+    if m:
+      branches = [_plan.entry_ops("ENTRY %b {\n" + "\n".join(comps.get(b.strip().lstrip("%"), []))
+                                  + "\n}") for b in m.group(1).split(",")]
+      steps.append(max(branches, key=len))
+  return _plan.entry_ops(hlo), steps
+
+
 def _cell(ops) -> str:
   if isinstance(ops, str):
     return ops
@@ -160,6 +185,17 @@ def main(argv=None) -> int:
       "|---|---|---|---|---|---|---|",
   ]
   lines += ["| " + " | ".join(r) + " |" for r in rows]
+  if "v5e" in args.targets.split(",") and not _plan.compiler_problem("tpu"):
+    top, steps = ring_steps()
+    kinds = sorted({o for st in steps for o in st})
+    per = sorted({len(st) for st in steps})
+    lines += ["", f"Ring (sequence-sharded, `sharded_attention`, causal, v5e 2x4: 8 chips of"
+              f" {S // 4} positions, unrolled): {len(steps)} steps after the diagonal one, each a"
+              f" per-device branch of {'/'.join(map(str, per))} ops ({', '.join(kinds)}: the"
+              " kernel, the merge into the running sums and its copies); no list op in any"
+              f" step (the pair's lists are numpy constants); {len(top)} top-level ops in all,"
+              " collectives included."]
+    print(lines[-1])
   lines += ["", "Static masks (none, causal, window) build their block lists in numpy at trace"
             " time (`flashvjp.pallas.tpu._layout._static_visit_lists`): constants of the"
             " program. Segment ids are data: on TPU one small kernel builds the lists"
