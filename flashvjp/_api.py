@@ -718,7 +718,7 @@ def flash_attention(
       get ``(bias - shift) / scale`` in float32 (a float32 copy in the bias' own broadcast
       shape, and a float32 d bias' from the kernels; shift is each bias row's largest
       finite entry without a score_mod, else 0; -inf entries stay -inf) and d bias =
-      d bias' / scale. Where |scale| < 2^-14 (0 included) the query is pre-scaled as for
+      d bias' / scale. Where abs(scale) < 2^-14 (0 included) the query is pre-scaled as for
       float32 instead.
     dropout_rate: dropout probability on p; active only when deterministic=False.
     dropout_rng: one JAX PRNG key (``jax.random.key(seed)``, shape (), or a legacy
