@@ -122,13 +122,11 @@ def ring_steps(target: str = "v5e", shape: str = "2x4", mask: str = "causal"):
   fn = lambda q, k, v: flashvjp.sharded_attention(q, k, v, mesh=mesh, seq_axis="sp",
                                                   **KWARGS[mask])
   hlo = jax.jit(fn).lower(x, x, x).compile().as_text() or ""
-  comps = _plan._computations(hlo)
   steps = []
-  for line in comps.get("__entry__", []):
+  for line in _plan._computations(hlo).get("__entry__", []):
     m = re.search(r" conditional\(.*branch_computations=\{([^}]*)\}", line)
     if m:
-      branches = [_plan.entry_ops("ENTRY %b {\n" + "\n".join(comps.get(b.strip().lstrip("%"), []))
-                                  + "\n}") for b in m.group(1).split(",")]
+      branches = [_plan.entry_ops(hlo, b.strip().lstrip("%")) for b in m.group(1).split(",")]
       steps.append(max(branches, key=len))
   return _plan.entry_ops(hlo), steps
 

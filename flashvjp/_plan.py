@@ -423,12 +423,13 @@ _BOOKKEEPING = frozenset({"parameter", "constant", "tuple", "get-tuple-element",
 _PLUMBING_CALLS = ("ConcatBitcast",)
 
 
-def entry_ops(hlo: str) -> tuple[str, ...]:
-  """The opcodes of the compiled program's top-level instructions (its entry computation),
-  bookkeeping aside (`_BOOKKEEPING`): on a TPU each runs in sequence, with a fixed cost, so
-  the ops around the kernels (a block list computed on the device, a layout copy) are time
-  a short sequence or a ring step pays. Kernels are custom-calls."""
-  entry = _computations(hlo).get("__entry__", [])
+def entry_ops(hlo: str, computation: str = "__entry__") -> tuple[str, ...]:
+  """The opcodes of the compiled program's top-level instructions (its entry computation,
+  or the named one: a conditional's branch), bookkeeping aside (`_BOOKKEEPING`): on a TPU
+  each runs in sequence, with a fixed cost, so the ops around the kernels (a block list
+  computed on the device, a layout copy) are time a short sequence or a ring step pays.
+  Kernels are custom-calls."""
+  entry = _computations(hlo).get(computation, [])
   pat = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?[\s)}]([a-z][a-z0-9\-]*)\(")
   ops = []
   for line in entry:

@@ -142,18 +142,21 @@ class Lists:
   def rows(self, entries) -> np.ndarray:
     """The entries as numpy [Bl * Hl * R, W] in the `2 * block + needs_mask` form, row by
     row, whichever way they are stored (tests and benchmarks read the lists so)."""
-    e = np.asarray(entries)
     if self.flagged:
-      e = e.reshape(self.Bl, self.Wp, self.R)[:, : self.W].transpose(0, 2, 1)
+      e = self._flagged_slots(entries).transpose(0, 2, 1)
       return (2 * (e >> 2) + (e & 1)).reshape(self.Bl * self.R, self.W)
+    e = np.asarray(entries)
     return e.T.copy() if self.slot_major else e.reshape(self.Bl * self.Hl * self.R, self.W)
 
   def host_counts(self, counts, entries) -> np.ndarray:
     """The counts as numpy [Bl * Hl * R] (flagged lists: the active entries per row)."""
     if not self.flagged:
       return np.asarray(counts).reshape(-1)
-    e = np.asarray(entries).reshape(self.Bl, self.Wp, self.R)[:, : self.W]
-    return ((e & 2) == 0).sum(axis=1).reshape(-1)
+    return ((self._flagged_slots(entries) & 2) == 0).sum(axis=1).reshape(-1)
+
+  def _flagged_slots(self, entries) -> np.ndarray:
+    """Flagged entries as numpy [Bl, W, R] (the slot padding to Wp dropped)."""
+    return np.asarray(entries).reshape(self.Bl, self.Wp, self.R)[:, : self.W]
 
   def count(self, cnt_ref, b, h, r):
     return cnt_ref[self.row(b, h, r)].astype(jnp.int32)

@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from flashvjp import _mask
 from flashvjp.pallas import _compat
 
+# Mosaic's tile (`_layout.LANES` / `SUBLANES`: `_layout` imports this module, not the reverse)
 LANES = 128
 SUBLANES = 8
 # Positions per side the kernel holds in VMEM: [8, S] int32 ids, two buffers, both sides:
@@ -105,28 +106,26 @@ def _kernel(tab_ref, rows_ref, cols_ref, out_ref, *, n_rows, n_cols, b_rows, b_c
   part = sel & jnp.logical_not(full)
   tri = (lax.broadcasted_iota(jnp.int32, (ncp, ncp), 1)
          <= lax.broadcasted_iota(jnp.int32, (ncp, ncp), 0))  # tri[j, j'] = j' <= j
-  one, zero = np.float32(1), np.float32(0)  # (float32 under jax_enable_x64 too)
-  c = jnp.dot(jnp.where(tri, one, zero).astype(jnp.bfloat16),
-              jnp.where(sel, one, zero).astype(jnp.bfloat16),
+  f1, f0 = np.float32(1), np.float32(0)  # (float32 under jax_enable_x64 too)
+  c = jnp.dot(jnp.where(tri, f1, f0).astype(jnp.bfloat16),
+              jnp.where(sel, f1, f0).astype(jnp.bfloat16),
               preferred_element_type=jnp.float32).astype(jnp.int32)  # [ncp, nrp]
   count = c[ncp - 1:ncp, :]
+  i0, i1, i2, i4 = (np.int32(x) for x in (0, 1, 2, 4))  # int32 under jax_enable_x64
 
   def slot(_, p):
-    pp = jnp.minimum(p, count - np.int32(1))
-    one = np.int32(1)
-    t = jnp.where(c <= pp, np.int32(4), np.int32(0)) + jnp.where((c == pp + one) & part, one,
-                                                                  np.int32(0))
-    e = jnp.sum(t, axis=0, keepdims=True, dtype=jnp.int32) + jnp.where(
-        p >= count, np.int32(2), np.int32(0))
+    pp = jnp.minimum(p, count - i1)
+    t = jnp.where(c <= pp, i4, i0) + jnp.where((c == pp + i1) & part, i1, i0)
+    e = jnp.sum(t, axis=0, keepdims=True, dtype=jnp.int32) + jnp.where(p >= count, i2, i0)
     out_ref[pl.ds(p, 1), :] = e[:, :n_rows]
-    return p + np.int32(1)
+    return p + i1
 
   _loop(Wp, slot, np.int32(0))
 
 
 def build(static_cls: np.ndarray, rows_l, cols_l, b_rows: int, b_cols: int, W: int,
           interpret):
-  """Entries int32 [B * Wp, n_rows] (`_layout.Lists` with flagged=True, batch_slot=True).
+  """Entries int32 [B * Wp, n_rows] (`_layout.Lists` with flagged=True).
 
   static_cls: numpy int8 [n_rows, n_cols] (the static classes, rows by columns);
   rows_l / cols_l: the two sides' ids, int32 [B, 8, S] (sublane-broadcast), S = n * block.
