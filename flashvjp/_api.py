@@ -369,9 +369,9 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
     raise ValueError(f"context_parallel must be one of {_strategy.REQUESTS}, got"
                      f" {context_parallel!r}")
   ring_head_groups = _schedule.check_head_groups(ring_head_groups, H, key.shape[1])
-  if ring_head_groups > 1 and context_parallel not in ("ring", "all_gather"):
-    raise ValueError(f"ring_head_groups={ring_head_groups} needs context_parallel='ring' or"
-                     f" 'all_gather' (the ring run per group of kv heads), got"
+  if ring_head_groups > 1 and context_parallel not in ("ring", "usp", "all_gather"):
+    raise ValueError(f"ring_head_groups={ring_head_groups} needs context_parallel='ring',"
+                     f" 'usp' or 'all_gather' (the ring run per group of kv heads), got"
                      f" {context_parallel!r}")
 
   # the program's target (platform, devices); explain(target=...) names one instead

@@ -41,6 +41,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import logging
 from jax import lax
 from jax.custom_batching import custom_vmap
@@ -49,13 +50,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from flashvjp import _aligned
-from flashvjp import _delta
 from flashvjp import _mask
 from flashvjp import _mask_mod
 from flashvjp import _record
 from flashvjp import _strategy
 from flashvjp import ring
 from flashvjp._config import AttentionConfig
+from flashvjp.ring import _ulysses as _ulysses_moves
 
 # Dim tags: b batch, h query heads, k kv heads, q query positions, s kv positions,
 # d / e head dims (always whole); None: a dim of its own (broadcast or a constant), whole.
@@ -203,14 +204,57 @@ def _plan(cfg: AttentionConfig, mesh, q_spec, q_shape, k_shape, v_shape, itemsiz
       local[1] = shape[1] // _size(mesh, hax) if shape[1] != 1 else 1
       local[2] = shape[2] // n
       pair_bytes += _strategy.bytes_of(local, dtype)
+  links = axis_links(mesh, _axes_tuple(sax))
   problem = _strategy.Problem(
       num_shards=n, batch=B_l, heads=H_l, kv_heads=Hk // _size(mesh, hax), seq_q=Sq,
       seq_kv=Skv, head_dim=D, head_dim_v=Dv, itemsize=itemsize, causal=cfg.causal,
       window=cfg.window, mask_mod_hint=cfg.mask_mod_hint,
       pairs_not_split_by_heads=tuple(rows_no_heads), pair_bytes=pair_bytes,
-      has_segments=has_seg, head_groups=cfg.ring_head_groups)
+      has_segments=has_seg, head_groups=cfg.ring_head_groups,
+      axes=tuple((a, mesh.shape[a], l) for a, l in zip(_axes_tuple(sax), links)),
+      bandwidth=_strategy.bandwidths(_device_kind(mesh)))
   strategy = _strategy.choose(cfg.context_parallel, problem, _axes_tuple(sax))
   return _Plan(bax, hax, sax, strategy, (B_l, H_l, Sq, Skv))
+
+
+def _mesh_devices(mesh):
+  try:
+    devices = mesh.devices  # an AbstractMesh has none
+  except (AttributeError, ValueError, TypeError, RuntimeError):
+    return None
+  return None if devices is None else np.asarray(devices)
+
+
+def _device_kind(mesh) -> str | None:
+  devs = _mesh_devices(mesh)
+  return None if devs is None or not devs.size else getattr(devs.flat[0], "device_kind", None)
+
+
+def _node_of(d):
+  """The node a device is on, as its placement says: the slice on TPU (ICI joins a slice's
+  chips, DCN the slices), the (slice, process) elsewhere (a process is one host)."""
+  if getattr(d, "platform", "") == "tpu":
+    return getattr(d, "slice_index", 0) or 0
+  return (getattr(d, "slice_index", 0) or 0, getattr(d, "process_index", 0))
+
+
+def axis_links(mesh, axes) -> tuple:
+  """Per mesh axis in `axes`: "in_node" (every step along it stays on a node), "across_nodes"
+  (some step leaves it) or None (unknown: no devices, as an AbstractMesh, or one device per
+  process, where a process is no node)."""
+  devs = _mesh_devices(mesh)
+  if devs is None or devs.ndim != len(mesh.axis_names):
+    return (None,) * len(axes)
+  nodes = np.vectorize(lambda d: hash(_node_of(d)), otypes=[np.int64])(devs)
+  if nodes.size > 1 and len(np.unique(nodes)) == nodes.size:
+    return (None,) * len(axes)
+  names = tuple(mesh.axis_names)
+  out = []
+  for a in axes:
+    ax = names.index(a)
+    same = np.all(nodes == np.take(nodes, [0], axis=ax))
+    out.append("in_node" if same else "across_nodes")
+  return tuple(out)
 
 
 def strategy_for(cfg: AttentionConfig, mesh, q_spec, q_shape, k_shape, v_shape, itemsize,
@@ -332,6 +376,19 @@ def _run_partition(cfg, sig, plan: _Plan, arrays):
                                 seq_kv=Skv // n)
     mod = None if mod is None else mod._replace(classes=None)
     res = _flat(sig, _call_backend("ring", sig.kind, cfg_r, base, extra, mod, {}))
+  elif st.name == "usp":
+    # Ulysses over the inner axes around the ring over the outer ones (`flashvjp.ring`:
+    # `RingSpec.ulysses_axis`): the ring runs on seq / P_ring rows for H / P_ulysses heads
+    nu = st.ulysses_shards
+    n_ring = st.num_shards // nu
+    spec = ring.RingSpec(axis_name=_norm(st.ring_axes), axis_size=n_ring, layout="contiguous",
+                         inner=sig.backend, batch_axis=plan.bax, head_axis=plan.hax,
+                         mask_mod_hint=cfg.mask_mod_hint, head_groups=st.head_groups,
+                         ulysses_axis=_norm(st.ulysses_axes), ulysses_size=nu)
+    cfg_r = dataclasses.replace(cfg, implementation="ring", ring=spec,
+                                seq_q=Sq // st.num_shards, seq_kv=Skv // st.num_shards)
+    mod = None if mod is None else mod._replace(classes=None)
+    res = _flat(sig, _call_backend("ring", sig.kind, cfg_r, base, extra, mod, {}))
   else:
     res = _ulysses(cfg, sig, plan, base, extra, mod)
   return _reduce(cfg, sig, plan, res, base)
@@ -362,72 +419,22 @@ def _reduce(cfg, sig, plan: _Plan, res, base):
 
 def _ulysses(cfg, sig, plan: _Plan, base, extra, mod):
   """All-to-all the sequence for heads, run the one-device backend on the whole sequence
-  for H / P heads (global offsets), all-to-all back."""
+  for H / P heads (global offsets), all-to-all back (`flashvjp.ring._ulysses`)."""
   st, sax = plan.strategy, plan.sax
   n = st.num_shards
   B_l, H_l, Sq, Skv = plan.local
-  to_heads = lambda x: None if x is None else lax.all_to_all(
-      x, sax, split_axis=1, concat_axis=2, tiled=True)
-  to_seq = lambda x: None if x is None else lax.all_to_all(
-      x, sax, split_axis=2, concat_axis=1, tiled=True)
-  whole = lambda x: None if x is None else lax.all_gather(x, sax, axis=1, tiled=True)
-  i = lax.axis_index(sax)
-  offsets = _bh_offsets(plan, B_l, H_l, h_extra=i * (H_l // n))
-
-  def heads(x):  # a [B, H, Sq, Skv]-like pair array: its heads split, its rows whole
-    # (`_strategy`: full in both heads and rows, or broadcast over both)
-    return x if x is None or x.shape[1] == 1 else to_heads(x)
-
-  split_bias = base[3] is not None and base[3].shape[1] != 1  # (H / P may be 1: ask the input)
-
-  def heads_back(x):
-    return to_seq(x) if split_bias else x
-
-  q, k, v, bias, mask, q_seg, kv_seg, seed, consts = base
-  # arrays read at the query / key position (`flashvjp._aligned`): whole, like segment ids
-  c_axes = _aligned.axes_of(cfg.score_mod, len(consts))
-  gather_at = lambda x, ax: x if x is None or ax is None else lax.all_gather(
-      x, sax, axis=ax[0], tiled=True)
-  gather_all = lambda xs, axes: tuple(gather_at(x, ax) for x, ax in zip(xs, axes))
-  base = (to_heads(q), to_heads(k), to_heads(v), heads(bias), heads(mask), whole(q_seg),
-          whole(kv_seg), seed, gather_all(consts, c_axes))
-  if sig.kind == "backward":
-    # rowsum(dO * O) is a per-row term: computed here, where the rows are local, and folded
-    # into the lse cotangent, so O never moves to the heads layout (`_delta`): one all-to-all
-    # of a [B, H, S, Dv] array fewer (8 x H100, 16/8 heads, S=64k: 257 -> 225.5 MiB per
-    # device; temp unchanged, O's heads copy was not at the backward kernel's peak).
-    out, lse, dout, dlse = extra
-    acc = jnp.promote_types(q.dtype, jnp.float32)
-    extra = (None, to_heads(lse), to_heads(dout), to_heads(_delta.fold(out, dout, dlse, acc)))
-  elif sig.kind == "tangent":
-    # t_out = a - t_lse * O: the pass returns a (out=None) and the O term is applied back
-    # in the sequence layout, where O's rows are local (`_delta.tangent_out`): O never
-    # moves to the heads layout (one [B, H, S, Dv] all-to-all fewer)
-    out, lse, tq, tk, tv, tbias, tconsts = extra
-    extra = (None, to_heads(lse), to_heads(tq), to_heads(tk), to_heads(tv),
-             heads(tbias), gather_all(tconsts, c_axes))
+  U = _ulysses_moves.Ulysses(cfg, sax, n)
+  offsets = _bh_offsets(plan, B_l, H_l, h_extra=U.head_index() * (H_l // n))
+  base, extra, mod = U.inputs(sig.kind, base, extra, mod)
   if mod is not None:
-    mod = mod._replace(consts=gather_all(mod.consts, _aligned.axes_of(cfg.mask_mod,
-                                                                       len(mod.consts))))
     classes = mod.classes
     if classes is not None and classes.shape[1] != 1:
-      classes = lax.dynamic_slice_in_dim(classes, i * (classes.shape[1] // n),
+      classes = lax.dynamic_slice_in_dim(classes, U.head_index() * (classes.shape[1] // n),
                                          classes.shape[1] // n, axis=1)
     mod = _with_classes(cfg, mod._replace(classes=classes), B_l, H_l // n, Sq, Skv, offsets)
   kw = {"offsets": offsets} if uses_offsets(cfg) else {}
   res = _flat(sig, _call_backend(sig.backend, sig.kind, cfg, base, extra, mod, kw))
-  if sig.kind == "tangent":
-    a, t_lse = (to_seq(x) for x in res)
-    return [_delta.tangent_out(a, t_lse, out), t_lse]
-  if sig.kind != "backward":
-    return [to_seq(x) for x in res]
-  out = [to_seq(x) for x in res[:3]]
-  if "dbias" in sig.results:  # back like the bias came (broadcast: summed in `_reduce`)
-    out.append(heads_back(res[3]))
-  # a gathered array's gradient: summed over the heads' devices, each keeps its own part
-  scatter = lambda g, ax: g if ax is None else lax.psum_scatter(
-      g, sax, scatter_dimension=ax[0], tiled=True)
-  return out + [scatter(g, ax) for g, ax in zip(res[len(out):], c_axes)]
+  return U.outputs(sig.kind, res, "dbias" in sig.results)
 
 
 # ---- the custom_partitioning ops --------------------------------------------------------

@@ -55,6 +55,7 @@ _COMPILE: dict[str, tuple[str, int | None]] = {
     "h100": ("h100_sxm.txtpb", None), "h100x8": ("h100_sxm.txtpb", None),
     "h200": ("h200.txtpb", None), "h200x8": ("h200.txtpb", None),
     "b200": ("b200.txtpb", None), "b200x8": ("b200.txtpb", None),
+    "h100x32": ("h100_sxm.txtpb", None), "b200x64": ("b200.txtpb", None),
     "v5e": ("v5e:1x1", 16 * 2**30), "v5ex4": ("v5e:2x2", 16 * 2**30),
     "v6e": ("v6e:1x1", 32 * 2**30), "v6ex4": ("v6e:2x2", 32 * 2**30),
 }
@@ -119,6 +120,9 @@ class ModePlan:
   kernels: tuple[Kernel, ...]
   resources_note: str = ""
   ops: tuple[str, ...] = ()  # `entry_ops`: the program's top-level ops, kernels included
+  # `link_bytes` of the compiled program: ((link class, bytes sent by the busiest device), ...)
+  # when the devices span more than one node
+  links: tuple = ()
 
   @property
   def total_bytes(self) -> int:
@@ -135,6 +139,7 @@ class Plan:
   device_kind: str
   num_devices: int
   hbm_bytes: int | None
+  nodes: int
   mesh: dict
   spec: tuple
   problem: dict  # batch, num_heads, num_kv_heads, seq_len, head_dim, dtype, causal, ...
@@ -166,7 +171,9 @@ def _report(p: Plan) -> str:
   if pr["segments"]:
     feats.append("segment_ids")
   lines = [
-      f"plan: {p.target} ({p.num_devices} x {p.device_kind}, platform {p.platform}), mesh {mesh},"
+      f"plan: {p.target} ({p.num_devices} x {p.device_kind}"
+      + (f" in {p.nodes} nodes of {p.num_devices // p.nodes}" if p.nodes > 1 else "")
+      + f", platform {p.platform}), mesh {mesh},"
       f" q/k/v sharded {spec} over [B, H, S, D]",
       f"layer: batch {pr['batch']}, heads {pr['num_heads']} (kv {pr['num_kv_heads']}), seq"
       f" {pr['seq_len']:,}, head_dim {pr['head_dim']}, {pr['dtype']}"
@@ -195,6 +202,9 @@ def _report(p: Plan) -> str:
                      f"  {_mib(c.bytes)} each{flag}")
     else:
       lines.append("  collectives: none")
+    if m.links:
+      lines.append("  per link class (compiled HLO; bytes the busiest device sends): "
+                   + ", ".join(f"{k.replace('_', ' ')} {_mib(b)}" for k, b in m.links))
     if m.kernels:
       groups: dict[Kernel, int] = {}
       for k in m.kernels:  # identical launches (a ring's steps) once, with their count
@@ -330,11 +340,11 @@ def _capture_stderr():
       out.append(tmp.read().decode(errors="replace"))
 
 
-def _topology(platform: str, what: str, n: int):
+def _topology(platform: str, what: str, n: int, nodes: int = 1):
   from jax.experimental import topologies
-  if platform == "gpu":
+  if platform == "gpu":  # slices x hosts (one process each) x devices per host
     return topologies.get_topology_desc(platform="cuda", target_config=what,
-                                        topology=f"1x1x{n}")
+                                        topology=f"1x{nodes}x{n // nodes}")
   return topologies.get_topology_desc(topology_name=what, platform="tpu")
 
 
@@ -465,6 +475,101 @@ def collectives(hlo: str, seq_len: int, seq_sharded: bool) -> tuple[Collective, 
   return tuple(Collective(op, shapes, b, c, w) for (op, shapes), (b, c, w) in found.items())
 
 
+def _iota_groups(text: str):
+  """XLA's iota replica groups `[G,N]<=[dims]T(perm)` as a [G, N] array of device ids."""
+  m = re.match(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+  if m is None:
+    return None
+  dims = [int(d) for d in m.group(3).split(",")]
+  ids = np.arange(int(np.prod(dims))).reshape(dims)
+  if m.group(4):
+    ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+  return ids.reshape(int(m.group(1)), int(m.group(2)))
+
+
+def replica_groups(line: str, num_devices: int):
+  """The device groups of a collective's HLO line (lists of partition ids), in any of the
+  spellings XLA prints: explicit ``{{0,1},{2,3}}``, iota ``[2,2]<=[4]``, or Shardy's
+  ``mesh['a'=2,'b'=4] {'b'}`` (groups along the named axes); None: not stated (every
+  device, or a spelling this does not read)."""
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+  if m:
+    axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+    over = set(re.findall(r"'([^']+)'", m.group(2)))
+    ids = np.arange(int(np.prod([int(n) for _, n in axes]))).reshape([int(n) for _, n in axes])
+    keep = [i for i, (a, _) in enumerate(axes) if a not in over]
+    move = [i for i, (a, _) in enumerate(axes) if a in over]
+    size = int(np.prod([int(axes[i][1]) for i in move])) if move else 1
+    return ids.transpose(keep + move).reshape(-1, size).tolist()
+  m = re.search(r"replica_groups=(\[[^\s,]*?\][^\s,]*|\[\d+,\d+\]<=\[[\d,]+\](?:T\([\d,]+\))?)",
+                line)
+  if m:
+    g = _iota_groups(m.group(1))
+    if g is not None:
+      return g.tolist()
+  m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+  if m and m.group(1):
+    return [[int(x) for x in grp.split(",") if x] for grp in re.findall(r"\{([\d,]*)\}",
+                                                                        m.group(1))]
+  return None
+
+
+def _pairs(line: str):
+  m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+  return [tuple(int(x) for x in p) for p in re.findall(r"\{(\d+),(\d+)\}", m.group(1))] if m else []
+
+
+def link_bytes(hlo: str, nodes) -> dict:
+  """Bytes each device sends per link class in a compiled program, for the busiest device:
+  {"in_node": b, "across_nodes": b}. `nodes`: the node of each partition (device) id.
+
+  From each collective's result bytes, execution count and groups: a collective-permute
+  sends its result to its target; an all-to-all or all-gather sends (n - 1) / n of its
+  result to the n - 1 peers of its group, each peer's part on the link to that peer; a
+  reduce-scatter or all-reduce (ring algorithm) about (n - 1) times / 2 (n - 1) / n of its
+  result's bytes, counted as an all-to-all's. An estimate of the traffic, as the compiler
+  placed it: the links each collective crosses.
+  """
+  nodes = np.asarray(nodes)
+  n_dev = len(nodes)
+  sent = {k: np.zeros(n_dev) for k in ("in_node", "across_nodes")}
+  starts: dict[str, str] = {}
+  for times, name, rtype, op, line in _instructions(hlo):
+    if op.endswith("-start"):
+      starts[name] = line  # its line names the groups; the -done's type is the result
+      continue
+    base = op[:-5] if op.endswith("-done") else op
+    if base not in _COLLECTIVES:
+      continue
+    if op.endswith("-done"):
+      m = re.search(r"-done\(%?([\w.\-]+)", line)
+      line = starts.get(m.group(1), line) if m else line
+    arrays = _shapes(rtype)
+    if not arrays:
+      continue
+    nbytes = sum(_DTYPE_BYTES[dt] * int(np.prod(dims)) for dt, dims in arrays)
+    if base == "collective-permute":
+      for src, dst in _pairs(line):
+        if src < n_dev and dst < n_dev and src != dst:
+          cls = "in_node" if nodes[src] == nodes[dst] else "across_nodes"
+          sent[cls][src] += times * nbytes
+      continue
+    groups = replica_groups(line, n_dev) or [list(range(n_dev))]
+    factor = 2 if base == "all-reduce" else 1
+    for grp in groups:
+      n = len(grp)
+      if n <= 1:
+        continue
+      for d in grp:
+        if d >= n_dev:
+          continue
+        same = sum(1 for e in grp if e < n_dev and nodes[e] == nodes[d]) - 1
+        part = factor * times * nbytes / n
+        sent["in_node"][d] += part * same
+        sent["across_nodes"][d] += part * (n - 1 - same)
+  return {k: int(np.max(v)) if v.size else 0 for k, v in sent.items()}
+
+
 def _kernel_calls(hlo: str, platform: str) -> list[tuple[str, str, str]]:
   """(HLO instruction name, kind, line) of the kernel custom calls."""
   out = []
@@ -541,7 +646,8 @@ def plan(target: str = "h100x8", *, batch: int = 1, num_heads: int = 32,
          window: tuple[int | None, int | None] | None = None, segment_ids: bool = False,
          mesh: dict[str, int] | None = None, spec=None, num_devices: int | None = None,
          implementation: str | None = None, context_parallel: str = "auto",
-         modes: tuple[str, ...] | list[str] = MODES, ring_head_groups: int = 1) -> Plan:
+         modes: tuple[str, ...] | list[str] = MODES, ring_head_groups: int = 1,
+         nodes: int | None = None) -> Plan:
   """Compiles one attention layer for `target` on this machine and reports what the compiler says.
 
   No target hardware is needed: the compile runs deviceless (`jax.experimental.topologies`)
@@ -552,7 +658,8 @@ def plan(target: str = "h100x8", *, batch: int = 1, num_heads: int = 32,
 
   Args:
     target: "h100", "h100x8", "h200", "h200x8", "b200", "b200x8" (GPU, one device or an
-      8-GPU node), "v5e", "v6e" (one TPU chip), "v5ex4", "v6ex4" (2x2 TPU; the deviceless
+      8-GPU node), "h100x32" (4 nodes of 8 H100s), "b200x64" (8 nodes of 8 B200s), "v5e",
+      "v6e" (one TPU chip), "v5ex4", "v6ex4" (2x2 TPU; the deviceless
       TPU compile of a partitioned flashvjp op fails in libtpu, see docs/plan.md), or the
       path of an XLA GPU target config text proto.
     batch, num_heads, num_kv_heads, seq_len, head_dim, dtype: the layer; q is
@@ -560,10 +667,15 @@ def plan(target: str = "h100x8", *, batch: int = 1, num_heads: int = 32,
       (num_kv_heads None: num_heads).
     causal, window, segment_ids: the mask (segment_ids=True adds int32 [batch, seq_len]
       document ids, sharded as the sequence).
-    mesh: mesh axis name -> size, in order (default: {"sp": all the target's devices}).
+    mesh: mesh axis name -> size, in order (default: {"sp": all the target's devices};
+      on several nodes {"node": nodes, "gpu": devices per node}).
     spec: the mesh axes of q/k/v's [B, H, S, D] dimensions, a PartitionSpec or 4-tuple
-      (default: P(None, None, "sp", None), the sequence over "sp").
+      (default: P(None, None, "sp", None), the sequence over "sp"; on several nodes over
+      ("node", "gpu")).
     num_devices: GPU targets only: devices of the topology (default: the target's).
+    nodes: GPU targets only: the devices spread over this many nodes (hosts: one process
+      each, NVLink inside, InfiniBand between), e.g. ``target="h100x8", nodes=4`` for 4
+      nodes of 8 (default: the target's, `flashvjp._target.NODES`; 1 for the others).
     implementation, context_parallel, ring_head_groups: passed to flash_attention
       (defaults: the op decides; one ring for every head).
     modes: of "value_and_grad" (jit(value_and_grad) of sum(out) w.r.t. q, k, v) and "jvp"
@@ -581,6 +693,19 @@ def plan(target: str = "h100x8", *, batch: int = 1, num_heads: int = 32,
   unknown = [m for m in modes if m not in MODES]
   if unknown or not modes:
     raise ValueError(f"modes must be a non-empty subset of {MODES}, got {list(modes)}")
+  n_nodes = _target.NODES.get(name, 1)
+  if nodes is not None:
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+      raise ValueError(f"nodes must be a positive int, got {nodes!r}")
+    if platform != "gpu" and nodes != 1:
+      raise ValueError(f"nodes applies to GPU targets; {target!r} is a TPU topology")
+    if num_devices is None:  # nodes of the target's node size
+      n = n // n_nodes * nodes
+    n_nodes = nodes
+  if n % n_nodes:
+    raise ValueError(f"{n} devices cannot be spread evenly over {n_nodes} nodes")
+  if spec is None and not mesh and n_nodes > 1:
+    mesh, spec = {"node": n_nodes, "gpu": n // n_nodes}, (None, None, ("node", "gpu"), None)
   spec_t = _spec_tuple(spec)
   mesh = dict(mesh) if mesh else {"sp": n}
   if int(np.prod(list(mesh.values()))) != n:
@@ -595,7 +720,7 @@ def plan(target: str = "h100x8", *, batch: int = 1, num_heads: int = 32,
   from jax.experimental import topologies
   with _capture_stderr() as noise:
     try:
-      topo = _topology(platform, what, n)
+      topo = _topology(platform, what, n, n_nodes)
       jmesh = topologies.make_mesh(topo, tuple(mesh.values()), tuple(mesh.keys()))
     except Exception as e:  # the plugin is there but does not start
       hint = ""
@@ -624,13 +749,16 @@ def plan(target: str = "h100x8", *, batch: int = 1, num_heads: int = 32,
                  head_dim=head_dim, dtype=dt.name, causal=causal, window=window,
                  segments=segment_ids, implementation=implementation,
                  context_parallel=context_parallel, ring_head_groups=ring_head_groups)
+  # the node of each partition id (the mesh's devices in order: the program's assignment)
+  node_of = ([d.process_index for d in np.asarray(jmesh.devices).flat] if n_nodes > 1
+             else None)
   results = []
   for mode in modes:
     results.append(_compile_mode(mode, q, kv, seg, kw, platform, target, n, seq_len,
-                                 seq_shards > 1))
+                                 seq_shards > 1, node_of))
   return Plan(target=name if name in TARGETS else target, platform=platform,
-              device_kind=device_kind, num_devices=n, hbm_bytes=hbm, mesh=mesh, spec=spec_t,
-              problem=problem, modes=tuple(results))
+              device_kind=device_kind, num_devices=n, hbm_bytes=hbm, nodes=n_nodes, mesh=mesh,
+              spec=spec_t, problem=problem, modes=tuple(results))
 
 
 def _functions(mode: str, seg, kw):
@@ -662,7 +790,8 @@ def _cpu_host() -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
-def _compile_mode(mode, q, kv, seg, kw, platform, target, n, seq_len, seq_sharded) -> ModePlan:
+def _compile_mode(mode, q, kv, seg, kw, platform, target, n, seq_len, seq_sharded,
+                  node_of=None) -> ModePlan:
   decision = _api.explain(q, kv, kv, segment_ids=seg, **kw)
   fn, _ = _functions(mode, seg, kw)
   args = (q, kv, kv, seg) if mode == "value_and_grad" else (q, kv, kv, seg, q, kv, kv)
@@ -707,7 +836,9 @@ def _compile_mode(mode, q, kv, seg, kw, platform, target, n, seq_len, seq_sharde
                   temp_bytes=int(mem.temp_size_in_bytes),
                   generated_code_bytes=int(mem.generated_code_size_in_bytes),
                   collectives=collectives(hlo, seq_len, seq_sharded), kernels=tuple(kernels),
-                  resources_note=note, ops=entry_ops(hlo))
+                  resources_note=note, ops=entry_ops(hlo),
+                  links=(tuple(link_bytes(hlo, node_of).items()) if node_of is not None
+                         else ()))
 
 
 _NOISE = re.compile(r"ptxas info|^\s+\d+ bytes stack frame|subprocess_compilation\.cc|"
@@ -816,9 +947,13 @@ def add_plan_parser(subparsers):
                  help="mesh axes of q/k/v's [B, H, S, D], e.g. None,None,sp,None (the default)"
                  " or dp,None,sp,None")
   p.add_argument("--num-devices", type=int, help="GPU targets: devices (default: the target's)")
+  p.add_argument("--nodes", type=int,
+                 help="GPU targets: spread the devices over N nodes (NVLink inside, InfiniBand"
+                      " between; default: the target's, e.g. 4 for h100x32); --target h100x8"
+                      " --nodes 4 is 4 nodes of 8")
   p.add_argument("--implementation", help="force an implementation (default: flashvjp decides)")
   p.add_argument("--context-parallel", default="auto",
-                 choices=("auto", "ring", "ulysses", "all_gather"),
+                 choices=("auto", "ring", "ulysses", "usp", "all_gather"),
                  help="context-parallel strategy (default auto)")
   p.add_argument("--ring-head-groups", type=int, default=1,
                  help="ring / all_gather: run it once per group of kv heads, one group after"
@@ -850,7 +985,7 @@ def run_plan(args) -> int:
                   segment_ids=args.segment_ids, mesh=args.mesh, spec=args.spec,
                   num_devices=args.num_devices, implementation=args.implementation,
                   context_parallel=args.context_parallel, modes=tuple(args.modes),
-                  ring_head_groups=args.ring_head_groups)
+                  ring_head_groups=args.ring_head_groups, nodes=args.nodes)
   except (ValueError, RuntimeError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -37,9 +37,15 @@ NAMED: dict[str, tuple[str, int, str | None]] = {
     "h100": ("gpu", 1, "NVIDIA H100 80GB HBM3"), "h100x8": ("gpu", 8, "NVIDIA H100 80GB HBM3"),
     "h200": ("gpu", 1, "NVIDIA H200"), "h200x8": ("gpu", 8, "NVIDIA H200"),
     "b200": ("gpu", 1, "NVIDIA B200"), "b200x8": ("gpu", 8, "NVIDIA B200"),
+    # clusters: nodes of 8 GPUs (NVLink inside a node, InfiniBand between: `NODES`)
+    "h100x32": ("gpu", 32, "NVIDIA H100 80GB HBM3"), "b200x64": ("gpu", 64, "NVIDIA B200"),
     "v5e": ("tpu", 1, "TPU v5 lite"), "v5ex4": ("tpu", 4, "TPU v5 lite"),
     "v6e": ("tpu", 1, "TPU v6 lite"), "v6ex4": ("tpu", 4, "TPU v6 lite"),
 }
+
+
+# Nodes of the cluster targets (the others are one node)
+NODES: dict[str, int] = {"h100x32": 4, "b200x64": 8}
 
 
 def named(target) -> Target:

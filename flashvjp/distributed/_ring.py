@@ -38,7 +38,8 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
                    block_kv: int | None = None, interpret: bool | None = None,
                    dropout_broadcast: tuple[bool, bool] = (False, False), mask_mod=None,
                    block_mask=None, sinks=None, batch_axis=None, head_axis=None,
-                   return_max_logits: bool = False, ring_head_groups: int = 1):
+                   return_max_logits: bool = False, ring_head_groups: int = 1,
+                   ulysses_axis=None):
   """Exact attention with the sequence sharded over a mesh axis; call inside shard_map.
 
   Same semantics and arguments as `flashvjp.flash_attention` on the global (unsharded)
@@ -86,6 +87,14 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
       heads (and their query heads), one group after the other: the ring's per-device
       state is one group's (`flash_attention`'s). Must divide the local num_heads and
       num_kv_heads. Default 1.
+    ulysses_axis: hierarchical context parallelism (`flash_attention`'s
+      ``context_parallel="usp"``): the sequence is sharded over (axis_name, ulysses_axis),
+      ulysses_axis minor (the global chunk of device (r, u) is r * U + u), e.g. the GPUs of
+      a node under the nodes. An all-to-all over ulysses_axis (U devices, joined by fast
+      links) trades the sequence for heads, the ring runs over axis_name on chunks of
+      seq / axis_size for num_heads / U heads, and an all-to-all trades back. num_heads
+      and num_kv_heads must divide by U; layout "contiguous" only. None (default): the
+      ring alone.
 
   Returns:
     local out [batch, num_heads, seq_local, head_dim_v] in query's dtype; (out, lse),
@@ -103,9 +112,20 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
   n = _compat.axis_size(axis_name)
   _api._check_qkv(query, key, value)
   B, H, Sl, _ = query.shape
-  ring_head_groups = _ring_backend.check_head_groups(ring_head_groups, H, key.shape[1])
+  nu = 1
+  if ulysses_axis is not None:
+    nu = _compat.axis_size(ulysses_axis)
+    if layout != "contiguous":
+      raise ValueError("ulysses_axis needs layout='contiguous' (the all-to-all joins the inner"
+                       f" devices' chunks into one), got layout={layout!r}")
+    if H % nu or key.shape[1] % nu:
+      raise ValueError(f"ulysses_axis: num_heads ({H}) and num_kv_heads ({key.shape[1]}) must"
+                       f" be divisible by its {nu} devices")
+  ring_head_groups = _ring_backend.check_head_groups(
+      ring_head_groups, H // nu, key.shape[1] // nu,
+      " after the all-to-all over ulysses_axis" if nu > 1 else "")
   Skv = key.shape[2]
-  pair_target = (B, H, Sl, n * Skv)
+  pair_target = (B, H, Sl, n * nu * Skv)
   bias = None if bias is None else _api._pair_rank4("bias", bias, pair_target, want_bool=False)
   mask = None if mask is None else _api._pair_rank4("mask", mask, pair_target, want_bool=True)
   decision, cfg, arrays = _api._prepare(
@@ -114,7 +134,8 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
       dropout_rng=dropout_rng, deterministic=deterministic, implementation=implementation,
       block_q=block_q, block_kv=block_kv, interpret=interpret,
       dropout_broadcast=dropout_broadcast, mask_mod=mask_mod, sinks=sinks,
-      fold_scale=True, outside_bias=bias is not None, causal_lengths=(n * Sl, n * Skv),
+      fold_scale=True, outside_bias=bias is not None,
+      causal_lengths=(n * nu * Sl, n * nu * Skv),
       max_logits=_api._check_flag("return_max_logits", return_max_logits))
   _dispatch.log(decision)  # the per-pair backend (flashvjp.record_decisions sees it)
   q, k, v, _, _, q_seg, kv_seg, seed, consts, scale_array, mm_consts, _, sinks = arrays
@@ -128,14 +149,21 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous",
   hint = getattr(mask_mod, "kv_intervals", None) if mask_mod is not None else None
   spec = _ring_backend.RingSpec(axis_name=axis_name, axis_size=n, layout=layout, inner=inner,
                                 batch_axis=batch_axis, head_axis=head_axis,
-                                mask_mod_hint=hint, head_groups=ring_head_groups)
+                                mask_mod_hint=hint, head_groups=ring_head_groups,
+                                ulysses_axis=ulysses_axis, ulysses_size=nu)
   ring_cfg = dataclasses.replace(cfg, implementation="ring", ring=spec)
   out, lse, row_max = _api.attend(ring_cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
                                   scale_array, mm_consts, None, sinks)
   extra = (lse,) if return_lse else ()
   if return_max_logits:  # [batch, num_heads], the max over every shard's rows
-    extra += (lax.pmax(jnp.max(row_max, axis=-1), axis_name),)
+    over = axis_name if ulysses_axis is None else (
+        tuple(_axes(axis_name)) + tuple(_axes(ulysses_axis)))
+    extra += (lax.pmax(jnp.max(row_max, axis=-1), over),)
   return (out, *extra) if extra else out
+
+
+def _axes(a) -> tuple:
+  return tuple(a) if isinstance(a, (tuple, list)) else (a,)
 
 
 def ring_schedule(num_devices: int, seq_local: int, *, layout: str = "contiguous",

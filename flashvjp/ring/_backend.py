@@ -32,6 +32,7 @@ from flashvjp import _aligned
 from flashvjp._config import AttentionConfig
 from flashvjp.ring import _compat
 from flashvjp.ring import _schedule
+from flashvjp.ring import _ulysses
 
 
 def _inner(name: str):
@@ -473,7 +474,9 @@ def _tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   consts, mod = C.varying(tuple(consts)), _varying_mod(C, mod)
   tconsts = C.varying(tuple(tconsts)) if tconsts is not None else None
   A = _Aligned(C, cfg, consts, mod, tconsts)
-  t_out = _compat.match_varying(jnp.zeros(out.shape, acc), q)
+  # out None (Ulysses around the ring, `_ulysses`): the pass returns a, its O term is
+  # applied by the caller (`flashvjp._delta.tangent_out`)
+  t_out = _compat.match_varying(jnp.zeros(q.shape[:3] + (v.shape[3],), acc), q)
   t_lse = _compat.match_varying(jnp.zeros(lse.shape, acc), q)
   chunk = C.first_chunk((k, v, kv_seg, tk, tv), A.travelling)
   for t, st in enumerate(C.steps):
@@ -498,7 +501,7 @@ def _tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
           C.kv_piece(ksc, b, 1), C.q_piece(out, a), C.q_piece(lse, a), C.q_piece(tq, a),
           C.kv_piece(tkc, b), C.kv_piece(tvc, b), C.pair_block(tbias, a, b, j), t_out, t_lse)
     chunk, t_out, t_lse = lax.optimization_barrier((nxt, t_out, t_lse))
-  return t_out.astype(out.dtype), t_lse.astype(lse.dtype)
+  return t_out.astype(acc if out is None else out.dtype), t_lse.astype(lse.dtype)
 
 
 # ---- head groups: the ring once per group of kv heads ---------------------------------
@@ -538,6 +541,70 @@ def _buffer(shape, dtype, ref):
 def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod=None):
   """(out [B, H, Sl, Dv], lse [B, H, Sl]) of the local queries against the whole sequence
   (and their row maxima, the max over every pair, when cfg.max_logits)."""
+  if cfg.ring.ulysses_axis is not None:
+    return tuple(_usp("forward", cfg, (q, k, v, bias, mask, q_seg, kv_seg, seed, consts), (),
+                      mod))
+  return _rings_forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod)
+
+
+def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
+             dout, dlse, mod=None):
+  """(dq, dk, dv, dbias or None, dconsts) of the local shards (the backend contract)."""
+  if cfg.ring.ulysses_axis is not None:
+    flat = _usp("backward", cfg, (q, k, v, bias, mask, q_seg, kv_seg, seed, consts),
+                (out, lse, dout, dlse), mod)
+    nb = 4 if bias is not None else 3
+    return (*flat[:3], flat[3] if bias is not None else None, tuple(flat[nb:]))
+  return _rings_backward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout,
+                         dlse, mod)
+
+
+def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
+            tq, tk, tv, tbias, tconsts, mod=None):
+  """(t_out, t_lse) of the local queries: the per-pair tangent passes against the global
+  (out, lse), summed (the pass is additive over kv given the exact lse)."""
+  if cfg.ring.ulysses_axis is not None:
+    return tuple(_usp("tangent", cfg, (q, k, v, bias, mask, q_seg, kv_seg, seed, consts),
+                      (out, lse, tq, tk, tv, tbias, tconsts), mod))
+  return _rings_tangent(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, tq,
+                        tk, tv, tbias, tconsts, mod)
+
+
+def _axes(a) -> tuple:
+  return () if a is None else tuple(a) if isinstance(a, (tuple, list)) else (a,)
+
+
+def _usp(kind: str, cfg: AttentionConfig, base, extra, mod) -> list:
+  """Hierarchical: Ulysses over `RingSpec.ulysses_axis` around the ring over `axis_name`.
+
+  After the all-to-all a device holds num_heads / U heads of the U inner chunks, which are
+  one contiguous chunk of seq / axis_size (the inner axes are minor): the ring runs on it
+  as on any chunk, its global head the index over (head axes, inner axes) times its heads.
+  Results come back as flat lists (`_ulysses.Ulysses.outputs`).
+  """
+  R = cfg.ring
+  U = _ulysses.Ulysses(cfg, R.ulysses_axis, R.ulysses_size)
+  base, extra, mod = U.inputs(kind, base, extra, mod)
+  heads = _axes(R.head_axis) + _axes(R.ulysses_axis)
+  spec = dataclasses.replace(R, ulysses_axis=None, ulysses_size=1,
+                             head_axis=heads[0] if len(heads) == 1 else heads)
+  q, k = base[0], base[1]
+  cfg_r = dataclasses.replace(cfg, ring=spec, seq_q=q.shape[2], seq_kv=k.shape[2])
+  args: list = [cfg_r, *base, *extra, mod]
+  if kind == "forward":
+    res = list(_rings_forward(*args))
+  elif kind == "backward":
+    dq, dk, dv, dbias, dconsts = _rings_backward(*args)
+    res = [dq, dk, dv] + ([dbias] if dbias is not None else []) + list(dconsts)
+  else:
+    res = list(_rings_tangent(*args))
+  return U.outputs(kind, res, base[3] is not None)
+
+
+def _rings_forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts,
+                   mod=None):
+  """(out [B, H, Sl, Dv], lse [B, H, Sl]) of the local queries against the whole sequence
+  (and their row maxima, the max over every pair, when cfg.max_logits)."""
   G, n, nk = _groups(cfg, q, k)
   if G == 1:
     return _forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, mod)
@@ -556,9 +623,9 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   return tuple(lax.fori_loop(0, G, body, init))
 
 
-def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
-             dout, dlse, mod=None):
-  """(dq, dk, dv, dbias or None, dconsts) of the local shards (the backend contract)."""
+def _rings_backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out,
+                    lse, dout, dlse, mod=None):
+  """`backward` of the ring (per head group when `RingSpec.head_groups` > 1)."""
   G, n, nk = _groups(cfg, q, k)
   if G == 1:
     return _backward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, dout,
@@ -587,16 +654,17 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   return (dq, dk, dv) + _finish_sums(dbias, dconsts, bias, consts[:n_diff])
 
 
-def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
-            tq, tk, tv, tbias, tconsts, mod=None):
-  """(t_out, t_lse) of the local queries: the per-pair tangent passes against the global
-  (out, lse), summed (the pass is additive over kv given the exact lse)."""
+def _rings_tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out,
+                   lse, tq, tk, tv, tbias, tconsts, mod=None):
+  """`tangent` of the ring (per head group when `RingSpec.head_groups` > 1)."""
   G, n, nk = _groups(cfg, q, k)
   if G == 1:
     return _tangent(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse, tq, tk,
                     tv, tbias, tconsts, mod)
   H, Hkv = q.shape[1], k.shape[1]
-  init = (_buffer(out.shape, out.dtype, q), _buffer(lse.shape, lse.dtype, q))
+  rows = q.shape[:3] + (v.shape[3],)
+  init = (_buffer(rows, jnp.promote_types(q.dtype, jnp.float32) if out is None else out.dtype,
+                  q), _buffer(lse.shape, lse.dtype, q))
 
   def body(g, bufs):
     qh = lambda x: _heads_of(x, g, n, H)

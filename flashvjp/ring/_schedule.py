@@ -126,6 +126,12 @@ class RingSpec:
   # other: the ring's per-device state (the chunk in flight, the float32 dQ / dK / dV sums)
   # is that of Hkv / head_groups kv heads. 1: every head in one ring.
   head_groups: int = 1
+  # Hierarchical ("usp"): the sequence is also sharded over `ulysses_axis` (the inner mesh
+  # axes, `ulysses_size` devices), minor to `axis_name`: an all-to-all over it trades the
+  # sequence for heads around the ring (`flashvjp.ring._ulysses`), which then runs over
+  # `axis_name` on chunks of seq / axis_size for num_heads / ulysses_size heads.
+  ulysses_axis: Hashable | None = None
+  ulysses_size: int = 1
 
   def steps(self, causal: bool, window, len_q: int, len_kv: int) -> tuple[Step, ...]:
     return _steps(self.axis_size, self.layout, causal, window, len_q, len_kv,
