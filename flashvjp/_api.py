@@ -291,12 +291,22 @@ def _check_explicit_axes(**arrays):
           " jax.sharding.Mesh(devices, names)) and place the arrays with NamedSharding")
 
 
+def _check_axes(name: str, axes):
+  """None, a mesh axis name or a tuple / list of them, as a tuple (hashable), else TypeError."""
+  if axes is None:
+    return None
+  items = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+  if not items or not all(isinstance(a, str) for a in items):
+    raise TypeError(f"{name} must be a mesh axis name or a tuple of them, got {axes!r}")
+  return items
+
+
 def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, score_mod, scale,
              dropout_rate, dropout_rng, deterministic, implementation, block_q, block_kv,
              interpret, dropout_broadcast=(False, False), mask_mod=None, block_mask=None,
              sinks=None, allow_shapes=False, fold_scale=False, context_parallel="auto",
              max_logits=False, causal_lengths=None, program_target=None,
-             ring_head_groups=1, outside_bias=False):
+             ring_head_groups=1, outside_bias=False, intra_node_axes=None):
   """Validate everything; return (decision, cfg, arrays) without tracing any kernel.
 
   fold_scale: an array (traced) scale with low-precision inputs becomes the first step of
@@ -368,6 +378,7 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
   if not isinstance(context_parallel, str) or context_parallel not in _strategy.REQUESTS:
     raise ValueError(f"context_parallel must be one of {_strategy.REQUESTS}, got"
                      f" {context_parallel!r}")
+  intra_node_axes = _check_axes("intra_node_axes", intra_node_axes)
   ring_head_groups = _schedule.check_head_groups(ring_head_groups, H, key.shape[1])
   if ring_head_groups > 1 and context_parallel not in ("ring", "usp", "all_gather"):
     raise ValueError(f"ring_head_groups={ring_head_groups} needs context_parallel='ring',"
@@ -412,6 +423,7 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       out_f32=bool(out_f32) and decision.implementation != "naive", fold_bias=fold_bias,
       fold_shift=fold_shift,
       context_parallel=context_parallel, ring_head_groups=ring_head_groups,
+      intra_node_axes=intra_node_axes,
       # the hint only matters when a mesh can shard the sequence; on one device it would
       # only make the config (and the compile cache) depend on the mask_mod object
       mask_mod_hint=getattr(mask_mod, "kv_intervals", None) if program.partition else None,
@@ -657,7 +669,7 @@ def flash_attention(
     block_kv: int | None = None, interpret: bool | None = None,
     dropout_broadcast: tuple[bool, bool] = (False, False), mask_mod=None, block_mask=None,
     sinks=None, context_parallel: str = "auto", return_max_logits: bool = False,
-    ring_head_groups: int = 1):
+    ring_head_groups: int = 1, intra_node_axes=None):
   """Exact, memory-efficient, differentiable attention.
 
   Semantics, in order: ``s = scale * q @ k^T``; ``s += bias``;
@@ -745,13 +757,22 @@ def flash_attention(
     interpret: Pallas interpret mode; None means exactly when the platform is CPU.
     context_parallel: under ``jax.jit`` with query / key / value sharded along the
       sequence (a NamedSharding), the context-parallel strategy run inside the
-      partition: "auto" (default: the ring or Ulysses, whichever moves fewer bytes; never
-      a gather of the whole sequence), "ring" (K/V chunks passed around with ppermute),
-      "ulysses" (all-to-all sequence <-> heads; num_heads and num_kv_heads divisible by
-      the sequence shards) or "all_gather" (K/V gathered once, O(seq) memory for K/V).
-      `explain` on sharded inputs says which runs and why. Ignored when the sequence is
+      partition: "auto" (default: of the ring, Ulysses and usp, the one with the least
+      time on the slowest link class, or the fewest bytes where the links are unknown;
+      never a gather of the whole sequence), "ring" (K/V chunks passed around with
+      ppermute), "ulysses" (all-to-all sequence <-> heads; num_heads and num_kv_heads
+      divisible by the sequence shards), "usp" (the sequence over two or more mesh axes:
+      Ulysses over the inner, minor ones, e.g. the GPUs of a node, the ring over the
+      outer ones, e.g. the nodes; heads divisible by the inner devices) or "all_gather"
+      (K/V gathered once, O(seq) memory for K/V). `explain` on sharded inputs says which
+      runs, the split, the bytes per link class and why. Ignored when the sequence is
       not sharded.
-    ring_head_groups: with context_parallel "ring" or "all_gather", run the ring once per
+    intra_node_axes: the mesh axes (a name or a tuple) whose devices share a node (NVLink,
+      ICI); the sequence's other axes cross nodes (InfiniBand, DCN). For the cost model of
+      ``context_parallel="auto"``; None (default): read from the devices' placement (a
+      process, or a TPU slice, is a node; unknown with one device per process, where the
+      choice weighs bytes only).
+    ring_head_groups: with context_parallel "ring", "usp" or "all_gather", run the ring once per
       group of num_kv_heads / ring_head_groups kv heads (and their query heads), one
       group after the other: each device then holds the ring's state (the K/V chunk in
       flight, the float32 dQ sums, the dK/dV sums that travel) for one group only, for
@@ -770,7 +791,7 @@ def flash_attention(
       dropout_broadcast=dropout_broadcast, mask_mod=mask_mod, block_mask=block_mask,
       sinks=sinks, fold_scale=True, context_parallel=context_parallel,
       max_logits=_check_flag("return_max_logits", return_max_logits),
-      ring_head_groups=ring_head_groups)
+      ring_head_groups=ring_head_groups, intra_node_axes=intra_node_axes)
   _dispatch.log(decision)
   out, lse, max_logits = _run(cfg, *arrays, return_lse=bool(return_lse))
   extra = ((lse,) if return_lse else ()) + ((max_logits,) if return_max_logits else ())
@@ -868,7 +889,8 @@ def explain(query, key, value, *, layout: str | None = None, target=None,
                 score_mod=None, scale=None, dropout_rate=0.0, dropout_rng=None,
                 deterministic=True, implementation=None, block_q=None, block_kv=None,
                 interpret=None, dropout_broadcast=(False, False), mask_mod=None,
-                block_mask=None, sinks=None, context_parallel="auto", ring_head_groups=1)
+                block_mask=None, sinks=None, context_parallel="auto", ring_head_groups=1,
+                intra_node_axes=None)
   unknown = set(kwargs) - set(params)
   if unknown:
     raise TypeError(f"explain() got unexpected arguments {sorted(unknown)}")

@@ -280,13 +280,17 @@ class AttentionConfig:
   # global meaning. None for a one-device call.
   ring: Any = None
   # Under jit with the sequence sharded (flashvjp._partition): the context-parallel strategy
-  # asked for ("auto", "ring", "ulysses", "all_gather"; flashvjp._strategy) and the
+  # asked for ("auto", "ring", "ulysses", "usp", "all_gather"; flashvjp._strategy) and the
   # mask_mod's static hint (`kv_intervals`: which pairs of chunks can meet), set when more
   # than one device exists.
   context_parallel: str = "auto"
   # The ring (or all-gather) run once per group of kv heads, one group after the other
   # (`flashvjp.ring.RingSpec.head_groups`): 1 / ring_head_groups of its per-device state.
   ring_head_groups: int = 1
+  # The mesh axes the user says join devices of one node (fast links): the others of the
+  # sequence's axes cross nodes. None: read from the devices' placement
+  # (`flashvjp._partition.axis_links`).
+  intra_node_axes: tuple | None = None
   mask_mod_hint: Callable | None = None
   # Whether the program's mesh has more than one device (flashvjp._target: the inputs'
   # shardings, else the abstract mesh, else the host): the backends are then wrapped in

@@ -204,7 +204,9 @@ def _plan(cfg: AttentionConfig, mesh, q_spec, q_shape, k_shape, v_shape, itemsiz
       local[1] = shape[1] // _size(mesh, hax) if shape[1] != 1 else 1
       local[2] = shape[2] // n
       pair_bytes += _strategy.bytes_of(local, dtype)
-  links = axis_links(mesh, _axes_tuple(sax))
+  links = (axis_links(mesh, _axes_tuple(sax)) if cfg.intra_node_axes is None else
+           tuple("in_node" if a in cfg.intra_node_axes else "across_nodes"
+                 for a in _axes_tuple(sax)))
   problem = _strategy.Problem(
       num_shards=n, batch=B_l, heads=H_l, kv_heads=Hk // _size(mesh, hax), seq_q=Sq,
       seq_kv=Skv, head_dim=D, head_dim_v=Dv, itemsize=itemsize, causal=cfg.causal,

@@ -299,3 +299,22 @@ def test_replica_groups_every_spelling_and_link_bytes():
   got = _plan.link_bytes(hlo, nodes)
   # all-to-all in the node: 3/4 of 4 KiB sent; the permute 0 -> 4 crosses nodes with 1 KiB
   assert got == {"in_node": 3 * 1024 + 1024, "across_nodes": 1024}, got
+
+
+def test_intra_node_axes_say_the_links():
+  """On one host every axis is in the node (the placement); `intra_node_axes` says which
+  are, the others then cross nodes: the choice and explain follow."""
+  mesh = _two_level()
+  sh = NamedSharding(mesh, P(*SEQ))
+  q = jax.ShapeDtypeStruct((1, 32, 4096, 64), jnp.bfloat16, sharding=sh)
+  kv = jax.ShapeDtypeStruct((1, 8, 4096, 64), jnp.bfloat16, sharding=sh)
+  placed = flashvjp.explain(q, kv, kv, causal=True).context_parallel
+  assert set(dict(placed.link_bytes)) == {"in_node"}, placed
+  said = flashvjp.explain(q, kv, kv, causal=True, intra_node_axes="gpu").context_parallel
+  assert said.name == "usp" and said.ulysses_axes == ("gpu",), said
+  assert dict(said.link_bytes)["across_nodes"] > 0 and "slowest link" in str(said)
+  ring = flashvjp.explain(q, kv, kv, causal=True, intra_node_axes=("gpu",),
+                          context_parallel="ring").context_parallel
+  assert ring.link_seconds > said.link_seconds
+  with pytest.raises(TypeError, match="intra_node_axes must be a mesh axis name"):
+    flashvjp.explain(q, kv, kv, intra_node_axes=3)

@@ -269,3 +269,26 @@ def test_cli_ring_head_groups():
   assert re.search(r"collective-permute\s+x\d+\s+bf16\[1,1,1024,64\]", res.stdout), res.stdout
   bad = _cli(*args, "--ring-head-groups", "3")
   assert bad.returncode == 2 and "ring_head_groups=3 must divide" in bad.stderr, bad.stderr[-2000:]
+
+
+@needs_cuda
+def test_h100x32_four_nodes_picks_the_hierarchical_split():
+  """4 nodes x 8 H100 (the topology's processes are the nodes): "auto" picks usp (Ulysses
+  over the GPUs of a node, the ring over the nodes); in the compiled HLO the busiest
+  device sends >= 8x fewer bytes across nodes than the ring over all 32, with no more
+  memory per device."""
+  layer = dict(batch=1, num_heads=32, num_kv_heads=8, seq_len=16384, head_dim=64,
+               causal=True, modes=("value_and_grad",))
+  auto = flashvjp.plan("h100x32", **layer)
+  ring = flashvjp.plan("h100x8", nodes=4, context_parallel="ring", **layer)
+  assert auto.nodes == ring.nodes == 4 and auto.num_devices == ring.num_devices == 32
+  assert auto.mesh == {"node": 4, "gpu": 8} and auto.spec[2] == ("node", "gpu")
+  a, r = auto.mode("value_and_grad"), ring.mode("value_and_grad")
+  st = a.decision.context_parallel
+  assert st.name == "usp" and st.ulysses_axes == ("gpu",) and st.ring_axes == ("node",), st
+  across = lambda m: dict(m.links)["across_nodes"]
+  assert across(r) >= 8 * across(a), (a.links, r.links)
+  assert a.total_bytes <= r.total_bytes, (a.total_bytes, r.total_bytes)
+  text = str(auto)
+  assert "in 4 nodes of 8" in text and "per link class (compiled HLO" in text
+  assert "Ulysses over ('gpu',), the ring over ('node',)" in text
