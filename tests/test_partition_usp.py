@@ -318,3 +318,17 @@ def test_intra_node_axes_say_the_links():
   assert ring.link_seconds > said.link_seconds
   with pytest.raises(TypeError, match="intra_node_axes must be a mesh axis name"):
     flashvjp.explain(q, kv, kv, intra_node_axes=3)
+
+
+def test_record_decisions_shows_the_split():
+  mesh = _two_level()
+  x = _inputs(H8, HKV4)
+  placed = [jax.device_put(x[n], NamedSharding(mesh, P(*SEQ))) for n in "qkv"]
+  f = jax.jit(lambda q, k, v: flashvjp.flash_attention(q, k, v, causal=True, block_q=BLOCK,
+                                                       block_kv=BLOCK, intra_node_axes="gpu"))
+  with flashvjp.record_decisions() as events:
+    f.lower(*placed).compile()
+  parts = [e for e in events if e.stage == "partition"]
+  assert parts and all(e.detail.name == "usp" for e in parts), [str(e) for e in events]
+  text = str(parts[0])
+  assert "Ulysses over ('gpu',), the ring over ('node',)" in text and "across_nodes" in text
