@@ -132,7 +132,7 @@ class Strategy:
     if self.link_bytes:
       links = "; per link class " + ", ".join(f"{k} {mib(b)}" for k, b in self.link_bytes)
       if self.link_seconds is not None:
-        links += f" (~{self.link_seconds * 1e3:.2f} ms on the slowest link)"
+        links += f" ({_time(self.link_seconds)} on the slowest link)"
     return (f"{self.name} over {self.seq_axes}{split} ({self.num_shards} shards{groups}):"
             f" {self.reason}; moves ~{mib(self.bytes_forward)} forward +"
             f" {mib(self.bytes_backward)} backward per device{links}; holds {self.memory}")
@@ -335,7 +335,8 @@ def choose(request: str | None, p: Problem, seq_axes: tuple) -> Strategy:
               for k, v in memory.items()}
   links = {k: link_bytes(p, k) for k in total}
   secs = {k: _seconds(p, v) for k, v in links.items()}
-  timed = p.links_known
+  # with every link in the node, time and bytes rank alike: the reason says bytes
+  timed = p.links_known and any(a[2] == "across_nodes" for a in p.axes if a[1] > 1)
 
   def make(key, reason):
     cost = c[key]
@@ -399,7 +400,7 @@ def choose(request: str | None, p: Problem, seq_axes: tuple) -> Strategy:
   reason += ")"
   if refused:
     reason += "; " + "; ".join(refused)
-  if not timed and len(p.axes) > 1:
+  if not p.links_known and len(p.axes) > 1:
     reason += "; links unknown: weighed by bytes"
   return make(best, reason)
 
@@ -411,9 +412,13 @@ def _label(key: str, p: Problem) -> str:
   return f"usp (Ulysses over {ua}, ring over {ra})"
 
 
+def _time(seconds: float) -> str:
+  return f"~{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"~{seconds * 1e6:.1f} us"
+
+
 def _fmt(key: str, secs: dict, total: dict, timed: bool) -> str:
   if timed and secs[key] is not None:
-    return f"~{secs[key] * 1e3:.2f} ms"
+    return _time(secs[key])
   return f"{total[key] / 2**20:.2f} MiB"
 
 
