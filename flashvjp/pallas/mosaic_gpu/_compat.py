@@ -120,6 +120,23 @@ def run_scoped(fn, *types, collective_axes=None):
   return pl.run_scoped(fn, *types, collective_axes=collective_axes)
 
 
+def accumulate(init, fn, *, interpret: bool):
+  """``init + A @ B`` for the wgmma(s) ``fn(acc_ref)`` issues: compiled, into an accumulator
+  that starts from `init` (`pl.run_state` with `plgpu.ACC.init`: the MMAs add to the carried
+  registers, no fresh zeroed accumulator and no add after it); interpreted, into a fresh
+  accumulator then added to `init`, because the GPU interpreter does not handle
+  `pl.run_state`. The two are the same float32 sum there: the interpreter's wgmma adds the
+  whole product to the accumulator at once (a fresh one holds 0 + A @ B)."""
+  mg = plgpu()
+  if interpret:
+    def scoped(acc_ref):
+      fn(acc_ref)
+      return acc_ref[...]
+    return init + run_scoped(scoped, mg.ACC(init.shape, init.dtype))
+  from jax.experimental import pallas as pl
+  return pl.run_state(fn)(mg.ACC.init(init))
+
+
 def smem_tile(shape, dtype):
   """An SMEM buffer of 16-bit [..., rows, 64k] tiles in the wgmma operand layout: (8, 64)
   tiling and the 128-byte swizzle (a 16-bit row of 64 elements is 128 bytes)."""

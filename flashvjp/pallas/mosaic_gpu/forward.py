@@ -183,8 +183,8 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
   """The launch sizes: two consumer warpgroups (128 query rows per CTA; one when the
   sequence fits in 64 rows), kv blocks of 128 for head dims <= 128 and 64 above (the
   consumer's registers: S, the output and a P V accumulator are live at once), and a
-  ring of 2-3 slots within the SMEM budget (FA3's Hopper forward at head dim 128: 64 rows
-  per consumer, kv blocks of 128, 2 slots). `elementwise` (segment ids, dropout: more
+  ring of 2 slots (a CTA of one consumer: up to 3) within the SMEM budget (FA3's Hopper
+  forward at head dim 128: 64 rows per consumer, kv blocks of 128, 2 slots). `elementwise` (segment ids, dropout: more
   per-entry work on every tile) takes kv blocks of 64: at 128 the consumer spills
   (sm_90a, ptxas: 8-168 bytes), at 64 it does not. `slot_extra(bq, bk)`: the bytes each
   ring slot holds besides K and V. `pingpong`: with two consumers, FA3's schedule barrier
@@ -218,7 +218,11 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
     # Two consumers need two slots: with one, the kernel deadlocked (interpret mode, head dim
     # 256 with kv blocks of 64 and a float32 out); a CTA of one consumer is planned instead.
     one = (1,) if rel else (3, 2, 1)
-    fits = [n for n in (one if consumers == 1 else (3, 2))
+    # Two consumers take two slots (FA3's and tokamax's stages): a third would cost each
+    # step of the main loop a division by 3 for its slot (22 more instructions per iteration
+    # at head dim 64, sm_90a SASS: benchmarks/mosaic_gpu_sass.py), for latency hiding no GPU
+    # has measured.
+    fits = [n for n in (one if consumers == 1 else (2,))
             if make(n).smem_bytes() <= _limits.SMEM_BUDGET]
     if not fits and auto and consumers == 2:
       return plan(q_shape, k_shape, v_shape, block_kv=block_kv, slots=slots, consumers=1,
@@ -436,7 +440,12 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
           ok = spec.allowed(qi, ki, dense=dense)
         if cfg.mask_mod is not None:  # at positions clamped into the real ones, global
           ok = ok & mr.allowed(cfg, words, ki, (rows, bk), cols, rels)
-      if cfg.score_mod is None:
+      # raw: the row max taken on q k itself and scaled once per row (a positive scale and
+      # nothing else on the scores: max commutes with it), the exponent one FFMA an entry
+      raw = cfg.score_mod is None and bias_v is None and scale2 > 0.0
+      if raw:
+        pass  # s stays q k; the scale joins the row max and the exponent
+      elif cfg.score_mod is None:
         s = s * scale2
         if bias_v is not None:  # in the exp2 domain: bias * log2(e)
           s = s + bias_v * LOG2E
@@ -447,18 +456,25 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         s = mr.score(cfg, words, st, ki, cols, rels) * LOG2E
       if masked_step:
         assert ok is not None
-        m_new = jnp.maximum(m, jnp.where(ok, s, neg).max(axis=1))
-        e = jnp.where(ok, s - _rows(m_new, s.shape), neg)
+        top = jnp.where(ok, s, neg).max(axis=1)
+        m_new = jnp.maximum(m, top * scale2 if raw else top)
       else:
-        m_new = jnp.maximum(m, s.max(axis=1))
-        e = s - _rows(m_new, s.shape)
+        m_new = jnp.maximum(m, s.max(axis=1) * scale2 if raw else s.max(axis=1))
+      e = s * scale2 - _rows(m_new, s.shape) if raw else s - _rows(m_new, s.shape)
+      if masked_step:
+        e = jnp.where(ok, e, neg)
       prob = jnp.exp2(e)
       alpha = jnp.exp2(m - m_new)
       l = alpha * l + prob.sum(axis=1)
       if dropout:
         prob = dropped(prob, t)
-      p_smem[...] = prob.astype(dtype)
-      mg.commit_smem()  # the generic-proxy stores of P before the wgmma reads them
+      # P V's left operand: compiled, P in registers (register-operand wgmma); interpreted,
+      # P staged in SMEM (the interpreter takes no register operand): the same bf16 values
+      p_op = prob.astype(dtype)
+      if interpret:
+        p_smem[...] = p_op
+        mg.commit_smem()  # the generic-proxy stores of P before the wgmma reads them
+        p_op = p_smem
       if p.pingpong:
         mg.barrier_arrive(R["sched"])  # softmax done
       wait("v_loaded", R["v_bar"].at[slot])
@@ -466,15 +482,16 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         mg.barrier_wait(R["sched"])  # the tensor cores are ours again
 
       def pv(cols, acc_ref):
-        mg.wgmma(acc_ref, p_smem, R["v_s"].at[slot, :, cols])
-        return acc_ref[...]
+        mg.wgmma(acc_ref, p_op, R["v_s"].at[slot, :, cols])
 
-      # P V in column chunks of <= 128 (one fresh [64, 128] accumulator live at a time)
+      # P V in column chunks of <= 128, each added to its rescaled running output (compiled:
+      # the MMAs accumulate into its registers, `_compat.accumulate`)
       new_acc = []
       for n, part in enumerate(acc):
         cols = pl_ds(n * p.dv_chunk, p.dv_chunk)
-        o = _compat.run_scoped(functools.partial(pv, cols), mg.ACC((rows, p.dv_chunk), f32))
-        new_acc.append(part * _rows(alpha, part.shape) + o)
+        new_acc.append(_compat.accumulate(part * _rows(alpha, part.shape),
+                                          functools.partial(pv, cols),
+                                          interpret=bool(interpret)))
       mg.barrier_arrive(R["v_free"].at[slot])
       return m_new, l, tuple(new_acc)
 
