@@ -5,11 +5,15 @@ three warpgroups (`Plan`): a producer streams K and V blocks by TMA into a ring 
 SMEM slots (per-slot "loaded" barriers the TMA completes, per-slot "consumed" barriers
 both consumers arrive on before a slot is refilled), and two consumers (setmaxnreg
 232 / 40) each own 64 query rows: Q tile in SMEM, S = Q K^T on wgmma, the online softmax
-in the exp2 domain (log2(e) folded into the scale), P staged in SMEM (input dtype) and
-P V on wgmma with both operands in SMEM (SS-wgmma: the register-operand form is not
-simulated by the interpreter). Each P V product lands in a fresh accumulator (column
-chunks of <= 128) added to the running output: no `pl.run_state`, which the interpreter
-does not handle either. One consumer (64 rows per CTA) when the queries fit in 64 rows.
+in the exp2 domain (log2(e) folded into the scale; with nothing else on the scores the row
+max is taken on q k itself and scaled once per row, so each exponent is one FFMA), and
+P V on wgmma (column chunks of <= 128). Compiled, P is the register operand and the
+products accumulate into the carried, rescaled output (`pl.run_state`:
+`_compat.accumulate`), as tokamax's and JAX's FA3 forwards do. Interpreted, P is staged in
+SMEM and each product lands in a fresh accumulator added to the output, since the GPU
+interpreter handles neither a register operand nor `pl.run_state`: the same bf16 P, the
+same float32 sum (the interpreter's wgmma adds the whole product at once). One consumer
+(64 rows per CTA) when the queries fit in 64 rows.
 
 Causal / window / kv padding: the producer fetches the kv blocks of the CTA's rows inside
 the mask model's static bounds (`MaskSpec.kv_block_range`); each consumer computes those
