@@ -63,8 +63,10 @@ tile part evaluated at clamped global positions on the PARTIAL blocks; its block
 make the visit lists.
 
 Blocks: block_kv = 64 (one wgmma M tile per compute warpgroup), block_q = 64 for dQ and
-for dK/dV up to head dim 64 without a score_mod, 32 otherwise (`_dkdv_block_q`:
-registers). The caller's cfg.blocks are not read yet. sm_90a ptxas (causal GQA bf16,
+for dK/dV up to head dim 128 without a score_mod (and above 64 without dropout or a bias),
+32 otherwise (`_dkdv_block_q`: registers). Compiled, the dV / dK / dQ products take P^T,
+dS^T and dS as register operands (as tokamax's kernels); interpreted, those are staged in
+SMEM, since the GPU interpreter takes no register operand (the same 16-bit values). The caller's cfg.blocks are not read yet. sm_90a ptxas (causal GQA bf16,
 S=1024): 0 spills for each feature alone, for segment ids + dropout + mask + bias + offsets
 at head dim 128, and for every feature at once at 64 and 128 (a score_mod with
 differentiable slopes + a bias + a mask_mod + segment ids + dropout + a dense mask +
@@ -221,25 +223,29 @@ def _store_chunks(pairs, bufs, before=None):
     plgpu.copy_smem_to_gmem(buf, dst(c, w))
 
 
-def _dkdv_block_q(g: C.Geometry, cfg) -> int:
-  """The dK/dV kernel's q block. Its tiles are [bk, bq] (bq is the wgmma N dim, so 32 is
-  legal; the kernel's SMEM tiles then share a 64-byte swizzle). Above head dim 64 the dK
-  and dV accumulators alone take 128 registers a thread: 64 spilled (180 B at head dim 128
-  with segment ids and dropout, sm_90a ptxas), 32 does not (the Triton family's launch
-  table makes the same choice); so does a score_mod (its vjp's tiles: 16 B spilled at head
-  dim 64 with a bias). Above head dim 128 with dropout, 16: at 32 the dK/dV kernel spilled
-  16 B (sm_90a ptxas, D=256, segment ids + dropout + a dense mask + a bias + offsets, 255
+def _dkdv_block_q(g: C.Geometry, cfg, bias: bool = False) -> int:
+  """The dK/dV kernel's q block. Its tiles are [bk, bq] (bq is the wgmma N dim, so 32 and 16
+  are legal; the kernel's SMEM tiles then share a narrower swizzle). 64 (tokamax's and FA3's
+  steps, no n=32 MMAs) up to head dim 128 without a score_mod, dropout or a bias: with P^T
+  and dS^T as the register operands of the dV / dK products the dK and dV accumulators (128
+  registers a thread at head dim 128) and two [64, 64] tiles fit (sm_90a ptxas: 249 registers
+  plain, 255 with segment ids, a dense mask and a mask_mod, 0 spills; the steady loop 330
+  instructions for 4.19 MMA MFLOP, against 218 for 2.10 at 32). A score_mod (its vjp's
+  tiles), dropout (its hash) or a bias (its float32 tile: 40 B spilled with segment ids, a
+  dense mask and a mask_mod) above head dim 64, or a head dim above 128: 32 (64 spilled
+  16-180 B there, sm_90a ptxas). Above head dim 128 with dropout, 16: at 32 the dK/dV kernel
+  spilled 16 B (D=256, segment ids + dropout + a dense mask + a bias + offsets, 255
   registers), at 16 it does not (255 registers, 0 spills, shared memory 166912 -> 119808 B);
   so at head dim 128 with a score_mod and dropout (every feature at once: 28 B spilled at 32,
   0 at 16 with 231 registers). Speed not measured (no GPU here). The operands stay padded to
   64-blocks (the dQ kernel's)."""
   if cfg.dropout_active and (max(g.Dp, g.Dvp) > _ACC_DIM or _mod_above_64(g, cfg)):
     return 16
-  return 32 if max(g.Dp, g.Dvp) > 64 or cfg.score_mod is not None else 64
-
-
-
-
+  if max(g.Dp, g.Dvp) > 128:
+    return 32
+  if max(g.Dp, g.Dvp) > 64 and (cfg.score_mod is not None or cfg.dropout_active or bias):
+    return 32
+  return 32 if cfg.score_mod is not None else 64
 
 
 def _preprocess(out, lse, dout, dlse, g: C.Geometry):
@@ -410,6 +416,7 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, p
   (ring_smem, res_smem, tiles), loaded, free, res_bars = refs[len(names) + 2 + n_kvd:]
   p_smem, ds_smem = tiles[:2]
   dkv_smem = tiles[2:]
+  interpreted = bool(_interpret(cfg))
   rs = dict(zip(ring, ring_smem))
   res = dict(zip(resident, res_smem))
   b, hk, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("kv")
@@ -490,19 +497,28 @@ def _dkdv_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, p
             v[name] = plgpu.load(rs[name].at[slot], layout=wgmma_layout, optimized=False)
         pT, ok, m, sm_vjp = _probs(cfg, sT, lse2, i * g.bq + q_iota, kv_idx, masked, v,
                                    pos_diff=pos_diff)
-        p_smem[...] = (pT if m is None else pT * m).astype(p_smem.dtype)  # dropped out
+        # dV += P^T dO and dK += dS^T Q: compiled, P^T and dS^T are the register operands;
+        # interpreted, they are staged in SMEM (the GPU interpreter takes no register
+        # operand): the same 16-bit values either way
+        p_op = (pT if m is None else pT * m).astype(p_smem.dtype)  # dropped out
+        if interpreted:
+          p_smem[...] = p_op
+          p_op = p_smem
         dsT, dres = _dscores(pT, dpT, delta, ok, m, sm_vjp)
         # the kv-position residuals' gradients (the last n_kvd): summed over this q block
         dkv_rows = tuple(a + jnp.sum(x, axis=1)
                          for a, x in zip(dkv_rows, dres[len(dres) - n_kvd:]))
-        ds_smem[...] = (dsT * jnp.float32(cfg.scale)).astype(ds_smem.dtype)
+        ds_op = (dsT * jnp.float32(cfg.scale)).astype(ds_smem.dtype)
+        if interpreted:
+          ds_smem[...] = ds_op
+          ds_op = ds_smem
         if not _mutated("skip_lse_fence"):
           # Orders this thread's generic SMEM accesses (the lse / delta / per-q vector loads,
           # the P / dS stores) before the async proxy: the wgmmas below and the producer's
           # TMA refill of this slot.
           plgpu.commit_smem()
-        plgpu.wgmma(dv_acc, p_smem, _cols(do_s, part, wv, parts))
-        plgpu.wgmma(dk_acc, ds_smem, _cols(q_s, part, wk, parts))
+        plgpu.wgmma(dv_acc, p_op, _cols(do_s, part, wv, parts))
+        plgpu.wgmma(dk_acc, ds_op, _cols(q_s, part, wk, parts))
         plgpu.wgmma_wait(0)  # the slot's Q / dO are read: hand it back
         plgpu.barrier_arrive(free.at[slot])
         return dkv_rows
@@ -572,6 +588,8 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, pos
                                                               + n_diff:]
   ds_smem = tiles[0]
   dres_smem = tiles[1 + has_bias:]
+  interpreted = bool(_interpret(cfg))
+  side_loads = bool(set(ring) - {"k", "v"})  # generic loads from the ring slots
   rs = dict(zip(ring, ring_smem))
   res = dict(zip(resident, res_smem))
   b, h, i = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
@@ -611,15 +629,23 @@ def _dq_kernel(*refs, cfg, g: C.Geometry, masked_any, names, ring, resident, pos
           if not _mutated("skip_dbias_wait"):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           tiles[1][...] = ds
-        ds_smem[...] = (ds * jnp.float32(cfg.scale)).astype(ds_smem.dtype)
-        # The dS stores before the wgmma / TMA read them; the kv-side loads (segment ids,
-        # mask, bias) before the producer's TMA refill of this slot.
-        plgpu.commit_smem()
+        ds16 = (ds * jnp.float32(cfg.scale)).astype(ds_smem.dtype)
+        # dQ += dS K: compiled, dS is the register operand (as tokamax's dQ); interpreted,
+        # it is staged in SMEM (the GPU interpreter takes no register operand): the same
+        # 16-bit dS either way
+        ds_op = ds16
+        if interpreted:
+          ds_smem[...] = ds16
+          ds_op = ds_smem
+        if interpreted or side_loads or has_bias:
+          # The dS / d bias stores before the wgmma / TMA read them; the kv-side loads
+          # (segment ids, mask, bias) before the producer's TMA refill of this slot.
+          plgpu.commit_smem()
         if dbias_ref is not None:
           @pl.when(part == 0)  # every part computes it; the first writes it
           def _store_dbias():
             plgpu.copy_smem_to_gmem(tiles[1], dbias_ref.at[b, h, rows, pl.ds(j * g.bk, g.bk)])
-        plgpu.wgmma(dq_acc, ds_smem, _cols(k_s, part, wq, parts))
+        plgpu.wgmma(dq_acc, ds_op, _cols(k_s, part, wq, parts))
         plgpu.wgmma_wait(0)  # the slot's K / V are read: hand it back
         plgpu.barrier_arrive(free.at[slot])
         return dres_rows
@@ -879,7 +905,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   if bias is not None:  # float32 tiles (the dQ kernel writes dS in float32 next to them)
     arrays["bias"] = arrays["bias"].astype(jnp.float32)
     arrays["biasT"] = jnp.swapaxes(arrays["bias"], 2, 3)
-  g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g, cfg))
+  g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g, cfg, bias is not None))
   dk, dv, *dkv_cols = _launch("dkdv", cfg, g_dkdv, arrays, ins.masked_any,
                               _visit_lists(cfg, g_dkdv, q_seg, kv_seg, mask, mod, "kv"),
                               pos_diff=ins.pos_diff)
