@@ -910,6 +910,33 @@ def _correctness_table(rows, part, prefix) -> list:
   return lines
 
 
+SASS_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                            "mosaic_gpu_sass.json")
+
+
+def sass_figures(D, causal, mode, path=SASS_RESULTS) -> str:
+  """The recorded instructions per main-loop iteration of the kernels a timing row runs
+  (benchmarks/mosaic_gpu_sass.py, deviceless sm_90a), ours (tokamax's): the proxy beside the
+  measured TFLOP/s, so that one GPU run calibrates it. '' where none is recorded."""
+  try:
+    with open(path) as f:
+      rec = {r["case"]: r for r in json.load(f)["results"]}
+  except (OSError, ValueError, KeyError):
+    return ""
+  mask = "causal" if causal else "full"
+  parts = []
+  for kind, roles in (("fwd", ("fwd",)), ("vjp", ("dq", "dkdv"))):
+    if kind == "vjp" and mode == "fwd":
+      continue
+    ours = rec.get(f"ours:{kind}:D{D}:{mask}:plain", {}).get("kernels", {})
+    anchor = rec.get(f"tokamax:{kind}:D{D}:{mask}:plain", {}).get("kernels", {})
+    for role in roles:
+      if role in ours:
+        a = anchor.get(role, {}).get("steady", {}).get("instructions", "?")
+        parts.append(f"{role} {ours[role]['steady']['instructions']} ({a})")
+  return ", ".join(parts)
+
+
 def markdown(d) -> str:
   m = d["machine"]
   rows = d["rows"]
@@ -925,7 +952,8 @@ def markdown(d) -> str:
     lines += ["", "## 0. The Mosaic-GPU family (pallas_mosaic_gpu)", ""]
     lines += _correctness_table(rows, "mosaic_correctness", "mosaic correctness ")
     lines += ["", "| S | D | causal | mode | Mosaic TFLOP/s | Triton TFLOP/s | cuDNN TFLOP/s | "
-              "Mosaic vs Triton | Mosaic vs cuDNN |", "|---|---|---|---|---|---|---|---|---|"]
+              "Mosaic vs Triton | Mosaic vs cuDNN | SASS per iteration, ours (tokamax) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     groups = {}
     for r in mosaic:
       if r["part"] == "mosaic_timing" and "impl" in r:
@@ -934,7 +962,8 @@ def markdown(d) -> str:
       tf = lambda i, by=by: by[i].get("tflops", by[i]["status"]) if i in by else ""
       m = by.get("mosaic", {})
       lines.append(f"| {S} | {D} | {causal} | {mode} | {tf('mosaic')} | {tf('flashvjp')} | "
-                   f"{tf('cudnn')} | {m.get('vs_triton', '')} | {m.get('vs_cudnn', '')} |")
+                   f"{tf('cudnn')} | {m.get('vs_triton', '')} | {m.get('vs_cudnn', '')} |"
+                   f" {sass_figures(D, causal, mode)} |")
     lines += ["", f"Verdict per class (valid and faster than Pallas-Triton): "
               f"{d.get('mosaic_verdict') or 'none (no Mosaic timing ran)'}"]
   lines += ["", "## 1. Correctness (compiled Pallas-Triton kernels vs float64 naive)", ""]

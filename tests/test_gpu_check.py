@@ -153,3 +153,23 @@ def test_mosaic_verdict_names_the_launch_table_entries():
   assert _config.head_dim_bucket(128) == key[0]
   failed = [dict(rows[0], status="FAIL")] + rows[1:]
   assert not any(x["earned"] for x in G.mosaic_verdict(failed).values())
+
+
+def test_sass_figures_sit_beside_the_timing_rows(tmp_path):
+  """The Mosaic-GPU timing table shows the recorded SASS per iteration of the kernels each row
+  runs (ours, tokamax's in parentheses): the forward's for a forward row, the backward's too
+  for forward+backward; nothing where no count is recorded."""
+  loop = lambda n: {"steady": {"instructions": n}}
+  rec = {"results": [
+      {"case": "ours:fwd:D128:causal:plain", "kernels": {"fwd": loop(471)}},
+      {"case": "tokamax:fwd:D128:causal:plain", "kernels": {"fwd": loop(472)}},
+      {"case": "ours:vjp:D128:causal:plain", "kernels": {"dq": loop(283), "dkdv": loop(400)}},
+      {"case": "tokamax:vjp:D128:causal:plain", "kernels": {"dq": loop(384), "dkdv": loop(702)}},
+  ]}
+  path = tmp_path / "sass.json"
+  path.write_text(json.dumps(rec))
+  assert G.sass_figures(128, True, "fwd", str(path)) == "fwd 471 (472)"
+  assert (G.sass_figures(128, True, "fwd+bwd", str(path))
+          == "fwd 471 (472), dq 283 (384), dkdv 400 (702)")
+  assert G.sass_figures(64, True, "fwd", str(path)) == ""
+  assert G.sass_figures(128, True, "fwd", str(tmp_path / "none.json")) == ""
