@@ -55,7 +55,8 @@ def _reference(cfg, qkv, consts, mod):
   return fwd, tuple(f64(x) for x in qkv + consts)
 
 
-@pytest.mark.parametrize("D", [64, 256])
+# head dim 256 (two programs share each block); 64, the plainest path, is left out for CI time
+@pytest.mark.parametrize("D", [256])
 def test_forward_backward_and_array_gradients(D):
   cfg, qkv, consts, mod = _problem(D=D)
   fwd, primals = _reference(cfg, qkv, consts, mod)
