@@ -26,6 +26,8 @@ times the kernels on a lent GPU.
   python benchmarks/mosaic_gpu_sass.py --only ours        # ours only (no tokamax needed)
   python benchmarks/mosaic_gpu_sass.py --gate --only gate # CI: ours' gated loops against
                                                           # the recorded counts
+  python benchmarks/mosaic_gpu_sass.py --only ours --merge [--cases NAME,...]
+                                                          # re-record ours, anchors kept
 
 `--gate` compares with `benchmarks/results/mosaic_gpu_sass.json`: a kernel fails when its
 steady-state loop has more instructions per iteration than recorded, or, where it had already
@@ -471,6 +473,9 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--only", choices=("all", "ours", "anchors", "gate"), default="all")
   ap.add_argument("--jobs", type=int, default=2)
+  ap.add_argument("--cases", default=None,
+                  help="comma-separated case names (impl:kind:D<d>:full|causal:feature) to run"
+                  " of the --only set")
   ap.add_argument("--gate", action="store_true",
                   help="fail on a regression against the recorded results (not rewritten)")
   ap.add_argument("--out", default=os.path.join(RESULTS, "mosaic_gpu_sass"),
@@ -485,6 +490,12 @@ def main(argv=None) -> int:
     print(f"mosaic_gpu_sass: {why}")
     return 2
   todo = cases(args.only)
+  if args.cases:
+    names = set(args.cases.split(","))
+    unknown = names - {c.name for c in todo}
+    if unknown:
+      ap.error(f"--cases: not among the --only {args.only} cases: {sorted(unknown)}")
+    todo = [c for c in todo if c.name in names]
   work = args.work or tempfile.mkdtemp(prefix="mosaic_gpu_sass_")
   results, errors = [], []
   with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:

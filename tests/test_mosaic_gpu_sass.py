@@ -85,6 +85,10 @@ def test_recorded_results_hold_every_gated_case_and_its_anchor():
     anchor = M.Case("tokamax", c.kind, c.D, c.causal).name
     assert anchor in recorded, anchor
     assert set(recorded[c.name]["kernels"]) == ({"fwd"} if c.kind == "fwd" else {"dq", "dkdv"})
+  # every kernel of ours the benchmark compiled (each head dim, mask and feature) without spills
+  spilled = [(name, role) for name, r in recorded.items() if r["impl"] == "ours"
+             for role, k in r["kernels"].items() if k["spill_bytes"]]
+  assert not spilled, spilled
 
 
 @pytest.mark.skipif(not _aot.HAS_CUDA_PLUGIN,

@@ -63,7 +63,8 @@ tile part evaluated at clamped global positions on the PARTIAL blocks; its block
 make the visit lists.
 
 Blocks: block_kv = 64 (one wgmma M tile per compute warpgroup), block_q = 64 for dQ and
-for dK/dV up to head dim 128 without a score_mod (and above 64 without dropout or a bias),
+for dK/dV up to head dim 128 without a score_mod (and above 64 without a mask_mod, dropout
+or a bias),
 32 otherwise (`_dkdv_block_q`: registers). Compiled, the dV / dK / dQ products take P^T,
 dS^T and dS as register operands (as tokamax's kernels); interpreted, those are staged in
 SMEM, since the GPU interpreter takes no register operand (the same 16-bit values). The caller's cfg.blocks are not read yet. sm_90a ptxas (causal GQA bf16,
@@ -226,14 +227,15 @@ def _store_chunks(pairs, bufs, before=None):
 def _dkdv_block_q(g: C.Geometry, cfg, bias: bool = False) -> int:
   """The dK/dV kernel's q block. Its tiles are [bk, bq] (bq is the wgmma N dim, so 32 and 16
   are legal; the kernel's SMEM tiles then share a narrower swizzle). 64 (tokamax's and FA3's
-  steps, no n=32 MMAs) up to head dim 128 without a score_mod, dropout or a bias: with P^T
-  and dS^T as the register operands of the dV / dK products the dK and dV accumulators (128
-  registers a thread at head dim 128) and two [64, 64] tiles fit (sm_90a ptxas: 249 registers
-  plain, 255 with segment ids, a dense mask and a mask_mod, 0 spills; the steady loop 330
-  instructions for 4.19 MMA MFLOP, against 218 for 2.10 at 32). A score_mod (its vjp's
-  tiles), dropout (its hash) or a bias (its float32 tile: 40 B spilled with segment ids, a
-  dense mask and a mask_mod) above head dim 64, or a head dim above 128: 32 (64 spilled
-  16-180 B there, sm_90a ptxas). Above head dim 128 with dropout, 16: at 32 the dK/dV kernel
+  steps, no n=32 MMAs) up to head dim 128 without a score_mod, a mask_mod, dropout or a
+  bias: with P^T and dS^T as the register operands of the dV / dK products the dK and dV
+  accumulators (128 registers a thread at head dim 128) and two [64, 64] tiles fit (sm_90a
+  ptxas: 249 registers plain, 255 with segment ids and a dense mask, 0 spills; the steady
+  loop 330 instructions for 4.19 MMA MFLOP, against 218 for 2.10 at 32). A score_mod (its
+  vjp's tiles), a mask_mod (its tile part: 32 B spilled, prefix LM, S=8192), dropout (its
+  hash) or a bias (its float32 tile: 40 B spilled with segment ids, a dense mask and a
+  mask_mod) above head dim 64, or a head dim above 128: 32 (64 spilled 16-180 B there,
+  sm_90a ptxas). Above head dim 128 with dropout, 16: at 32 the dK/dV kernel
   spilled 16 B (D=256, segment ids + dropout + a dense mask + a bias + offsets, 255
   registers), at 16 it does not (255 registers, 0 spills, shared memory 166912 -> 119808 B);
   so at head dim 128 with a score_mod and dropout (every feature at once: 28 B spilled at 32,
@@ -243,7 +245,8 @@ def _dkdv_block_q(g: C.Geometry, cfg, bias: bool = False) -> int:
     return 16
   if max(g.Dp, g.Dvp) > 128:
     return 32
-  if max(g.Dp, g.Dvp) > 64 and (cfg.score_mod is not None or cfg.dropout_active or bias):
+  if max(g.Dp, g.Dvp) > 64 and (cfg.score_mod is not None or cfg.dropout_active or bias
+                                or cfg.mask_mod is not None):
     return 32
   return 32 if cfg.score_mod is not None else 64
 
