@@ -466,7 +466,8 @@ def test_parse_ptxas():
 def test_compiles_for_sm90a_without_spills(D, tmp_path):
   """Causal forwards (plain, segment ids, dropout, bias, dense mask, a score_mod, a mask_mod,
   mods reading arrays by position, a float32 out, tables read by kv_idx - q_idx; at head dims
-  64 and 256 plain and segment ids, at 256 each of its two kernels computing half of out) compile for H100 with no register spill and within the SMEM of a Hopper block (227 KiB). The plain causal
+  64 and 256 plain and segment ids; at 256 plain one kernel of 256 value columns, with
+  segment ids two computing half of out each) compile for H100 with no register spill and within the SMEM of a Hopper block (227 KiB). The plain causal
   forward's SASS (two consumers and the producer; when nvdisasm is installed): HGMMA (QK^T
   and PV of each consumer) and UTMALDG (K and V into a ring slot) inside loops, and the
   producer / consumer register reallocation (USETMAXREG) that the warp specialization relies
@@ -476,7 +477,8 @@ def test_compiles_for_sm90a_without_spills(D, tmp_path):
   found = compile_sm90(D, 1024, VARIANTS if D == 128 else VARIANTS[:2], tmp_path)
   for variant, (regs, spills, smem) in found.items():
     print(f"sm_90a forward D={D} causal {variant}: {regs} registers (at launch; setmaxnreg"
-          f" {forward_module().CONSUMER_REGISTERS} / {forward_module().PRODUCER_REGISTERS}),"
+          f" {forward_module().CONSUMER_REGISTERS} / {forward_module().PRODUCER_REGISTERS},"
+          f" 256 value columns {forward_module().WIDE_REGISTERS}),"
           f" {spills} spill bytes, {smem} B smem")
     assert spills == 0, (variant, spills)
     assert regs <= 255

@@ -501,7 +501,6 @@ def _compile_sm90a(D, features, dump_dir, script=None):
 @pytest.mark.parametrize("D,features", [(64, ""), (128, ""),
                                         (64, "seg+drop+mask+bias+off+mod+prefix"),
                                         (128, "seg+drop+mask+bias+off"), (128, "pos"),
-                                        (128, "seg+mask+off"),
                                         (128, "seg+mask+bias+off+prefix"),
                                         (128, "mod"), (128, "seg+drop+mask+bias+off+mod+prefix"),
                                         (128, "rel"), (256, "rel"),

@@ -100,10 +100,16 @@ ROWS_PER_WARPGROUP = 64
 SKIPPABLE_WAITS = ("k_loaded", "v_loaded", "k_consumed", "v_consumed", "q_loaded",
                    "side_fence")
 # setmaxnreg with two consumer warpgroups (3 x 128 threads share 64K registers): the
-# consumers get what the TMA producer gives up (2 x 232 + 40 <= 512 per thread slot).
-V_PART = 128  # value columns of one forward kernel (`forward` splits wider values)
+# consumers get what the TMA producer gives up (2 x 232 + 40 <= 512 per thread slot; a
+# kernel of more than 128 value columns 2 x 240 + 32: `Plan.registers`).
+V_PART = 128  # value columns of one forward kernel with per-entry features (`forward`)
+V_WHOLE = 256  # value columns of one forward kernel without them
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
+# A kernel of 256 value columns: the head-dim-256 causal forward spilled 224 B at 232 / 40
+# and none at 240 / 32 (the producer's TMA issue fits 32); at head dim 128, 240 / 32 changed
+# the loops by -15 to +12 instructions (sm_90a SASS), so they keep 232 / 40.
+WIDE_REGISTERS = (240, 32)
 # A CTA's visit list (`visit_lists`): n_partial, n_full, then per consumer warpgroup w the
 # [start, stop) of its own blocks among the PARTIAL ones; the kv blocks follow.
 VISIT_HEADER = 6
@@ -139,10 +145,15 @@ class Plan:
     return ROWS_PER_WARPGROUP
 
   @property
+  def registers(self) -> tuple[int, int]:
+    """setmaxnreg of the (consumer, producer) warpgroups."""
+    return WIDE_REGISTERS if self.Dvp > V_PART else (CONSUMER_REGISTERS, PRODUCER_REGISTERS)
+
+  @property
   def dv_chunk(self) -> int:
-    """Output columns per P V accumulator: chunks of <= 128 (at head dim 256 the running
-    output alone takes 128 registers a thread; a fresh [64, 256] accumulator would spill)."""
-    return min(self.Dvp, 128)
+    """Output columns per P V product: all of them (one wgmma of N <= 256 accumulating into
+    the running output; interpreted, one fresh accumulator)."""
+    return self.Dvp
 
   @property
   def bq(self) -> int:
@@ -194,9 +205,8 @@ def plan(q_shape, k_shape, v_shape, block_kv: int | None = None, slots: int | No
   ring slot holds besides K and V. `pingpong`: with two consumers, FA3's schedule barrier
   (one consumer's softmax overlaps the other's wgmma).
 
-  A plan of more than 128 value columns spills on sm_90a either way (ptxas, causal, S=2048:
-  two consumers 548 bytes, one consumer at 255 registers 356 bytes): `forward` runs two
-  kernels of at most `V_PART` value columns each instead.
+  More than 128 value columns with per-entry features spill on sm_90a (segment ids, head dim
+  256: 116 bytes): `forward` runs two kernels of at most `V_PART` value columns each then.
 
   `rel` (windows of tables read by kv_idx - q_idx in the ring): a CTA of one consumer gets one
   slot. With two or three, ptxas 13.0 crashed (sm_90a, exit status 139, head dim 128, kv
@@ -644,13 +654,13 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
     @_compat.when(wg < nc)
     def _():
       if nc > 1:
-        mg.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        mg.set_max_registers(p.registers[0], action="increase")
       consumer(R, wg, i, h, b)
 
     @_compat.when(wg == nc)
     def _():
       if nc > 1:
-        mg.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        mg.set_max_registers(p.registers[1], action="decrease")
       producer(R, i, h, b)
 
   def entry(*refs):
@@ -1002,12 +1012,18 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
                                     offsets=offsets)
   if problem is not None:
     raise NotImplementedError(f"pallas_mosaic_gpu forward: {problem}")
-  if v.shape[3] > V_PART:
-    # Above 128 value columns the running output ([64, 256] float32: 128 registers a thread)
-    # and a P V accumulator spill (sm_90a ptxas, causal, head dim 256: 2176 bytes; P V chunks
-    # of 64: 1296; one consumer: 1540). Two kernels, each computing the scores in full and
-    # half of out (the backward's column split, here by XLA): 0 spills (168 registers), at
-    # 1.5x the matmuls. Both return the same lse.
+  # Up to 256 value columns in one kernel where nothing but causal / window / padding acts on
+  # the scores: with P V accumulating into the running output (no second accumulator) its
+  # [64, 256] float32 (128 registers a thread) fits (sm_90a ptxas, head dim 256: 0 spills,
+  # 457 / 440 instructions per iteration full / causal for 4.19 MMA MFLOP). With segment ids
+  # (116 B spilled), another per-entry feature, a float32 out (its staging tile overflows
+  # shared memory) or max logits, two kernels of at most `V_PART` columns, each computing
+  # the scores in full and half of out (the backward's column split, here by XLA): 0 spills
+  # (168 registers), at 1.5x the Q K^T matmuls. Both return the same lse.
+  per_entry = (q_seg is not None or cfg.dropout_active or bias is not None or mask is not None
+               or cfg.score_mod is not None or cfg.mask_mod is not None or cfg.out_f32
+               or cfg.max_logits)
+  if v.shape[3] > (V_PART if per_entry else V_WHOLE):
     kw = dict(mod=mod, offsets=offsets, block_kv=block_kv, slots=slots, consumers=consumers,
               pingpong=pingpong, interpret=interpret, _skip_wait=_skip_wait)
     args = (bias, mask, q_seg, kv_seg, seed, consts)
