@@ -476,6 +476,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         m_new = jnp.maximum(m, s.max(axis=1) * scale2 if raw else s.max(axis=1))
       e = s * scale2 - _rows(m_new, s.shape) if raw else s - _rows(m_new, s.shape)
       if masked_step:
+        assert ok is not None
         e = jnp.where(ok, e, neg)
       prob = jnp.exp2(e)
       alpha = jnp.exp2(m - m_new)
