@@ -63,11 +63,10 @@ tile part evaluated at clamped global positions on the PARTIAL blocks; its block
 make the visit lists.
 
 Blocks: block_kv = 64 (one wgmma M tile per compute warpgroup), block_q = 64 for dQ and
-for dK/dV up to head dim 128 without a score_mod (and above 64 without a mask_mod, dropout
-or a bias),
-32 otherwise (`_dkdv_block_q`: registers). Compiled, the dV / dK / dQ products take P^T,
-dS^T and dS as register operands (as tokamax's kernels); interpreted, those are staged in
-SMEM, since the GPU interpreter takes no register operand (the same 16-bit values). The caller's cfg.blocks are not read yet. sm_90a ptxas (causal GQA bf16,
+for dK/dV up to head dim 64 without a score_mod, 32 otherwise (`_dkdv_block_q`:
+registers). Compiled, the dV / dK / dQ products take P^T, dS^T and dS as register operands
+(as tokamax's kernels); interpreted, those are staged in SMEM, since the GPU interpreter
+takes no register operand (the same 16-bit values). The caller's cfg.blocks are not read yet. sm_90a ptxas (causal GQA bf16,
 S=1024): 0 spills for each feature alone, for segment ids + dropout + mask + bias + offsets
 at head dim 128, and for every feature at once at 64 and 128 (a score_mod with
 differentiable slopes + a bias + a mask_mod + segment ids + dropout + a dense mask +
@@ -224,34 +223,24 @@ def _store_chunks(pairs, bufs, before=None):
     plgpu.copy_smem_to_gmem(buf, dst(c, w))
 
 
-def _dkdv_block_q(g: C.Geometry, cfg, bias: bool = False) -> int:
-  """The dK/dV kernel's q block. Its tiles are [bk, bq] (bq is the wgmma N dim, so 32 and 16
-  are legal; the kernel's SMEM tiles then share a narrower swizzle). 64 (tokamax's and FA3's
-  steps, no n=32 MMAs) up to head dim 128 without a score_mod, a mask_mod, dropout or a
-  bias: with P^T and dS^T as the register operands of the dV / dK products the dK and dV
-  accumulators (128 registers a thread at head dim 128) and two [64, 64] tiles fit (sm_90a
-  ptxas: 249 registers plain, 255 with segment ids and a dense mask, 0 spills; the steady
-  loop 330 instructions for 4.19 MMA MFLOP, against 218 for 2.10 at 32). A score_mod (its
-  vjp's tiles), a mask_mod (its tile part: 32 B spilled, prefix LM, S=8192), dropout (its
-  hash) or a bias (its float32 tile: 40 B spilled with segment ids, a dense mask and a
-  mask_mod) above head dim 64, or a head dim above 128: 32 (64 spilled 16-180 B there,
-  sm_90a ptxas). Above head dim 128 with dropout, 16: at 32 the dK/dV kernel
-  spilled 16 B (D=256, segment ids + dropout + a dense mask + a bias + offsets, 255
+def _dkdv_block_q(g: C.Geometry, cfg) -> int:
+  """The dK/dV kernel's q block. Its tiles are [bk, bq] (bq is the wgmma N dim, so 32 is
+  legal; the kernel's SMEM tiles then share a 64-byte swizzle). Above head dim 64 the dK
+  and dV accumulators alone take 128 registers a thread: 64 spilled (180 B at head dim 128
+  with segment ids and dropout, sm_90a ptxas), 32 does not (the Triton family's launch
+  table makes the same choice); so does a score_mod (its vjp's tiles: 16 B spilled at head
+  dim 64 with a bias). With P^T and dS^T as register operands the plain head-dim-128 kernel
+  at 64 fits jax 0.12's Mosaic compiler (249 registers, 0 spills, 330 instructions for 4.19
+  MMA MFLOP) but spills 4 B under jax 0.11.2's, the GPU image's: it stays at 32. Above head
+  dim 128 with dropout, 16: at 32 the dK/dV kernel spilled 16 B (sm_90a ptxas, D=256,
+  segment ids + dropout + a dense mask + a bias + offsets, 255
   registers), at 16 it does not (255 registers, 0 spills, shared memory 166912 -> 119808 B);
   so at head dim 128 with a score_mod and dropout (every feature at once: 28 B spilled at 32,
   0 at 16 with 231 registers). Speed not measured (no GPU here). The operands stay padded to
   64-blocks (the dQ kernel's)."""
   if cfg.dropout_active and (max(g.Dp, g.Dvp) > _ACC_DIM or _mod_above_64(g, cfg)):
     return 16
-  if max(g.Dp, g.Dvp) > 128:
-    return 32
-  del bias  # (a bias above head dim 64 spilled at 64 too)
-  # Above head dim 64: 32. At 64 the plain head-dim-128 kernel fits jax 0.12's Mosaic compiler
-  # (249 registers, 0 spills, 330 instructions for 4.19 MMA MFLOP) but spills 4 B with jax
-  # 0.11.2's, the GPU image's (sm_90a ptxas).
-  if max(g.Dp, g.Dvp) > 64:
-    return 32
-  return 32 if cfg.score_mod is not None else 64
+  return 32 if max(g.Dp, g.Dvp) > 64 or cfg.score_mod is not None else 64
 
 
 def _preprocess(out, lse, dout, dlse, g: C.Geometry):
@@ -911,7 +900,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   if bias is not None:  # float32 tiles (the dQ kernel writes dS in float32 next to them)
     arrays["bias"] = arrays["bias"].astype(jnp.float32)
     arrays["biasT"] = jnp.swapaxes(arrays["bias"], 2, 3)
-  g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g, cfg, bias is not None))
+  g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g, cfg))
   dk, dv, *dkv_cols = _launch("dkdv", cfg, g_dkdv, arrays, ins.masked_any,
                               _visit_lists(cfg, g_dkdv, q_seg, kv_seg, mask, mod, "kv"),
                               pos_diff=ins.pos_diff)

@@ -7,7 +7,7 @@ both consumers arrive on before a slot is refilled), and two consumers (setmaxnr
 232 / 40) each own 64 query rows: Q tile in SMEM, S = Q K^T on wgmma, the online softmax
 in the exp2 domain (log2(e) folded into the scale; with nothing else on the scores the row
 max is taken on q k itself and scaled once per row, so each exponent is one FFMA), and
-P V on wgmma (column chunks of <= 128). Compiled, P is the register operand and the
+P V on wgmma (one product of all the value columns). Compiled, P is the register operand and the
 products accumulate into the carried, rescaled output (`pl.run_state`:
 `_compat.accumulate`), as tokamax's and JAX's FA3 forwards do. Interpreted, P is staged in
 SMEM and each product lands in a fresh accumulator added to the output, since the GPU
@@ -148,12 +148,6 @@ class Plan:
   def registers(self) -> tuple[int, int]:
     """setmaxnreg of the (consumer, producer) warpgroups."""
     return WIDE_REGISTERS if self.Dvp > V_PART else (CONSUMER_REGISTERS, PRODUCER_REGISTERS)
-
-  @property
-  def dv_chunk(self) -> int:
-    """Output columns per P V product: all of them (one wgmma of N <= 256 accumulating into
-    the running output; interpreted, one fresh accumulator)."""
-    return self.Dvp
 
   @property
   def bq(self) -> int:
@@ -496,19 +490,14 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       if p.pingpong:
         mg.barrier_wait(R["sched"])  # the tensor cores are ours again
 
-      def pv(cols, acc_ref):
-        mg.wgmma(acc_ref, p_op, R["v_s"].at[slot, :, cols])
+      def pv(acc_ref):
+        mg.wgmma(acc_ref, p_op, R["v_s"].at[slot])
 
-      # P V in column chunks of <= 128, each added to its rescaled running output (compiled:
-      # the MMAs accumulate into its registers, `_compat.accumulate`)
-      new_acc = []
-      for n, part in enumerate(acc):
-        cols = pl_ds(n * p.dv_chunk, p.dv_chunk)
-        new_acc.append(_compat.accumulate(part * _rows(alpha, part.shape),
-                                          functools.partial(pv, cols),
-                                          interpret=bool(interpret)))
+      # P V added to the rescaled running output (one wgmma of N = Dvp <= 256; compiled, the
+      # MMAs accumulate into its registers: `_compat.accumulate`)
+      acc = _compat.accumulate(acc * _rows(alpha, acc.shape), pv, interpret=bool(interpret))
       mg.barrier_arrive(R["v_free"].at[slot])
-      return m_new, l, tuple(new_acc)
+      return m_new, l, acc
 
     def pass_by(n, carry):
       """A block of the CTA's outside this warpgroup's rows: keep the barrier phases in
@@ -527,8 +516,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
 
     carry = (_compat.wgmma_row_vector(jnp.full((rows,), neg, f32)),
              _compat.wgmma_row_vector(jnp.zeros((rows,), f32)),
-             tuple(_compat.wgmma_tile(jnp.zeros((rows, p.dv_chunk), f32))
-                   for _ in range(p.Dvp // p.dv_chunk)))
+             _compat.wgmma_tile(jnp.zeros((rows, p.Dvp), f32)))
     if p.pingpong:
       _compat.when(w == 1)(rendezvous)
     # the CTA's steps in order: each run of this consumer's, the steps between them passed
@@ -546,9 +534,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
     m, l, acc = carry
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
-    for c, part in enumerate(acc):
-      o_smem[:, pl_ds(c * p.dv_chunk, p.dv_chunk)] = (
-          part / _rows(l_safe, part.shape)).astype(o_smem.dtype)
+    o_smem[...] = (acc / _rows(l_safe, acc.shape)).astype(o_smem.dtype)
     lse_smem[...] = jnp.where(empty, neg, m * LN2 + jnp.log(l_safe))
     if cfg.max_logits:  # the running max (log2 units) is the row's max logit
       R["max_s"].at[w][...] = jnp.where(empty, neg, m * LN2)
