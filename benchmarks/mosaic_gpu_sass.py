@@ -58,6 +58,7 @@ FEATURES = ("plain", "segments", "mask", "bias", "score_mod", "rel", "positions"
             "dropout", "sinks")
 HEAD_DIMS = (64, 128, 256)
 MMA = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)")
+HMMA = re.compile(r"HMMA\.(16)(8)(8|16)\b")  # warp-level m16n8k16 / m16n8k8 (Triton's tiles < 64 rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,19 +254,22 @@ class Loop:
 
 
 def mma_loops(text: str) -> list[Loop]:
-  """The innermost loops holding HGMMAs, as `Loop`s."""
+  """The innermost loops holding MMAs (warpgroup HGMMA, or warp-level HMMA where a Triton
+  tile is under 64 rows), as `Loop`s."""
   lines = [ln for ln in text.splitlines() if _sass._INSTR.match(ln)]
   full = [ln.split("*/", 1)[1].strip().rstrip(";").strip() for ln in lines]
   listing = _sass.Listing.parse(text)
   assert len(full) == len(listing.opcodes)
   spans = [(a, b) for a, b in listing.loops
-           if any(listing.opcodes[i].startswith("HGMMA") for i in range(a, b + 1))]
+           if any(listing.opcodes[i].startswith(("HGMMA", "HMMA")) for i in range(a, b + 1))]
   inner = [x for x in spans if not any(y != x and y[0] >= x[0] and y[1] <= x[1] for y in spans)]
   loops = []
   for a, b in sorted(set(inner)):
     ops = listing.opcodes[a:b + 1]
-    flop = sum(2 * int(m[1]) * int(m[2]) * int(m[3])
-               for t in full[a:b + 1] for m in [MMA.search(t)] if m)
+    # per warpgroup: an HGMMA is its warpgroup's product, an HMMA one warp's (x4: the four
+    # warps of a warpgroup issuing the same stream)
+    flop = sum(2 * int(m[1]) * int(m[2]) * int(m[3]) * (1 if m.re is MMA else 4)
+               for t in full[a:b + 1] for m in [MMA.search(t) or HMMA.search(t)] if m)
     classes = collections.Counter(op.split(".")[0] for op in ops)
     loops.append(Loop(len(ops), flop, dict(classes.most_common()),
                       sum(1 for t in full[a:b + 1] if "SYNCS.PHASECHK" in t),

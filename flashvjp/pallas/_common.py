@@ -28,6 +28,8 @@ from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _compat
 from flashvjp.pallas import _positions
 
+LOG2E = float(np.log2(np.e))  # exp(x) = exp2(x * LOG2E): the kernels' softmax runs in exp2
+
 # Triton's dot needs every tile dimension >= 16 and every tensor a power of 2.
 MIN_TRITON_DIM = 16
 MAX_HEAD_DIM = 256

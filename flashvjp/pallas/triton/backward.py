@@ -32,6 +32,7 @@ bitwise deterministic.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -66,13 +67,17 @@ def _tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, maske
   if cfg.score_mod is not None:
     diff = tuple(consts[:n_diff])
     consts = tuple(consts[n_diff:])
-  s, ok, sm_vjp = C.scores(cfg, g, q, k, t, consts, acc, masked, diff_consts=diff,
-                           transposed=transposed, diff_pos=diff_pos)
+  # exp2 domain (`lse` is lse * log2(e), `_preprocess`): each exponent one FFMA and one ex2.
+  # With nothing else on the scores the scale is folded into log2(e): s is not formed.
+  raw = cfg.score_mod is None and t.bias is None
+  s, ok, sm_vjp = C.scores(dataclasses.replace(cfg, scale=1.0) if raw else cfg, g, q, k, t,
+                           consts, acc, masked, diff_consts=diff, transposed=transposed,
+                           diff_pos=diff_pos)
   row = (None, slice(None)) if transposed else (slice(None), None)  # lse / delta per q
-  d = s - lse[row]
-  if ok is not None:  # p = exp(mask_value) = 0 on masked entries, whatever the row's lse
+  d = s * jnp.asarray(cfg.scale * C.LOG2E if raw else C.LOG2E, acc) - lse[row]
+  if ok is not None:  # p = exp2(mask_value) = 0 on masked entries, whatever the row's lse
     d = jnp.where(ok, d, C.mask_value(acc))
-  p = jnp.exp(d)
+  p = jnp.exp2(d)
   dp = C.dot_nt(v, do, acc, cfg) if transposed else C.dot_nt(do, v, acc, cfg)
   pd = p
   if cfg.dropout_active:
@@ -90,13 +95,15 @@ def _tile_grads(cfg, g, q, k, v, do, lse, delta, t, consts, seed_ref, acc, maske
 
 
 def _preprocess(out, lse, dout, dlse, g: C.Geometry, acc):
-  """delta = rowsum(dO * O) - dlse and the backward lse, padded.
+  """delta = rowsum(dO * O) - dlse and the backward lse in the exp2 domain (lse * log2(e),
+  as `_tile_grads` reads it), padded.
 
   Empty (lse = -inf) and padded rows get `lse_pad_value` (finite): p = 0 there.
   """
   delta = _delta.delta(out, dout, dlse, acc)
   big = C.lse_pad_value(acc)
-  lse_b = jnp.where(jnp.isfinite(lse), lse.astype(acc), big)  # no -inf operand (debug_infs)
+  lse2 = lse.astype(acc) * jnp.asarray(C.LOG2E, acc)
+  lse_b = jnp.where(jnp.isfinite(lse2), lse2, big)  # no -inf operand (debug_infs)
   pad = ((0, 0), (0, 0), (0, g.Sqp - g.Sq))
   return jnp.pad(delta, pad), jnp.pad(lse_b, pad, constant_values=big)
 

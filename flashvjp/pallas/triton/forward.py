@@ -199,19 +199,28 @@ def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
   lo, hi = C.mask_spec(cfg).kv_block_range(i, g.bq, g.bk, g.nk)
 
   neg = C.mask_value(acc)
+  # The softmax runs in the exp2 domain: m is the running max of s * log2(e), and each
+  # exponent is one FFMA and one ex2 (exp2 is libdevice's ex2.approx; exp is __nv_expf's
+  # range reduction, several instructions an entry). With nothing else on the scores and a
+  # positive scale the max is taken on q k itself (`raw`), so the scale is folded into
+  # log2(e): p = exp2(qk * scale * log2(e) - m).
+  raw = (cfg.score_mod is None and "bias" not in r and cfg.scale > 0)
+  xs = jnp.asarray(cfg.scale * C.LOG2E if raw else C.LOG2E, acc)
+  cfg_s = dataclasses.replace(cfg, scale=1.0) if raw else cfg
 
   def body(j, masked, carry):
     m, l, o = carry
     t = load_tile_inputs(r, g, b, h, i, j, mconsts, off)
     kv = _compat.ds(j * g.bk, g.bk)
-    s, ok, _ = C.scores(cfg, g, q, r["k"][kv, :], t, consts, acc, masked)
+    x, ok, _ = C.scores(cfg_s, g, q, r["k"][kv, :], t, consts, acc, masked)
     if ok is None:
-      m_new = jnp.maximum(m, s.max(axis=-1))
-      p = jnp.exp(s - m_new[:, None])
-    else:  # masked entries: out of the max, and p = exp(mask_value) = 0 by a select
-      m_new = jnp.maximum(m, jnp.where(ok, s, neg).max(axis=-1))
-      p = jnp.exp(jnp.where(ok, s - m_new[:, None], neg))
-    alpha = jnp.exp(m - m_new)
+      m_new = jnp.maximum(m, x.max(axis=-1) * xs)
+      p = jnp.exp2(x * xs - m_new[:, None])
+    else:  # masked entries: out of the max, and p = exp2(mask_value) = 0 by a select
+      # (m starts at mask_value, so m_new stays finite where top * xs overflows)
+      m_new = jnp.maximum(m, jnp.where(ok, x, neg).max(axis=-1) * xs)
+      p = jnp.exp2(jnp.where(ok, x * xs - m_new[:, None], neg))
+    alpha = jnp.exp2(m - m_new)
     l = alpha * l + p.sum(axis=-1)
     if cfg.dropout_active:
       p = p * C.dropout_scale(cfg, g, r["seed"], t, acc)
@@ -238,6 +247,7 @@ def _forward_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
   o = o / jnp.where(empty, 1.0, l)[:, None]
   r["out"][...] = o.astype(r["out"].dtype)
   # Empty (and padded) rows: lse = mask_value here, -inf outside the kernel (`forward`).
+  m = m * jnp.asarray(1 / C.LOG2E, acc)  # back to natural units
   r["lse"][...] = jnp.where(empty, neg, m + jnp.log(jnp.where(empty, 1.0, l)))
   if cfg.max_logits:  # the running max over allowed entries: the row's max logit
     r["row_max"][...] = jnp.where(empty, neg, m)
