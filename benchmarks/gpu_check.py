@@ -912,6 +912,7 @@ def _correctness_table(rows, part, prefix) -> list:
 
 SASS_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                             "mosaic_gpu_sass.json")
+TRITON_SASS_RESULTS = os.path.join(os.path.dirname(SASS_RESULTS), "triton_sass.json")
 
 
 def sass_figures(D, causal, mode, path=SASS_RESULTS) -> str:
@@ -937,6 +938,27 @@ def sass_figures(D, causal, mode, path=SASS_RESULTS) -> str:
   return ", ".join(parts)
 
 
+def triton_sass_figures(D, causal, mode, path=TRITON_SASS_RESULTS) -> str:
+  """The Pallas-Triton kernels' recorded main loops (benchmarks/triton_sass.py, deviceless
+  sm_90a): instructions / MMA MFLOP per iteration, ours (tokamax's at its H100 configs; the
+  tiles differ, so the work per iteration is given too). '' where none is recorded."""
+  try:
+    with open(path) as f:
+      rec = {r["case"]: r for r in json.load(f)["results"]}
+  except (OSError, ValueError, KeyError):
+    return ""
+  mask = "causal" if causal else "full"
+  ours = rec.get(f"ours:D{D}:{mask}", {}).get("kernels", {})
+  anchor = rec.get(f"tokamax:D{D}:{mask}", {}).get("kernels", {})
+
+  def loop(k):
+    s = k.get("steady", {})
+    return f"{s['instructions']} / {s['mma_flop'] / 1e6:.2f}" if s else "?"
+  roles = ("fwd",) if mode == "fwd" else ("fwd", "dq", "dkdv")
+  return ", ".join(f"{role} {loop(ours[role])} ({loop(anchor.get(role, {}))})"
+                   for role in roles if role in ours)
+
+
 def markdown(d) -> str:
   m = d["machine"]
   rows = d["rows"]
@@ -952,8 +974,9 @@ def markdown(d) -> str:
     lines += ["", "## 0. The Mosaic-GPU family (pallas_mosaic_gpu)", ""]
     lines += _correctness_table(rows, "mosaic_correctness", "mosaic correctness ")
     lines += ["", "| S | D | causal | mode | Mosaic TFLOP/s | Triton TFLOP/s | cuDNN TFLOP/s | "
-              "Mosaic vs Triton | Mosaic vs cuDNN | SASS per iteration, ours (tokamax) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "Mosaic vs Triton | Mosaic vs cuDNN | Mosaic SASS per iteration, ours (tokamax) |"
+              " Triton SASS instructions / MMA MFLOP per iteration, ours (tokamax) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     groups = {}
     for r in mosaic:
       if r["part"] == "mosaic_timing" and "impl" in r:
@@ -963,7 +986,7 @@ def markdown(d) -> str:
       m = by.get("mosaic", {})
       lines.append(f"| {S} | {D} | {causal} | {mode} | {tf('mosaic')} | {tf('flashvjp')} | "
                    f"{tf('cudnn')} | {m.get('vs_triton', '')} | {m.get('vs_cudnn', '')} |"
-                   f" {sass_figures(D, causal, mode)} |")
+                   f" {sass_figures(D, causal, mode)} | {triton_sass_figures(D, causal, mode)} |")
     lines += ["", f"Verdict per class (valid and faster than Pallas-Triton): "
               f"{d.get('mosaic_verdict') or 'none (no Mosaic timing ran)'}"]
   lines += ["", "## 1. Correctness (compiled Pallas-Triton kernels vs float64 naive)", ""]

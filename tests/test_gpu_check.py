@@ -173,3 +173,24 @@ def test_sass_figures_sit_beside_the_timing_rows(tmp_path):
           == "fwd 471 (472), dq 283 (384), dkdv 400 (702)")
   assert G.sass_figures(64, True, "fwd", str(path)) == ""
   assert G.sass_figures(128, True, "fwd", str(tmp_path / "none.json")) == ""
+
+
+def test_triton_sass_figures_give_the_work_per_iteration_beside_the_count(tmp_path):
+  """The Pallas-Triton column: instructions / MMA MFLOP per main-loop iteration (ours and
+  tokamax's tiles differ), from benchmarks/triton_sass.py's results."""
+  loop = lambda n, f: {"steady": {"instructions": n, "mma_flop": f}}
+  rec = {"results": [
+      {"case": "ours:D128:causal", "kernels": {"fwd": loop(334, 2_097_152),
+                                               "dq": loop(350, 2_621_440),
+                                               "dkdv": loop(308, 1_572_864)}},
+      {"case": "tokamax:D128:causal", "kernels": {"fwd": loop(1027, 4_194_304),
+                                                  "dq": loop(634, 3_145_728),
+                                                  "dkdv": loop(824, 4_194_304)}},
+  ]}
+  path = tmp_path / "triton_sass.json"
+  path.write_text(json.dumps(rec))
+  assert G.triton_sass_figures(128, True, "fwd", str(path)) == "fwd 334 / 2.10 (1027 / 4.19)"
+  assert G.triton_sass_figures(128, True, "fwd+bwd", str(path)) == (
+      "fwd 334 / 2.10 (1027 / 4.19), dq 350 / 2.62 (634 / 3.15), dkdv 308 / 1.57 (824 / 4.19)")
+  assert G.triton_sass_figures(128, False, "fwd", str(path)) == ""
+  assert G.triton_sass_figures(128, True, "fwd", str(tmp_path / "none.json")) == ""
