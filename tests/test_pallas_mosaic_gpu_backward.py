@@ -202,6 +202,30 @@ def test_dropout(D, mod):
   _util.assert_close(got[:3], ref, jnp.bfloat16, what="mosaic_gpu backward dropout")
 
 
+def test_dq_kv_block_at_head_dim_256_follows_its_shared_memory():
+  """Two output parts (head dim 256): the dQ kernel streams kv blocks of 64 where their SMEM
+  fits the budget and nothing heavy on registers runs (plain, segment ids, a dense mask),
+  else 32 (a bias: float32 tiles; dropout; the tangent kernel, given no operands)."""
+  B, H, S, D = 1, 2, 256, 256
+  g = Geometry(B=B, H=H, Hkv=1, Sq=S, Skv=S, D=D, Dv=D, bq=64, bk=64, Dp=D, Dvp=D)
+  a = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
+  arrays = dict(q=a((B, H, S, D)), k=a((B, 1, S, D)), v=a((B, 1, S, D)), do=a((B, H, S, D)),
+                lse=a((B, H, S), jnp.float32), delta=a((B, H, S), jnp.float32))
+  cfg = _cfg(S, S, D, causal=True)
+  assert mgpu_backward._stream_block(g, cfg, arrays) == 64
+  assert mgpu_backward._scratch_bytes("dq", arrays, ["k", "v"], ["q", "do", "lse", "delta"],
+                                      g) <= mgpu_backward._limits.SMEM_BUDGET
+  mask = dict(arrays, mask=a((B, 1, S, S), jnp.int8))
+  assert mgpu_backward._stream_block(g, cfg, mask) == 64
+  bias = dict(arrays, bias=a((B, 1, S, S), jnp.float32), biasT=a((B, 1, S, S), jnp.float32))
+  assert mgpu_backward._stream_block(g, cfg, bias) == 32
+  dropout = _cfg(S, S, D, causal=True, dropout_rate=0.1)
+  assert mgpu_backward._stream_block(g, dropout, arrays) == 32
+  assert mgpu_backward._stream_block(g) == 32  # the tangent kernel's
+  g128 = dataclasses.replace(g, D=128, Dv=128, Dp=128, Dvp=128)
+  assert mgpu_backward._stream_block(g128, cfg, arrays) == 64
+
+
 @pytest.mark.parametrize("D,Dv", [(64, 128), (256, 64)])
 def test_value_head_dim_differs_under_jit(D, Dv):
   """Dv != D (dV / dO tiles wider than Q / K; or, at D = 256, the two programs' halves of a
@@ -504,7 +528,8 @@ def _compile_sm90a(D, features, dump_dir, script=None):
                                         (128, "seg+mask+bias+off+prefix"),
                                         (128, "mod"), (128, "seg+drop+mask+bias+off+mod+prefix"),
                                         (128, "rel"), (256, "rel"),
-                                        (256, ""), (256, "seg+drop+mask+bias+off")])
+                                        (256, ""), (256, "seg+drop+mask+bias+off"),
+                                        (256, "seg+mask+off"), (256, "seg+drop+mask+off")])
 def test_sm90a_compile_no_spills(D, features, tmp_path):
   """Both kernels (causal, GQA, bf16, S=1024; with segment ids, dropout at global offsets, a
   dense mask, a bias with its gradient, a score_mod, a mask_mod, arrays read by position, a

@@ -82,9 +82,9 @@ scores and dP in full (wgmmas over the whole head dim) and accumulates half of t
 columns (wgmma B operands sliced at whole swizzle tiles, `_cols`), written through the P / dS
 tiles a chunk at a time (`_store_chunks`); what both compute (dbias, the residuals' row and
 column gradients) the first writes. The cost: the dK/dV kernel's matmuls 1.5x, the dQ
-kernel's 1.67x those of one program per block. The dQ (and tangent) kernel then streams kv
-blocks of 32 rows (`_stream_block`): two slots of [64, 256] K and V beside the resident Q and
-dO would not fit shared memory. sm_90a ptxas at head dim 256 (causal GQA bf16, S=1024): 0
+kernel's 1.67x those of one program per block. The tangent kernel then streams kv blocks
+of 32 rows, the dQ kernel 64 where its SMEM fits and nothing heavy on registers runs (no
+dropout, score_mod or mask_mod; `_stream_block`), else 32. sm_90a ptxas at head dim 256 (causal GQA bf16, S=1024): 0
 spills plain, with segment ids + a dense mask + a bias + offsets (dK/dV 255 registers, dQ
 199) and with dropout added as well (dK/dV 255 registers with q blocks of 16, dQ 232).
 
@@ -110,6 +110,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -118,6 +119,7 @@ from flashvjp import _mask
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas.mosaic_gpu import _compat
+from flashvjp.pallas.mosaic_gpu import _limits
 from flashvjp.pallas.mosaic_gpu import _rel
 from flashvjp.pallas.mosaic_gpu import drel as _drel
 from flashvjp.pallas.mosaic_gpu import forward as F
@@ -173,16 +175,39 @@ def _parts(g: C.Geometry) -> int:
   return _head_parts(g.Dp, g.Dvp)
 
 
-def _stream_block(g: C.Geometry, cfg: AttentionConfig | None = None) -> int:
-  """The kv block of the dQ and tangent kernels (their streamed K / V rows): 64, and 32 with
-  two output parts (`_parts`), where a 2-slot ring of [64, 256] K and V tiles (and their
-  tangents) would not fit shared memory beside the resident Q and dO (or t_q). With `cfg`
-  (the dQ kernel's): 32 also above head dim 64 with a score_mod and dropout, or a score_mod
-  whose arrays take gradients (per-row sums of its vjp): at 64 the dQ kernel spilled at head
-  dim 128 (sm_90a ptxas, causal GQA: ALiBi + softcap with differentiable slopes 4 B at 255
-  registers; with dropout and a bias 8 B), at 32 it does not (197 registers)."""
+def _stream_block(g: C.Geometry, cfg: AttentionConfig | None = None, arrays=None,
+                  n_diff: int = 0) -> int:
+  """The kv block of the dQ and tangent kernels (their streamed K / V rows): 64, or 32.
+
+  With two output parts (`_parts`, head dims above 128): the tangent kernel's is 32 (a
+  2-slot ring of [64, 256] K, V and their tangents would not fit shared memory beside the
+  resident Q and t_q); the dQ kernel's (`cfg` and its operand `arrays` given) is 64 where its
+  SMEM at 64 (`_scratch_bytes`) fits `_limits.SMEM_BUDGET` and no dropout, score_mod or
+  mask_mod runs (the ones compiled at 64), else 32:
+  plain, with segment ids or a dense mask the [64, 256] K / V ring fits beside the resident
+  Q and dO (206848 B at head dim 256, sm_90a), with a bias (float32 tiles in the ring, the
+  float32 dS tile) it does not; with dropout (its hash per entry) segment ids + a dense
+  mask spilled 20 B at 255 registers (sm_90a ptxas, causal GQA, S=1024). At 64 the dQ main
+  loop carries twice the MMA work in 343 instructions per iteration, where 32 took 250
+  (head dim 256, full, S=8192: 15285 MMA FLOP per instruction, tokamax's 13443;
+  `benchmarks/mosaic_gpu_sass.py`).
+  With `cfg` (the dQ kernel's): 32 also above head dim 64 with a score_mod and dropout, or a
+  score_mod whose arrays take gradients (per-row sums of its vjp): at 64 the dQ kernel
+  spilled at head dim 128 (sm_90a ptxas, causal GQA: ALiBi + softcap with differentiable
+  slopes 4 B at 255 registers; with dropout and a bias 8 B), at 32 it does not (197
+  registers)."""
   if _parts(g) > 1:
-    return _BLOCK // 2
+    if cfg is None or arrays is None:
+      return _BLOCK // 2
+    dq_arrays = {n: x for n, x in arrays.items()
+                 if n.rstrip("T") not in _PAIRS or not n.endswith("T")}
+    ring, resident = _operands("dq", {n.rstrip("T"): x for n, x in dq_arrays.items()})
+    wide = dataclasses.replace(g, bk=_BLOCK)
+    if (cfg.dropout_active  # registers: segment ids + dropout + a mask spilled 20 B at 64
+            or cfg.score_mod is not None or cfg.mask_mod is not None  # (not compiled at 64)
+            or _scratch_bytes("dq", dq_arrays, ring, resident, wide, n_diff)
+            > _limits.SMEM_BUDGET):
+      return _BLOCK // 2
   if cfg is not None and _mod_above_64(g, cfg) and (
       cfg.dropout_active or cfg.num_diff_consts > 0):
     return _BLOCK // 2
@@ -340,9 +365,9 @@ def _operands(kind, arrays):
   return kv_side + kv_vectors + pairs + rels, q_side
 
 
-def _scratch(kind, arrays, ring, resident, g: C.Geometry, n_diff=0, n_kvd=0):
-  """SMEM (rings [_STAGES, ...] then resident buffers, then P / dS tiles) and barriers."""
-  plgpu = _compat.plgpu()
+def _scratch_specs(kind, arrays, ring, resident, g: C.Geometry, n_diff=0, n_kvd=0):
+  """The SMEM buffers as (shape, dtype, minor or None: a swizzled wgmma operand tile), in
+  three groups: the rings ([_STAGES, ...]), the resident buffers, the P / dS tiles."""
   rows = (g.bq, g.bk) if kind == "dkdv" else (g.bk, g.bq)  # (ring block, resident block)
   minor = min(g.bq, g.bk, g.Dp, g.Dvp)
   tile = (g.bk, g.bq) if kind == "dkdv" else (g.bq, g.bk)
@@ -350,29 +375,52 @@ def _scratch(kind, arrays, ring, resident, g: C.Geometry, n_diff=0, n_kvd=0):
   def buf(name, block, stages=()):
     x = arrays[name]
     if name.rstrip("T") in _PAIRS + ("tbias",) or _is_rel(name):  # a tile in the kernel's
-      return plgpu.SMEM(stages + tile, x.dtype)  # orientation, read generically
+      return (stages + tile, x.dtype, None)  # orientation, read generically
     if _is_kv_vector(name):
-      return plgpu.SMEM(stages + (g.bk,), x.dtype)
+      return (stages + (g.bk,), x.dtype, None)
     if x.ndim == 4:
-      return _smem(stages + (block, x.shape[3]), x.dtype, minor)
-    return plgpu.SMEM(stages + (block,), x.dtype)
+      return (stages + (block, x.shape[3]), x.dtype, minor)
+    return (stages + (block,), x.dtype, None)
 
   dt = arrays["q"].dtype
+  f32 = jnp.dtype(jnp.float32)
   # P and dS ([bk, bq]); dS ([bq, bk]); the tangent's P * t_s and P ([bq, bk])
   tiles = 1 if kind == "dq" else 2
-  tile_bufs = tuple(_smem(tile, dt, minor) for _ in range(tiles))
+  tile_bufs: list[tuple] = [(tile, dt, minor) for _ in range(tiles)]
   if kind == "tangent":  # t_lse on its way out; t_out's staging unless q's buffer fits it
-    tile_bufs += (plgpu.SMEM((g.bq,), jnp.float32),)
+    tile_bufs.append(((g.bq,), f32, None))
     if g.Dvp != g.Dp and _parts(g) == 1:  # (two parts stage t_out in the P tiles)
-      tile_bufs += (_smem((g.bq, g.Dvp), dt, minor),)
+      tile_bufs.append(((g.bq, g.Dvp), dt, minor))
   if kind == "dq" and "bias" in arrays:  # dS in float32 on its way to the dbias output
-    tile_bufs += (plgpu.SMEM(tile, jnp.float32),)
+    tile_bufs.append((tile, f32, None))
   if kind == "dq":  # per-row partial d(residual) of the score_mod, on their way out
-    tile_bufs += tuple(plgpu.SMEM((g.bq,), jnp.float32) for _ in range(n_diff))
+    tile_bufs += [((g.bq,), f32, None) for _ in range(n_diff)]
   if kind == "dkdv":  # per-kv-position residual gradients of one head, on their way out
-    tile_bufs += tuple(plgpu.SMEM((g.bk,), jnp.float32) for _ in range(n_kvd))
-  smem = (tuple(buf(n, rows[0], (_STAGES,)) for n in ring),
-          tuple(buf(n, rows[1]) for n in resident), tile_bufs)
+    tile_bufs += [((g.bk,), f32, None) for _ in range(n_kvd)]
+  return ([buf(n, rows[0], (_STAGES,)) for n in ring], [buf(n, rows[1]) for n in resident],
+          tile_bufs)
+
+
+def _scratch_bytes(*args, **kwargs) -> int:
+  """An upper bound on `_scratch`'s SMEM bytes (each buffer rounded up to the 1024 B a
+  swizzled tile is aligned to), its barriers included."""
+  total = 0
+  for group in _scratch_specs(*args, **kwargs):
+    for shape, dtype, _ in group:
+      total += -(-int(np.prod(shape)) * jnp.dtype(dtype).itemsize // 1024) * 1024
+  return total + 1024
+
+
+def _scratch(kind, arrays, ring, resident, g: C.Geometry, n_diff=0, n_kvd=0):
+  """SMEM (rings [_STAGES, ...] then resident buffers, then P / dS tiles) and barriers."""
+  plgpu = _compat.plgpu()
+
+  def make(spec):
+    shape, dtype, minor = spec
+    return plgpu.SMEM(shape, dtype) if minor is None else _smem(shape, dtype, minor)
+
+  rings, res, tile_bufs = _scratch_specs(kind, arrays, ring, resident, g, n_diff, n_kvd)
+  smem = (tuple(map(make, rings)), tuple(map(make, res)), tuple(map(make, tile_bufs)))
   return (smem, tuple(plgpu.Barrier(num_barriers=_STAGES) for _ in ring),
           plgpu.Barrier(num_barriers=_STAGES), plgpu.Barrier(num_barriers=len(resident)))
 
@@ -904,7 +952,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   dk, dv, *dkv_cols = _launch("dkdv", cfg, g_dkdv, arrays, ins.masked_any,
                               _visit_lists(cfg, g_dkdv, q_seg, kv_seg, mask, mod, "kv"),
                               pos_diff=ins.pos_diff)
-  g_dq = dataclasses.replace(g, bk=_stream_block(g, cfg))
+  n_dq_diff = (cfg.num_diff_consts if cfg.score_mod is not None else 0) + ins.pos_diff[0]
+  g_dq = dataclasses.replace(g, bk=_stream_block(g, cfg, arrays, n_dq_diff))
   dq_visits = _visit_lists(cfg, g_dq, q_seg, kv_seg, mask, mod, "q")
   outs = _launch("dq", cfg, g_dq, arrays, ins.masked_any, dq_visits, pos_diff=ins.pos_diff)
   outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
