@@ -8,7 +8,7 @@ the tangents t_q (a [bq, D] tile), t_k, t_v (rows like K/V), t_bias (tiles like 
 the forward's out tile and lse row. Per kv block:
 
     t_s  = scale * (t_q k^T + q t_k^T) + t_bias   (+ score_mod's jvp on the tile)
-    p    = exp(s - lse)                           (the forward's exact lse: no rescaling)
+    p    = exp2(s log2(e) - lse log2(e))          (the forward's exact lse: no rescaling)
     mu  += rowsum(p * t_s)
     a   += (pd * t_s) @ v + pd @ t_v              (pd: p with the dropout keep scaling)
 
@@ -59,7 +59,12 @@ def _tangent_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
     kv = _compat.ds(j * g.bk, g.bk)
     k = r["k"][kv, :]
     qi, ki = C.tile_indices(g, t.i, t.j)
-    s = C.dot_nt(q, k, acc, cfg) * scale
+    # exp2 domain (`lse` is lse * log2(e)): p = exp2(s * log2(e) - lse), one FFMA and one ex2
+    # an entry; with nothing but the scale on the scores, the scale folds into log2(e)
+    raw = t.bias is None and cfg.score_mod is None
+    s = C.dot_nt(q, k, acc, cfg)
+    if not raw:
+      s = s * scale
     ts = None
     if tq is not None:
       ts = C.dot_nt(tq, k, acc, cfg)
@@ -75,6 +80,7 @@ def _tangent_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
       s, ts = C.modded_jvp(cfg, s, ts, t, qi, ki, consts, n_float, tuple(tconsts),
                            F.load_positions(r, g, i, j, "tpos"))
     neg = C.mask_value(acc)
+    xs = jnp.asarray(cfg.scale * C.LOG2E if raw else C.LOG2E, acc)
     if masked:
       q_seg = None if t.q_seg is None else t.q_seg[:, None]
       kv_seg = None if t.kv_seg is None else t.kv_seg[None, :]
@@ -82,10 +88,10 @@ def _tangent_kernel(*refs, cfg: AttentionConfig, g: C.Geometry, names, n_consts,
       ok = C.mask_spec(cfg).allowed(qi, ki, q_seg=q_seg, kv_seg=kv_seg, dense=dense)
       if cfg.mask_mod is not None:
         ok = ok & C.mask_mod_allowed(cfg, t, qi, ki)
-      p = jnp.exp(jnp.where(ok, s - lse[:, None], neg))
+      p = jnp.exp2(jnp.where(ok, s * xs - lse[:, None], neg))
       ts = jnp.where(ok, ts, 0.0)
     else:
-      p = jnp.exp(s - lse[:, None])
+      p = jnp.exp2(s * xs - lse[:, None])
     pts = p * ts
     mu = mu + pts.sum(axis=-1)
     pd = p
@@ -193,7 +199,8 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
             _compat.block_spec((None, None, g.bq, g.Dvp), lambda b, h, i: (b, h, i, 0)))
   out_dtype = out.dtype if out is not None else (acc if cfg.out_f32 else q.dtype)
   pad = C.lse_pad_value(acc)
-  lse_k = jnp.where(lse == -jnp.inf, pad, lse.astype(acc))
+  lse2 = lse.astype(acc) * jnp.asarray(C.LOG2E, acc)  # the kernel's exp2 domain
+  lse_k = jnp.where(jnp.isfinite(lse2), lse2, pad)
   lse_k = jnp.pad(lse_k, ((0, 0), (0, 0), (0, g.Sqp - g.Sq)), constant_values=pad)
   ins.add("lse", lse_k, _compat.block_spec((None, None, g.bq), lambda b, h, i: (b, h, i)))
   masked = C.needs_mask(cfg, g, q_seg is not None, mask is not None)
