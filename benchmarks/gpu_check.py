@@ -915,14 +915,21 @@ SASS_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results
 TRITON_SASS_RESULTS = os.path.join(os.path.dirname(SASS_RESULTS), "triton_sass.json")
 
 
+def _recorded_cases(path) -> dict | None:
+  """{case name: result row} of a SASS benchmark's results json; None where unreadable."""
+  try:
+    with open(path) as f:
+      return {r["case"]: r for r in json.load(f)["results"]}
+  except (OSError, ValueError, KeyError):
+    return None
+
+
 def sass_figures(D, causal, mode, path=SASS_RESULTS) -> str:
   """The recorded instructions per main-loop iteration of the kernels a timing row runs
   (benchmarks/mosaic_gpu_sass.py, deviceless sm_90a), ours (tokamax's): the proxy beside the
   measured TFLOP/s, so that one GPU run calibrates it. '' where none is recorded."""
-  try:
-    with open(path) as f:
-      rec = {r["case"]: r for r in json.load(f)["results"]}
-  except (OSError, ValueError, KeyError):
+  rec = _recorded_cases(path)
+  if rec is None:
     return ""
   mask = "causal" if causal else "full"
   parts = []
@@ -942,10 +949,8 @@ def triton_sass_figures(D, causal, mode, path=TRITON_SASS_RESULTS) -> str:
   """The Pallas-Triton kernels' recorded main loops (benchmarks/triton_sass.py, deviceless
   sm_90a): instructions / MMA MFLOP per iteration, ours (tokamax's at its H100 configs; the
   tiles differ, so the work per iteration is given too). '' where none is recorded."""
-  try:
-    with open(path) as f:
-      rec = {r["case"]: r for r in json.load(f)["results"]}
-  except (OSError, ValueError, KeyError):
+  rec = _recorded_cases(path)
+  if rec is None:
     return ""
   mask = "causal" if causal else "full"
   ours = rec.get(f"ours:D{D}:{mask}", {}).get("kernels", {})

@@ -277,6 +277,16 @@ def mma_loops(text: str) -> list[Loop]:
   return loops
 
 
+def steady_and_masked(loops: list[Loop]) -> tuple[dict, dict | None]:
+  """Rows of the steady-state loop (of the loops with the most MMA work, the shortest: an
+  unmasked block) and of the longest of the same work (a masked block; None if the same)."""
+  top = max(x.mma_flop for x in loops)
+  best = [x for x in loops if x.mma_flop == top]
+  steady = min(best, key=lambda x: x.instructions)
+  masked = max(best, key=lambda x: x.instructions)
+  return steady.row(), (masked.row() if masked is not steady else None)
+
+
 def kernel_rows(case: Case, dump: str) -> dict:
   """{kernel role: row} of the kernels dumped for `case`."""
   rows = {}
@@ -293,14 +303,9 @@ def kernel_rows(case: Case, dump: str) -> dict:
     loops = mma_loops(_sass.sass(ptx))
     if not loops:
       raise RuntimeError(f"{case.name}: no MMA loop in {name}")
-    top = max(x.mma_flop for x in loops)
-    best = [x for x in loops if x.mma_flop == top]
-    steady = min(best, key=lambda x: x.instructions)
-    masked = max(best, key=lambda x: x.instructions)
+    steady, masked = steady_and_masked(loops)
     rows[role] = dict(kernel=name, registers=regs, spill_bytes=spills, smem_bytes=smem,
-                      steady=steady.row(),
-                      masked=masked.row() if masked is not steady else None,
-                      mma_loops=len(loops))
+                      steady=steady, masked=masked, mma_loops=len(loops))
   if case.impl == "tokamax" and case.kind == "vjp":
     # tokamax's two VJP kernels are unnamed: at equal 64 x 64 tiles dK/dV's loop has four
     # products (S, dP, dV, dK) and dQ's three (S, dP, dQ)
@@ -452,24 +457,33 @@ def gate(results: list[dict], recorded: list[dict]) -> list[str]:
     old = rec.get(r["case"])
     if old is None:
       continue
-    for role, k in r["kernels"].items():
-      o = old["kernels"].get(role)
-      if o is None:
-        continue
-      now, was = k["steady"]["instructions"], o["steady"]["instructions"]
-      if now > was:
-        failures.append(f"{r['case']} {role}: {now} instructions per iteration, recorded {was}")
-      if k["spill_bytes"] > o["spill_bytes"]:
-        failures.append(f"{r['case']} {role}: {k['spill_bytes']} spill bytes, recorded"
-                        f" {o['spill_bytes']}")
-      a = anchors.get((r["kind"], r["D"], r["causal"]))
-      ak = a["kernels"].get(role) if a else None
-      if ak is not None:
-        af = ak["steady"]["flop_per_instruction"]
-        if (o["steady"]["flop_per_instruction"] >= af
-                and k["steady"]["flop_per_instruction"] < af):
-          failures.append(f"{r['case']} {role}: fell below tokamax's MMA FLOP per instruction"
-                          f" ({k['steady']['flop_per_instruction']:.0f} < {af:.0f})")
+    a = anchors.get((r["kind"], r["D"], r["causal"]))
+    failures += case_regressions(r, old, a)
+  return failures
+
+
+def case_regressions(r: dict, old: dict, anchor: dict | None) -> list[str]:
+  """Per kernel of case row `r` against its recorded row `old` (and the anchor's recorded
+  row): a steady loop longer than recorded, more spill bytes, or a fall below the anchor's
+  MMA FLOP per instruction once reached. Shared with `triton_sass.gate`."""
+  failures = []
+  for role, k in r["kernels"].items():
+    o = old["kernels"].get(role)
+    if o is None:
+      continue
+    now, was = k["steady"]["instructions"], o["steady"]["instructions"]
+    if now > was:
+      failures.append(f"{r['case']} {role}: {now} instructions per iteration, recorded {was}")
+    if k["spill_bytes"] > o["spill_bytes"]:
+      failures.append(f"{r['case']} {role}: {k['spill_bytes']} spill bytes, recorded"
+                      f" {o['spill_bytes']}")
+    ak = anchor["kernels"].get(role) if anchor else None
+    if ak is not None:
+      af = ak["steady"]["flop_per_instruction"]
+      if (o["steady"]["flop_per_instruction"] >= af
+              and k["steady"]["flop_per_instruction"] < af):
+        failures.append(f"{r['case']} {role}: fell below tokamax's MMA FLOP per instruction"
+                        f" ({k['steady']['flop_per_instruction']:.0f} < {af:.0f})")
   return failures
 
 

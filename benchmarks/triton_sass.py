@@ -91,24 +91,7 @@ def gate(results: list[dict], recorded: list[dict]) -> list[str]:
     if old is None:
       failures.append(f"{r['case']}: not in the recorded results")
       continue
-    for role, k in r["kernels"].items():
-      o = old["kernels"].get(role)
-      if o is None:
-        continue
-      now, was = k["steady"]["instructions"], o["steady"]["instructions"]
-      if now > was:
-        failures.append(f"{r['case']} {role}: {now} instructions per iteration, recorded {was}")
-      if k["spill_bytes"] > o["spill_bytes"]:
-        failures.append(f"{r['case']} {role}: {k['spill_bytes']} spill bytes, recorded"
-                        f" {o['spill_bytes']}")
-      a = anchors.get((r["D"], r["causal"]))
-      ak = a["kernels"].get(role) if a else None
-      if ak is not None:
-        af = ak["steady"]["flop_per_instruction"]
-        if (o["steady"]["flop_per_instruction"] >= af
-                and k["steady"]["flop_per_instruction"] < af):
-          failures.append(f"{r['case']} {role}: fell below tokamax's MMA FLOP per instruction"
-                          f" ({k['steady']['flop_per_instruction']:.0f} < {af:.0f})")
+    failures += MS.case_regressions(r, old, anchors.get((r["D"], r["causal"])))
   return failures
 
 
@@ -217,14 +200,6 @@ def compile_kernel(k: dict) -> dict:
               num_warps=k["num_warps"], num_stages=k["num_stages"], kernel=k["name"])
 
 
-def _steady(loops: list) -> tuple[dict, dict | None]:
-  top = max(x.mma_flop for x in loops)
-  best = [x for x in loops if x.mma_flop == top]
-  steady = min(best, key=lambda x: x.instructions)
-  masked = max(best, key=lambda x: x.instructions)
-  return steady.row(), (masked.row() if masked is not steady else None)
-
-
 def kernel_rows(case: Case, compiled: list[dict]) -> dict:
   """{role: row}: ours' kernels by name; tokamax's VJP kernel split into its two loops."""
   rows = {}
@@ -238,7 +213,7 @@ def kernel_rows(case: Case, compiled: list[dict]) -> dict:
               "fwd" if name.startswith("flashvjp_fwd") else None)
       if role is None:
         continue
-      steady, masked = _steady(loops)
+      steady, masked = MS.steady_and_masked(loops)
       rows[role] = dict(c, steady=steady, masked=masked, mma_loops=len(loops))
     elif "vjp" in name:
       # one kernel, two loop families: dK/dV's (S, dP, dV, dK: four products) and dQ's
@@ -247,10 +222,10 @@ def kernel_rows(case: Case, compiled: list[dict]) -> dict:
       if len(work) < 2:
         raise RuntimeError(f"{case.name}: {name} has {len(work)} loop kinds, expected 2")
       for role, flop in (("dkdv", work[0]), ("dq", work[1])):
-        steady, masked = _steady([x for x in loops if x.mma_flop == flop])
+        steady, masked = MS.steady_and_masked([x for x in loops if x.mma_flop == flop])
         rows[role] = dict(c, steady=steady, masked=masked, mma_loops=len(loops))
     else:
-      steady, masked = _steady(loops)
+      steady, masked = MS.steady_and_masked(loops)
       rows["fwd"] = dict(c, steady=steady, masked=masked, mma_loops=len(loops))
   missing = {"fwd", "dq", "dkdv"} - set(rows)
   if missing:

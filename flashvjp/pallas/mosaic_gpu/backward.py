@@ -199,8 +199,7 @@ def _stream_block(g: C.Geometry, cfg: AttentionConfig | None = None, arrays=None
   if _parts(g) > 1:
     if cfg is None or arrays is None:
       return _BLOCK // 2
-    dq_arrays = {n: x for n, x in arrays.items()
-                 if n.rstrip("T") not in _PAIRS or not n.endswith("T")}
+    dq_arrays = _kernel_arrays("dq", arrays)
     ring, resident = _operands("dq", {n.rstrip("T"): x for n, x in dq_arrays.items()})
     wide = dataclasses.replace(g, bk=_BLOCK)
     if (cfg.dropout_active  # registers: segment ids + dropout + a mask spilled 20 B at 64
@@ -345,6 +344,13 @@ def _visit_lists(cfg, g: C.Geometry, q_seg, kv_seg, mask, mod, by: str):
 
 
 
+
+
+def _kernel_arrays(kind, arrays):
+  """The operands one kernel reads: a bias / mask pair in its orientation only (the
+  transposed copies, "...T", are the dK/dV kernel's)."""
+  return {n: x for n, x in arrays.items()
+          if n.rstrip("T") not in _PAIRS or n.endswith("T") == (kind == "dkdv")}
 
 
 def _operands(kind, arrays):
@@ -803,8 +809,7 @@ def _launch(kind, cfg, g: C.Geometry, arrays, masked_any, visits=None, *, body=N
   # segment ids, a dense mask and a mask_mod always come with visit lists (`_visit_lists`):
   # the static-bounds loops take FULL blocks from causal / window / padding alone
   assert visits is not None or not ({"q_seg", "mask"} & set(arrays) or cfg.mask_mod is not None)
-  arrays = {n: x for n, x in arrays.items()
-            if n.rstrip("T") not in _PAIRS or n.endswith("T") == (kind == "dkdv")}
+  arrays = _kernel_arrays(kind, arrays)
   if visits is not None:
     arrays["visits"] = visits
   # rel rows [B, H, Sqp + Skvp] -> the skewed arrays whose windows are this kernel's tiles
