@@ -453,6 +453,15 @@ def parse_ptxas(text):
   return regs, int(spills[1]) + int(spills[2])
 
 
+def test_named_barrier_checks_its_arguments():
+  """The named-barrier helper refuses an unknown op and a thread count bar.sync would not take
+  (a multiple of 32) before emitting anything."""
+  with pytest.raises(ValueError, match="op"):
+    _compat.named_barrier("wait", 4, 1, 256)
+  with pytest.raises(ValueError, match="num_threads"):
+    _compat.named_barrier("sync", 4, 1, 100)
+
+
 def test_parse_ptxas():
   text = ("ptxas info    : Function properties for entry_mosaic_gpu_kernel\n"
           "    0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
@@ -469,9 +478,9 @@ def test_compiles_for_sm90a_without_spills(D, tmp_path):
   64 and 256 plain and segment ids; at 256 plain one kernel of 256 value columns, with
   segment ids two computing half of out each) compile for H100 with no register spill and within the SMEM of a Hopper block (227 KiB). The plain causal
   forward's SASS (two consumers and the producer; when nvdisasm is installed): HGMMA (QK^T
-  and PV of each consumer) and UTMALDG (K and V into a ring slot) inside loops, and the
+  and PV of each consumer) and UTMALDG (K and V into a ring slot) inside loops, the
   producer / consumer register reallocation (USETMAXREG) that the warp specialization relies
-  on."""
+  on, and the schedule's named barriers (BAR.ARV / BAR.SYNC) in the consumers' loops."""
   # every variant at 128 (the registers' tightest with two consumers of kv blocks of 128);
   # at 64 and 256 plain and segment ids (CI time)
   found = compile_sm90(D, 1024, VARIANTS if D == 128 else VARIANTS[:2], tmp_path)
@@ -497,6 +506,10 @@ def test_compiles_for_sm90a_without_spills(D, tmp_path):
   assert tma >= 2  # K and V of a slot, issued by the producer's loop
   assert listing.count("USETMAXREG") >= 2  # the producer gives up registers, consumers take
   assert listing.count("HMMA") == 0  # no mma.sync fallback
+  # FA3's ping-pong on hardware named barriers (`_compat.named_barrier`): each consumer's
+  # loop arrives on the other's barrier and syncs on its own, one instruction each
+  assert listing.count("BAR.ARV", in_loops=True) >= 2, listing.loops
+  assert listing.count("BAR.SYNC", in_loops=True) >= 2, listing.loops
 
 
 def test_sass_listing_parse(monkeypatch):

@@ -179,6 +179,55 @@ def wgmma_iota(shape, dim):
   return mg.broadcasted_iota(jnp.int32, shape, dim, layout=mg.Layout.WGMMA)
 
 
+def named_barrier(op: str, base: int, stride: int, num_threads: int) -> None:
+  """PTX ``bar.<op>`` (``op``: "arrive" or "sync") on the CTA's hardware named barrier
+  ``base + stride * warpgroup`` for `num_threads` threads (a multiple of 32): one instruction,
+  no phase to track, as FA3's and tokamax's schedule barriers. The warpgroup index is taken
+  from the thread index without a warp broadcast, so ptxas keeps the id in the general
+  register the instruction reads (a uniform one would be moved over at every use). Mosaic-GPU
+  itself uses ids 0 to 1 + warpgroups (`gpu.barrier` and its warpgroup barriers): kernels
+  take theirs from `_limits.NAMED_BARRIER_BASE`. Compiled kernels only: the GPU interpreter
+  does not run inline PTX (a kernel keeps an mbarrier form of the same schedule there)."""
+  if op not in ("arrive", "sync"):
+    raise ValueError(f"op must be 'arrive' or 'sync', got {op!r}")
+  if num_threads <= 0 or num_threads % 32:
+    raise ValueError(f"num_threads must be a positive multiple of 32, got {num_threads}")
+  mg = plgpu()
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+  @mg.inline_mgpu()
+  def bar(_):
+    i32 = ir.IntegerType.get_signless(32)
+    wg = mgpu_utils.warpgroup_idx(sync=False)
+    bid = arith.addi(mgpu_utils.c(base, i32), arith.muli(wg, mgpu_utils.c(stride, i32)))
+    mgpu_utils.inline_ptx(f"bar.{op} $0, {num_threads};", bid, has_side_effects=True,
+                          convergent=True)
+  bar()
+
+
+def opaque_i32(x, dep):
+  """`x` (an int32 scalar, the same in the whole warpgroup) through an inline PTX move that
+  also takes `dep`: LLVM cannot see through it, so what is computed from the result inside a
+  loop whose step `dep` is stays in the loop (not hoisted out of it as loop-invariant).
+  Compiled kernels only (inline PTX)."""
+  mg = plgpu()
+  import jax.numpy as jnp
+  from jax._src.lib.mlir import ir
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+  @mg.inline_mgpu(arg_types=(mg.Layout.WG_SPLAT, mg.Layout.WG_SPLAT),
+                  return_type=mg.ShapeDtypeStruct((), jnp.int32, mg.Layout.WG_SPLAT))
+  def mov(_, a, d):
+    i32 = ir.IntegerType.get_signless(32)
+    r = mgpu_utils.inline_ptx("mov.b32 $0, $1; // $2", a.registers[()], d.registers[()],
+                              result_types=i32, has_side_effects=True)
+    return mgpu.FragmentedArray.splat(r, (), is_signed=True)
+  return mov(x, dep)
+
+
 # ---- backward kernels (flashvjp/pallas/mosaic_gpu/backward.py) ------------------------
 
 def mma_transforms(dtype, minor: int):

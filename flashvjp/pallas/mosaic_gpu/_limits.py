@@ -27,6 +27,10 @@ MAX_HEAD_DIM = 256  # every kernel's (flashvjp/pallas/mosaic_gpu/backward.py: `_
 DTYPES = (jnp.float16, jnp.bfloat16)
 # Hopper's per-block SMEM (227 KiB) less a margin for barriers and alignment.
 SMEM_BUDGET = 220 * 1024
+# The first CTA named barrier (``bar.sync`` / ``bar.arrive`` id) a kernel may take: Mosaic-GPU
+# uses 0 (`gpu.barrier`) and 1 + warpgroup index (its warpgroup barriers, 1-3 with three
+# warpgroups); 16 in all.
+NAMED_BARRIER_BASE = 4
 _COMPILED_PLATFORMS = ("gpu", "cuda")
 
 

@@ -93,6 +93,7 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 # One consumer warpgroup owns 64 query rows (the M of one wgmma).
 ROWS_PER_WARPGROUP = 64
+WARPGROUP_THREADS = 128
 # The barrier waits (and the fence) a test may remove to check that the interpreter catches
 # the race (`_build(..., skip_wait=...)`; never set outside tests). "side_fence": the proxy
 # fence between the generic loads of a slot's side data (kv ids, bias / mask blocks) and
@@ -382,11 +383,36 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
     def slot_of(n):
       return lax.rem(n, i32(slots))
 
+    # FA3's ping-pong schedule (each consumer's wgmma runs while the other does its softmax).
+    # Compiled: two hardware named barriers, as FA3 and tokamax (`_compat.named_barrier`):
+    # consumer w arrives on the other's once its S = Q K^T is issued and syncs on its own
+    # before P V, consumer 1 one sync ahead at the start, consumer 0 one arrive more at the
+    # end (one instruction each). Interpreted (no inline PTX there): the same turns as
+    # meetings on one mbarrier of both consumers, consumer 1 one meeting behind.
+    named = p.pingpong and not interpret
+    sched = _limits.NAMED_BARRIER_BASE
+
     def rendezvous():
-      """Both consumers meet here (FA3's ping-pong: with consumer 1 one meeting behind,
-      each one's wgmma runs while the other does its softmax)."""
-      if p.pingpong:
+      """Both consumers meet here (the interpreted schedule)."""
+      mg.barrier_arrive(R["sched"])
+      mg.barrier_wait(R["sched"])
+
+    def qk_issued():
+      """This consumer's S = Q K^T is issued: the other's P V may go."""
+      if named:
+        _compat.named_barrier("arrive", sched + 1, -1, 2 * WARPGROUP_THREADS)
+      elif p.pingpong:
+        rendezvous()
+
+    def softmax_done():
+      if p.pingpong and not named:
         mg.barrier_arrive(R["sched"])
+
+    def pv_turn():
+      """Wait for this consumer's turn on the tensor cores (the other's S is issued)."""
+      if named:
+        _compat.named_barrier("sync", sched, 1, 2 * WARPGROUP_THREADS)
+      elif p.pingpong:
         mg.barrier_wait(R["sched"])
 
     def wait_k(slot):
@@ -401,6 +427,18 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       for e in range(n_rel):  # this consumer's window
         wait("k_loaded", R[f"rel{e}_bar"].at[slot * nc + w])
 
+    def q_step(n):
+      """Q's SMEM tile for step n's S = Q K^T. Above 8 k-steps (head dims > 128) its address
+      goes through an opaque move each step (`_compat.opaque_i32`): hoisted out of the loop,
+      the 16 loop-invariant Q descriptors overfill the 63 uniform registers, and ptxas moves
+      them in and out of general registers every iteration (sm_90a, head dim 256, full /
+      causal: 448 / 434 instructions an iteration, 40 or more of them R2UR / MOV / UMOV);
+      recomputed, each is one UIADD3.64 beside its K descriptor's (412 / 419). At head dims
+      <= 128 the 8 fit (D=128 full: 476 recomputed vs 473), so the tile stays hoisted."""
+      if not interpret and p.Dp > 128:
+        return R["q_s"].at[_compat.opaque_i32(w, n)]
+      return q_smem
+
     def step(n, carry, masked_step):
       m, l, acc = carry
       slot = slot_of(n)
@@ -408,8 +446,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       wait_k(slot)
 
       def qk(acc_ref):
-        mg.wgmma(acc_ref, q_smem, R["k_s"].at[slot].T)
-        rendezvous()  # the other consumer's turn (its softmax ran during this wgmma)
+        mg.wgmma(acc_ref, q_step(n), R["k_s"].at[slot].T)
+        qk_issued()  # the other consumer's turn (its softmax ran during this wgmma)
         return acc_ref[...]
 
       s = _compat.run_scoped(qk, mg.ACC((rows, bk), f32))
@@ -484,11 +522,9 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
         p_smem[...] = p_op
         mg.commit_smem()  # the generic-proxy stores of P before the wgmma reads them
         p_op = p_smem
-      if p.pingpong:
-        mg.barrier_arrive(R["sched"])  # softmax done
+      softmax_done()
       wait("v_loaded", R["v_bar"].at[slot])
-      if p.pingpong:
-        mg.barrier_wait(R["sched"])  # the tensor cores are ours again
+      pv_turn()  # the tensor cores are ours again
 
       def pv(acc_ref):
         mg.wgmma(acc_ref, p_op, R["v_s"].at[slot])
@@ -507,8 +543,9 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       mg.barrier_arrive(R["k_free"].at[slot])
       wait("v_loaded", R["v_bar"].at[slot])
       mg.barrier_arrive(R["v_free"].at[slot])
-      rendezvous()  # the two meetings of a computed step
-      rendezvous()
+      qk_issued()  # the schedule's turns of a computed step
+      softmax_done()
+      pv_turn()
       return carry
 
     def run(start, stop, masked_step, carry):
@@ -517,8 +554,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
     carry = (_compat.wgmma_row_vector(jnp.full((rows,), neg, f32)),
              _compat.wgmma_row_vector(jnp.zeros((rows,), f32)),
              _compat.wgmma_tile(jnp.zeros((rows, p.Dvp), f32)))
-    if p.pingpong:
-      _compat.when(w == 1)(rendezvous)
+    if p.pingpong:  # consumer 1 starts one turn behind
+      _compat.when(w == 1)(pv_turn if named else rendezvous)
     # the CTA's steps in order: each run of this consumer's, the steps between them passed
     # by (with one consumer the runs cover every step)
     done = i32(0)
@@ -529,8 +566,8 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
       done = stop
     if nc > 1:
       carry = lax.fori_loop(done, steps, pass_by, carry)
-    if p.pingpong:
-      _compat.when(w == 0)(rendezvous)
+    if p.pingpong:  # consumer 1's last turn
+      _compat.when(w == 0)(qk_issued)
     m, l, acc = carry
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
@@ -611,7 +648,7 @@ def _build(cfg: AttentionConfig, p: Plan, dtype, *, segments: bool = False, bias
   if segments:
     tiles.update(qseg_s=mg.SMEM((nc, rows), jnp.int32), kseg_s=mg.SMEM((slots, bk), jnp.int32))
     bars.update(qseg_bar=mg.Barrier(num_barriers=nc), kseg_bar=mg.Barrier(num_barriers=slots))
-  if p.pingpong:
+  if p.pingpong and interpret:  # the interpreted schedule (compiled: named barriers)
     bars["sched"] = mg.Barrier(num_arrivals=nc)
   if dropout:
     tiles.update(drop_s=mg.SMEM((nc, 3, rows), u32))
@@ -1002,7 +1039,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   # Up to 256 value columns in one kernel where nothing but causal / window / padding acts on
   # the scores: with P V accumulating into the running output (no second accumulator) its
   # [64, 256] float32 (128 registers a thread) fits (sm_90a ptxas, head dim 256: 0 spills,
-  # 457 / 440 instructions per iteration full / causal for 4.19 MMA MFLOP). With segment ids
+  # 412 / 419 instructions per iteration full / causal for 4.19 MMA MFLOP). With segment ids
   # (116 B spilled), another per-entry feature, a float32 out (its staging tile overflows
   # shared memory) or max logits, two kernels of at most `V_PART` columns, each computing
   # the scores in full and half of out (the backward's column split, here by XLA): 0 spills
