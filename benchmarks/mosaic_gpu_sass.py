@@ -422,6 +422,9 @@ def feature_table(results: list[dict]) -> str:
             return "-"
           if px is None:
             return str(x["instructions"])
+          if x["mma_flop"] != px["mma_flop"]:  # another tile (e.g. dK/dV's q tiles of 32)
+            return (f"{x['instructions']} (plain's tile: {px['mma_flop'] / 1e6:.2f} MFLOP,"
+                    f" this one {x['mma_flop'] / 1e6:.2f})")
           return f"{x['instructions']} ({x['instructions'] - px['instructions']:+d})"
         pm = (pk["masked"] or pk["steady"]) if pk else None
         lines.append(f"| {feature} | {role} | {over(k['steady'], pk and pk['steady'])} |"

@@ -202,6 +202,24 @@ def test_dropout(D, mod):
   _util.assert_close(got[:3], ref, jnp.bfloat16, what="mosaic_gpu backward dropout")
 
 
+def test_dkdv_q_block_at_head_dim_128_is_64_only_for_plain_scores():
+  """The dK/dV kernel's q tiles at head dim 128: 64 where nothing but causal / window /
+  padding acts on the scores and this jax's compiler fits it (0.12: no spill), else 32
+  (segment ids, a bias, dropout, a score_mod: the registers); what `backward` passes."""
+  cfg = _cfg(256, 256, 128, causal=True)
+  g = Geometry(B=1, H=2, Hkv=1, Sq=256, Skv=256, D=128, Dv=128, bq=64, bk=64, Dp=128, Dvp=128)
+  plain = dict.fromkeys(("q", "k", "v", "do", "lse", "delta"))
+  wide = 64 if _compat.wide_dkdv_q_tiles() else 32
+  assert mgpu_backward._dkdv_block_q(g, cfg, plain) == wide
+  assert mgpu_backward._dkdv_block_q(g, cfg) == 32  # operands unknown
+  assert mgpu_backward._dkdv_block_q(g, cfg, dict(plain, q_seg=None, kv_seg=None)) == 32
+  assert mgpu_backward._dkdv_block_q(g, cfg, dict(plain, bias=None, biasT=None)) == 32
+  soft = _cfg(256, 256, 128, causal=True, score_mod=_softcap)
+  assert mgpu_backward._dkdv_block_q(g, soft, plain) == 32
+  g256 = dataclasses.replace(g, D=256, Dv=256, Dp=256, Dvp=256)
+  assert mgpu_backward._dkdv_block_q(g256, cfg, plain) == 32
+
+
 def test_dq_kv_block_at_head_dim_256_follows_its_shared_memory():
   """Two output parts (head dim 256): the dQ kernel streams kv blocks of 64 where their SMEM
   fits the budget and nothing heavy on registers runs (plain, segment ids, a dense mask),

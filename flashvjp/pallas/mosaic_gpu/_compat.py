@@ -230,6 +230,13 @@ def opaque_i32(x, dep):
 
 # ---- backward kernels (flashvjp/pallas/mosaic_gpu/backward.py) ------------------------
 
+def wide_dkdv_q_tiles() -> bool:
+  """Whether this jax's Mosaic compiler fits the plain head-dim-128 dK/dV kernel at q tiles
+  of 64 (the dK and dV accumulators, 128 registers a thread, beside [64, 64] P^T / dS^T):
+  jax 0.12's does (0 spills, sm_90a ptxas); jax 0.11.2's, the GPU image's, spilled 4 B."""
+  return _version() >= (0, 12)
+
+
 def mma_transforms(dtype, minor: int):
   """SMEM transforms of a wgmma operand tile of `dtype` whose last dim has `minor` elements:
   (8, swizzle bytes) tiles and the largest swizzle (32, 64 or 128 bytes) the row fills."""

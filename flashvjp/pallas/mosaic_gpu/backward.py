@@ -63,7 +63,8 @@ tile part evaluated at clamped global positions on the PARTIAL blocks; its block
 make the visit lists.
 
 Blocks: block_kv = 64 (one wgmma M tile per compute warpgroup), block_q = 64 for dQ and
-for dK/dV up to head dim 64 without a score_mod, 32 otherwise (`_dkdv_block_q`:
+for dK/dV up to head dim 64 without a score_mod and at 128 with nothing but causal /
+window / padding on the scores under jax >= 0.12, 32 otherwise (`_dkdv_block_q`:
 registers). Compiled, the dV / dK / dQ products take P^T, dS^T and dS as register operands
 (as tokamax's kernels); interpreted, those are staged in SMEM, since the GPU interpreter
 takes no register operand (the same 16-bit values). The caller's cfg.blocks are not read yet. sm_90a ptxas (causal GQA bf16,
@@ -247,15 +248,22 @@ def _store_chunks(pairs, bufs, before=None):
     plgpu.copy_smem_to_gmem(buf, dst(c, w))
 
 
-def _dkdv_block_q(g: C.Geometry, cfg) -> int:
+# The backward's operands when nothing but causal / window / padding acts on the scores.
+_PLAIN_ARRAYS = frozenset({"q", "k", "v", "do", "lse", "delta"})
+
+
+def _dkdv_block_q(g: C.Geometry, cfg, arrays=None) -> int:
   """The dK/dV kernel's q block. Its tiles are [bk, bq] (bq is the wgmma N dim, so 32 is
   legal; the kernel's SMEM tiles then share a 64-byte swizzle). Above head dim 64 the dK
   and dV accumulators alone take 128 registers a thread: 64 spilled (180 B at head dim 128
   with segment ids and dropout, sm_90a ptxas), 32 does not (the Triton family's launch
   table makes the same choice); so does a score_mod (its vjp's tiles: 16 B spilled at head
   dim 64 with a bias). With P^T and dS^T as register operands the plain head-dim-128 kernel
-  at 64 fits jax 0.12's Mosaic compiler (249 registers, 0 spills, 330 instructions for 4.19
-  MMA MFLOP) but spills 4 B under jax 0.11.2's, the GPU image's: it stays at 32. Above head
+  (`arrays` only q, k, v, dO, lse and delta: nothing but causal / window / padding on the
+  scores) at 64 fits jax 0.12's Mosaic compiler (`_compat.wide_dkdv_q_tiles`: 249 / 255
+  registers full / causal, 0 spills; 330 / 381 instructions for 4.19 MMA MFLOP a step, 32
+  took 218 / 254 for 2.10: 1.32x / 1.33x the MMA work per instruction, and wgmmas of N=64)
+  but spills 4 B under jax 0.11.2's, the GPU image's, which stays at 32. Above head
   dim 128 with dropout, 16: at 32 the dK/dV kernel spilled 16 B (sm_90a ptxas, D=256,
   segment ids + dropout + a dense mask + a bias + offsets, 255
   registers), at 16 it does not (255 registers, 0 spills, shared memory 166912 -> 119808 B);
@@ -264,7 +272,13 @@ def _dkdv_block_q(g: C.Geometry, cfg) -> int:
   64-blocks (the dQ kernel's)."""
   if cfg.dropout_active and (max(g.Dp, g.Dvp) > _ACC_DIM or _mod_above_64(g, cfg)):
     return 16
-  return 32 if max(g.Dp, g.Dvp) > 64 or cfg.score_mod is not None else 64
+  if max(g.Dp, g.Dvp) <= 64 and cfg.score_mod is None:
+    return 64
+  if (arrays is not None and max(g.Dp, g.Dvp) <= _ACC_DIM and _compat.wide_dkdv_q_tiles()
+          and set(arrays) <= _PLAIN_ARRAYS and cfg.score_mod is None and cfg.mask_mod is None
+          and not cfg.dropout_active):
+    return 64
+  return 32
 
 
 def _preprocess(out, lse, dout, dlse, g: C.Geometry):
@@ -953,7 +967,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
   if bias is not None:  # float32 tiles (the dQ kernel writes dS in float32 next to them)
     arrays["bias"] = arrays["bias"].astype(jnp.float32)
     arrays["biasT"] = jnp.swapaxes(arrays["bias"], 2, 3)
-  g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g, cfg))
+  g_dkdv = dataclasses.replace(g, bq=_dkdv_block_q(g, cfg, arrays))
   dk, dv, *dkv_cols = _launch("dkdv", cfg, g_dkdv, arrays, ins.masked_any,
                               _visit_lists(cfg, g_dkdv, q_seg, kv_seg, mask, mod, "kv"),
                               pos_diff=ins.pos_diff)
