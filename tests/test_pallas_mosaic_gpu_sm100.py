@@ -1,12 +1,16 @@
-"""The Blackwell (sm_100a) forward prototype (flashvjp/pallas/mosaic_gpu_sm100, issue 46).
+"""The Blackwell (sm_100a) forward kernel (flashvjp/pallas/mosaic_gpu_sm100, issue 46).
 
-In the GPU interpreter with race detection (a race raises), against float64 naive attention at
-the bf16 tolerance: head dims 64 and 128, one and several kv steps past the 2-slot ring.
-Deviceless for sm_100a (the CUDA plugin, the B200 target config): tcgen05 MMAs in the PTX, no
-register spill, SMEM within a Blackwell block's 227 KiB. Needs jax >= 0.12 (tcgen05, TMEM).
+In the GPU interpreter with race detection, against float64 naive attention (the shared
+reference) at the family's tolerances: head dims 64 and 128 (and padded ones), GQA, causal and
+window masks (masked edge blocks, fully visible blocks between, rows and CTAs that attend
+nothing), ragged lengths, a value head dim of its own; what it does not implement yet is refused
+by name. Deviceless for sm_100a (the CUDA plugin, the B200 target config): tcgen05 MMAs in the
+PTX, no register spill, SMEM within a Blackwell block's 227 KiB. Needs jax >= 0.12 (tcgen05,
+TMEM).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import re
@@ -15,9 +19,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
+from flashvjp import reference
+from flashvjp._config import AttentionConfig
+from flashvjp._config import BlockSizes
 from tests import _util
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
@@ -25,41 +31,63 @@ if not hasattr(plgpu, "tcgen05_mma") or not hasattr(plgpu.Layout, "TCGEN05_TMEM_
   pytest.skip(f"jax {jax.__version__} has no tcgen05 / TMEM API (the family needs jax >= 0.12)",
               allow_module_level=True)
 
+from flashvjp.pallas.mosaic_gpu import _compat  # noqa: E402
 from flashvjp.pallas.mosaic_gpu_sm100 import forward as F  # noqa: E402
 
 
-def _reference(q, k, v):
-  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  s = q @ k.T * q.shape[1] ** -0.5
-  m = s.max(axis=1, keepdims=True)
-  e = np.exp(s - m)
-  l = e.sum(axis=1, keepdims=True)
-  return (e / l) @ v, (m + np.log(l))[:, 0]
+def _cfg(Sq, Skv, D, causal=False, window=None, **kw):
+  return AttentionConfig(scale=D ** -0.5, causal=causal, window=window, seq_q=Sq, seq_kv=Skv,
+                         dropout_rate=0.0, blocks=BlockSizes(), interpret=True,
+                         implementation="pallas_mosaic_gpu", **kw)
 
 
-@pytest.mark.parametrize("Sq,Skv,D", [(256, 256, 64), (128, 512, 64), (256, 256, 128)])
-def test_forward_matches_float64_naive_without_races(Sq, Skv, D):
-  kq, kk, kv = jax.random.split(jax.random.key(Sq + Skv + D), 3)
-  q = jax.random.normal(kq, (Sq, D), jnp.float32).astype(jnp.bfloat16)
-  k = jax.random.normal(kk, (Skv, D), jnp.float32).astype(jnp.bfloat16)
-  v = jax.random.normal(kv, (Skv, D), jnp.float32).astype(jnp.bfloat16)
-  out, lse = jax.jit(lambda q, k, v: F.forward(q, k, v, interpret=True))(q, k, v)
-  ref_out, ref_lse = _reference(q, k, v)
-  assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
-  _util.assert_close((out, lse), (ref_out, ref_lse), jnp.bfloat16,
-                     what=f"sm100 forward Sq={Sq} Skv={Skv} D={D}")
+# name -> (B, H, Hkv, Sq, Skv, D, Dv, dtype, mask kwargs); few and small (interpret time)
+CASES = {
+    # one CTA, the 2-slot ring refilled (4 kv blocks), GQA
+    "full_gqa_ring_d64": (1, 2, 1, 128, 512, 64, 64, jnp.bfloat16, {}),
+    # causal: CTA 0 one masked block, CTA 1 a fully visible one then a masked one; ragged
+    "causal_ragged_d128_f16": (1, 1, 1, 200, 200, 128, 128, jnp.float16, dict(causal=True)),
+    # a window: rows q >= 97 attend nothing (kv >= q + 3), and the second CTA no kv block at
+    # all; padded head dims and a value head dim of its own
+    "window_empty_rows_dv": (1, 1, 1, 230, 100, 80, 48, jnp.bfloat16, dict(window=(-3, 5))),
+}
 
 
-def test_bad_inputs_are_named():
-  x = jnp.zeros((128, 64), jnp.bfloat16)
-  with pytest.raises(ValueError, match="q's sequence length"):
-    F.check_inputs(jnp.zeros((100, 64), jnp.bfloat16), x, x)
-  with pytest.raises(ValueError, match="head dims"):
-    F.check_inputs(jnp.zeros((128, 96), jnp.bfloat16), x, x)
-  with pytest.raises(TypeError, match="k must be bfloat16 or float16"):
-    F.check_inputs(x, x.astype(jnp.float32), x)
-  with pytest.raises(ValueError, match="one batch and head"):
-    F.check_inputs(x[None], x, x)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_forward_matches_float64_reference_without_races(name):
+  B, H, Hkv, Sq, Skv, D, Dv, dtype, mkw = CASES[name]
+  q, k, v = _util.random_qkv(sorted(CASES).index(name), B, H, Hkv, Sq, Skv, D, Dv, dtype=dtype)
+  cfg = _cfg(Sq, Skv, D, **mkw)
+  _compat.reset_interpret_state()
+  out, lse = jax.jit(lambda q, k, v: F.forward(cfg, q, k, v))(q, k, v)
+  assert not _compat.interpret_races_found()
+  assert out.shape == (B, H, Sq, Dv) and out.dtype == dtype
+  assert lse.shape == (B, H, Sq) and lse.dtype == jnp.float32
+  ref_out, ref_lse = reference.attention(cfg, *_util.as64((q, k, v)), None, None, None, None,
+                                         None, ())
+  _util.assert_close(out, ref_out, dtype, what=f"{name}/out")
+  _util.assert_close(lse, ref_lse, dtype, what=f"{name}/lse")
+
+
+def test_what_it_lacks_is_refused_by_name():
+  x = jnp.zeros((1, 2, 128, 64), jnp.bfloat16)
+  cfg = _cfg(128, 128, 64)
+  with pytest.raises(NotImplementedError, match="bias"):
+    F.forward(cfg, x, x, x, bias=jnp.zeros((1, 1, 128, 128), jnp.float32))
+  with pytest.raises(NotImplementedError, match="segment ids"):
+    seg = jnp.zeros((1, 128), jnp.int32)
+    F.forward(cfg, x, x, x, q_seg=seg, kv_seg=seg)
+  with pytest.raises(NotImplementedError, match="dropout"):
+    F.forward(dataclasses.replace(cfg, dropout_rate=0.1), x, x, x)
+  with pytest.raises(NotImplementedError, match="head_dim 256"):
+    y = jnp.zeros((1, 2, 128, 256), jnp.bfloat16)
+    F.forward(_cfg(128, 128, 256), y, y, y)
+  with pytest.raises(NotImplementedError, match="k is float32"):
+    F.forward(cfg, x, x.astype(jnp.float32), x)
+  with pytest.raises(NotImplementedError, match="query heads"):
+    F.forward(cfg, x[:, :1].repeat(3, 1), x, x)
+  with pytest.raises(NotImplementedError, match="rank 4"):
+    F.forward(cfg, x[0], x, x)
 
 
 _COMPILE = r"""
@@ -70,14 +98,19 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 # Mosaic's Python side infers the arch from a local GPU, 9.0 without one (docs/blackwell.md):
 # a deviceless B200 compile sets the target's
 mgpu_utils._infer_arch = lambda: (10, 0)
+from flashvjp._config import AttentionConfig, BlockSizes
 from flashvjp.pallas.mosaic_gpu_sm100 import forward as F
 D = int(sys.argv[2])
 topo = topologies.get_topology_desc(platform="cuda", target_config=open(sys.argv[1]).read(),
                                     topology="1x1x1")
 mesh = topologies.make_mesh(topo, (1,), ("d",))
 sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-x = jax.ShapeDtypeStruct((1024, D), jnp.bfloat16, sharding=sh)
-jax.jit(lambda q, k, v: F.forward(q, k, v)).lower(x, x, x).compile()
+S = 1024
+cfg = AttentionConfig(scale=D ** -0.5, causal=True, window=None, seq_q=S, seq_kv=S,
+                      dropout_rate=0.0, blocks=BlockSizes())
+x = jax.ShapeDtypeStruct((1, 2, S, D), jnp.bfloat16, sharding=sh)
+kv = jax.ShapeDtypeStruct((1, 1, S, D), jnp.bfloat16, sharding=sh)
+jax.jit(lambda q, k, v: F.forward(cfg, q, k, v)).lower(x, kv, kv).compile()
 print("COMPILED")
 """
 
@@ -106,7 +139,7 @@ def test_compiles_for_sm100a_without_spills(D, tmp_path):
   (resources,) = tmp_path.glob("*.resources.txt")
   smem = int(re.search(r"smem_scratch_bytes=(\d+)", resources.read_text())[1])
   assert smem <= 227 * 1024, smem
-  print(f"sm_100a forward prototype D={D}: {regs} registers, 0 spill bytes, {smem} B smem,"
+  print(f"sm_100a forward D={D} causal GQA: {regs} registers, 0 spill bytes, {smem} B smem,"
         f" {text.count('tcgen05.mma')} tcgen05.mma in the PTX")
   assert regs <= 255
 
@@ -114,9 +147,15 @@ def test_compiles_for_sm100a_without_spills(D, tmp_path):
 def test_a_removed_tmem_load_wait_is_caught(monkeypatch):
   """Mutation: without `wait_load_tmem`, a TMEM region is overwritten (the S tile by the next
   Q K^T, an O chunk by its rescaled store) while its load may be in flight: the interpreter's
-  race detection must raise."""
+  race detection must report it."""
   monkeypatch.setattr(F.plgpu, "wait_load_tmem", lambda: None)
-  x = jax.random.normal(jax.random.key(3), (128, 64), jnp.float32).astype(jnp.bfloat16)
-  with pytest.raises(Exception, match="RACE DETECTED"):
-    jax.block_until_ready(F.forward(x, jnp.tile(x, (2, 1)), jnp.tile(x, (2, 1)),
-                                    interpret=True))
+  q, k, v = _util.random_qkv(3, 1, 1, 1, 128, 256, 64, dtype=jnp.bfloat16)
+  _compat.reset_interpret_state()
+  try:
+    jax.block_until_ready(F.forward(_cfg(128, 256, 64), q, k, v))
+    races = _compat.interpret_races_found()
+  except Exception as e:  # the detector may raise instead of recording
+    races = "RACE DETECTED" in str(e)
+  finally:
+    _compat.reset_interpret_state()
+  assert races
