@@ -32,6 +32,7 @@ if not hasattr(plgpu, "tcgen05_mma") or not hasattr(plgpu.Layout, "TCGEN05_TMEM_
               allow_module_level=True)
 
 from flashvjp.pallas.mosaic_gpu import _compat  # noqa: E402
+from flashvjp.pallas.mosaic_gpu_sm100 import backward as Bw  # noqa: E402
 from flashvjp.pallas.mosaic_gpu_sm100 import forward as F  # noqa: E402
 
 
@@ -67,6 +68,28 @@ def test_forward_matches_float64_reference_without_races(name):
                                          None, ())
   _util.assert_close(out, ref_out, dtype, what=f"{name}/out")
   _util.assert_close(lse, ref_lse, dtype, what=f"{name}/lse")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_dq_matches_float64_autodiff_without_races(name):
+  """The dQ kernel against float64 autodiff of naive attention (out and lse cotangents), fed
+  the reference's out and lse as the forward would give them (16-bit out, float32 lse)."""
+  B, H, Hkv, Sq, Skv, D, Dv, dtype, mkw = CASES[name]
+  seed = 10 + sorted(CASES).index(name)
+  q, k, v = _util.random_qkv(seed, B, H, Hkv, Sq, Skv, D, Dv, dtype=dtype)
+  do = jax.random.normal(jax.random.key(seed), (B, H, Sq, Dv), jnp.float32).astype(dtype)
+  dlse = jax.random.normal(jax.random.key(seed + 1), (B, H, Sq), jnp.float32)
+  cfg = _cfg(Sq, Skv, D, **mkw)
+  fwd = lambda q, k, v: reference.attention(cfg, q, k, v, None, None, None, None, None, ())
+  (out, lse), vjp = jax.vjp(fwd, *_util.as64((q, k, v)))
+  # an empty row's lse is -inf: its cotangent reaches nothing (the kernels fold dlse into delta)
+  ref_dq = vjp((_util.as64(do), jnp.where(jnp.isfinite(lse), _util.as64(dlse), 0.0)))[0]
+  _compat.reset_interpret_state()
+  got = jax.jit(lambda *a: Bw.dq(cfg, *a))(q, k, v, out.astype(dtype), lse.astype(jnp.float32),
+                                           do, dlse)
+  assert not _compat.interpret_races_found()
+  assert got.shape == q.shape and got.dtype == dtype
+  _util.assert_close(got, ref_dq, dtype, what=f"{name}/dq")
 
 
 def test_what_it_lacks_is_refused_by_name():
@@ -110,13 +133,20 @@ cfg = AttentionConfig(scale=D ** -0.5, causal=True, window=None, seq_q=S, seq_kv
                       dropout_rate=0.0, blocks=BlockSizes())
 x = jax.ShapeDtypeStruct((1, 2, S, D), jnp.bfloat16, sharding=sh)
 kv = jax.ShapeDtypeStruct((1, 1, S, D), jnp.bfloat16, sharding=sh)
-jax.jit(lambda q, k, v: F.forward(cfg, q, k, v)).lower(x, kv, kv).compile()
+if sys.argv[3] == "fwd":
+  jax.jit(lambda q, k, v: F.forward(cfg, q, k, v)).lower(x, kv, kv).compile()
+else:
+  from flashvjp.pallas.mosaic_gpu_sm100 import backward as Bw
+  lse = jax.ShapeDtypeStruct((1, 2, S), jnp.float32, sharding=sh)
+  jax.jit(lambda q, k, v, o, l, do: Bw.dq(cfg, q, k, v, o, l, do)).lower(
+      x, kv, kv, x, lse, x).compile()
 print("COMPILED")
 """
 
 
+@pytest.mark.parametrize("kind", ["fwd", "dq"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_compiles_for_sm100a_without_spills(D, tmp_path):
+def test_compiles_for_sm100a_without_spills(D, kind, tmp_path):
   from tests import _aot
   if not _aot.HAS_CUDA_PLUGIN:
     pytest.skip(f"the deviceless sm_100a compile: {_aot.CUDA_PROBLEM}")
@@ -124,13 +154,13 @@ def test_compiles_for_sm100a_without_spills(D, tmp_path):
   target = root / "flashvjp" / "targets" / "b200.txtpb"
   env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_TO=str(tmp_path),
              MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", PYTHONPATH=str(root))
-  proc = subprocess.run([sys.executable, "-c", _COMPILE, str(target), str(D)], env=env,
+  proc = subprocess.run([sys.executable, "-c", _COMPILE, str(target), str(D), kind], env=env,
                         cwd=root, capture_output=True, text=True, timeout=600)
   assert "COMPILED" in proc.stdout, proc.stderr[-4000:]
   (ptx,) = tmp_path.glob("*.ptx")
   text = ptx.read_text()
   assert ".target sm_100a" in text
-  assert text.count("tcgen05.mma") >= 2 * D // 16, "Q K^T and P V on tcgen05"
+  assert text.count("tcgen05.mma") >= 2 * D // 16, "two products a step on tcgen05"
   (report,) = tmp_path.glob("*.ptxas")
   log = report.read_text()
   spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
@@ -139,9 +169,26 @@ def test_compiles_for_sm100a_without_spills(D, tmp_path):
   (resources,) = tmp_path.glob("*.resources.txt")
   smem = int(re.search(r"smem_scratch_bytes=(\d+)", resources.read_text())[1])
   assert smem <= 227 * 1024, smem
-  print(f"sm_100a forward D={D} causal GQA: {regs} registers, 0 spill bytes, {smem} B smem,"
+  print(f"sm_100a {kind} D={D} causal GQA: {regs} registers, 0 spill bytes, {smem} B smem,"
         f" {text.count('tcgen05.mma')} tcgen05.mma in the PTX")
   assert regs <= 255
+
+
+def test_dq_kernel_a_removed_tmem_load_wait_is_caught(monkeypatch):
+  """Mutation (the dQ kernel): without `wait_load_tmem`, S and dP are overwritten by the next
+  step's MMAs while their loads may be in flight: race detection must report it."""
+  monkeypatch.setattr(Bw.plgpu, "wait_load_tmem", lambda: None)
+  q, k, v = _util.random_qkv(4, 1, 1, 1, 128, 256, 64, dtype=jnp.bfloat16)
+  lse = jnp.zeros((1, 1, 128), jnp.float32)
+  _compat.reset_interpret_state()
+  try:
+    jax.block_until_ready(Bw.dq(_cfg(128, 256, 64), q, k, v, q, lse, q))
+    races = _compat.interpret_races_found()
+  except Exception as e:  # the detector may raise instead of recording
+    races = "RACE DETECTED" in str(e)
+  finally:
+    _compat.reset_interpret_state()
+  assert races
 
 
 def test_a_removed_tmem_load_wait_is_caught(monkeypatch):

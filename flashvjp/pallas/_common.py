@@ -22,6 +22,7 @@ from jax import lax
 
 from flashvjp import _aligned
 from flashvjp import _config
+from flashvjp import _delta
 from flashvjp import _dropout
 from flashvjp import _mask
 from flashvjp._config import AttentionConfig
@@ -1018,6 +1019,23 @@ def mask_value(acc):
   (float32): it rounds back to `mask_value`.
   """
   return jnp.asarray(jnp.finfo(acc).min, acc)
+
+
+def log2_lse(lse, Sqp: int):
+  """float32 [B, H, Sqp]: lse [B, H, Sq] in the log2 domain (lse * log2(e)), the largest finite
+  float32 at empty (-inf) and padded rows, so that exp2(s2 - lse2) == 0 there (zero, finite
+  gradients): what the Mosaic-GPU backward and tangent kernels read (Hopper and Blackwell)."""
+  f32 = jnp.float32
+  big = jnp.finfo(f32).max
+  lse2 = jnp.where(jnp.isfinite(lse), lse.astype(f32) * f32(LOG2E), big)
+  return jnp.pad(lse2, ((0, 0), (0, 0), (0, Sqp - lse.shape[2])), constant_values=big)
+
+
+def log2_rows(out, lse, dout, dlse, Sqp: int):
+  """(lse2, delta), float32 [B, H, Sqp]: `log2_lse` and rowsum(dO * O) - dlse, delta 0 at
+  padded rows."""
+  delta = _delta.delta(out, dout, dlse, jnp.float32)
+  return log2_lse(lse, Sqp), jnp.pad(delta, ((0, 0), (0, 0), (0, Sqp - delta.shape[2])))
 
 
 def neg_inf_at_empty(rows, acc) -> tuple:

@@ -115,7 +115,6 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from flashvjp import _delta
 from flashvjp import _mask
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
@@ -145,7 +144,6 @@ from flashvjp.pallas.mosaic_gpu._ring import _slot_inputs
 from flashvjp.pallas.mosaic_gpu._ring import _smem
 from flashvjp.pallas.mosaic_gpu._ring import _visit_row
 from flashvjp.pallas.mosaic_gpu._ring import _wait_loaded
-from flashvjp.pallas.mosaic_gpu._tile import LOG2E
 from flashvjp.pallas.mosaic_gpu._tile import _dropout_rows
 from flashvjp.pallas.mosaic_gpu._tile import _dscores
 from flashvjp.pallas.mosaic_gpu._tile import _probs
@@ -282,22 +280,13 @@ def _dkdv_block_q(g: C.Geometry, cfg, arrays=None) -> int:
 
 
 def _preprocess(out, lse, dout, dlse, g: C.Geometry):
-  """(lse2, delta), float32 [B, H, Sqp]: lse in the log2 domain and rowsum(dO * O) - dlse.
-
-  Empty (lse = -inf) and padded rows get the largest finite float32 as lse2, so that
-  exp2(s2 - lse2) == 0 there (zero, finite gradients); padded rows get delta 0.
-  """
-  delta = _delta.delta(out, dout, dlse, jnp.float32)
-  return _lse2(lse, g), jnp.pad(delta, ((0, 0), (0, 0), (0, g.Sqp - g.Sq)))
+  """(lse2, delta), float32 [B, H, Sqp] (`C.log2_rows`)."""
+  return C.log2_rows(out, lse, dout, dlse, g.Sqp)
 
 
 def _lse2(lse, g: C.Geometry):
-  """float32 [B, H, Sqp]: lse in the log2 domain, the largest finite float32 at empty (-inf)
-  and padded rows (exp2(s2 - lse2) == 0 there)."""
-  f32 = jnp.float32
-  big = jnp.finfo(f32).max
-  lse2 = jnp.where(jnp.isfinite(lse), lse.astype(f32) * f32(LOG2E), big)
-  return jnp.pad(lse2, ((0, 0), (0, 0), (0, g.Sqp - g.Sq)), constant_values=big)
+  """float32 [B, H, Sqp]: lse in the log2 domain (`C.log2_lse`)."""
+  return C.log2_lse(lse, g.Sqp)
 
 
 
