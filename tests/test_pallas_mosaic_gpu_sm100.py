@@ -71,9 +71,10 @@ def test_forward_matches_float64_reference_without_races(name):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_dq_matches_float64_autodiff_without_races(name):
-  """The dQ kernel against float64 autodiff of naive attention (out and lse cotangents), fed
-  the reference's out and lse as the forward would give them (16-bit out, float32 lse)."""
+def test_dq_and_dkdv_match_float64_autodiff_without_races(name):
+  """The dQ and dK / dV kernels against float64 autodiff of naive attention (out and lse
+  cotangents; GQA: the group's heads summed), fed the reference's out and lse as the forward
+  would give them (16-bit out, float32 lse)."""
   B, H, Hkv, Sq, Skv, D, Dv, dtype, mkw = CASES[name]
   seed = 10 + sorted(CASES).index(name)
   q, k, v = _util.random_qkv(seed, B, H, Hkv, Sq, Skv, D, Dv, dtype=dtype)
@@ -83,13 +84,16 @@ def test_dq_matches_float64_autodiff_without_races(name):
   fwd = lambda q, k, v: reference.attention(cfg, q, k, v, None, None, None, None, None, ())
   (out, lse), vjp = jax.vjp(fwd, *_util.as64((q, k, v)))
   # an empty row's lse is -inf: its cotangent reaches nothing (the kernels fold dlse into delta)
-  ref_dq = vjp((_util.as64(do), jnp.where(jnp.isfinite(lse), _util.as64(dlse), 0.0)))[0]
+  ref = vjp((_util.as64(do), jnp.where(jnp.isfinite(lse), _util.as64(dlse), 0.0)))
+  args = (q, k, v, out.astype(dtype), lse.astype(jnp.float32), do, dlse)
   _compat.reset_interpret_state()
-  got = jax.jit(lambda *a: Bw.dq(cfg, *a))(q, k, v, out.astype(dtype), lse.astype(jnp.float32),
-                                           do, dlse)
+  got_dq = jax.jit(lambda *a: Bw.dq(cfg, *a))(*args)
+  got_dk, got_dv = jax.jit(lambda *a: Bw.dkdv(cfg, *a))(*args)
   assert not _compat.interpret_races_found()
-  assert got.shape == q.shape and got.dtype == dtype
-  _util.assert_close(got, ref_dq, dtype, what=f"{name}/dq")
+  for got, want, x, n in ((got_dq, ref[0], q, "dq"), (got_dk, ref[1], k, "dk"),
+                          (got_dv, ref[2], v, "dv")):
+    assert got.shape == x.shape and got.dtype == dtype, n
+    _util.assert_close(got, want, dtype, what=f"{name}/{n}")
 
 
 def test_what_it_lacks_is_refused_by_name():
@@ -138,13 +142,14 @@ if sys.argv[3] == "fwd":
 else:
   from flashvjp.pallas.mosaic_gpu_sm100 import backward as Bw
   lse = jax.ShapeDtypeStruct((1, 2, S), jnp.float32, sharding=sh)
-  jax.jit(lambda q, k, v, o, l, do: Bw.dq(cfg, q, k, v, o, l, do)).lower(
+  f = getattr(Bw, sys.argv[3])
+  jax.jit(lambda q, k, v, o, l, do: f(cfg, q, k, v, o, l, do)).lower(
       x, kv, kv, x, lse, x).compile()
 print("COMPILED")
 """
 
 
-@pytest.mark.parametrize("kind", ["fwd", "dq"])
+@pytest.mark.parametrize("kind", ["fwd", "dq", "dkdv"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_compiles_for_sm100a_without_spills(D, kind, tmp_path):
   from tests import _aot
@@ -183,6 +188,24 @@ def test_dq_kernel_a_removed_tmem_load_wait_is_caught(monkeypatch):
   _compat.reset_interpret_state()
   try:
     jax.block_until_ready(Bw.dq(_cfg(128, 256, 64), q, k, v, q, lse, q))
+    races = _compat.interpret_races_found()
+  except Exception as e:  # the detector may raise instead of recording
+    races = "RACE DETECTED" in str(e)
+  finally:
+    _compat.reset_interpret_state()
+  assert races
+
+
+def test_dkdv_kernel_a_removed_proxy_fence_is_caught(monkeypatch):
+  """Mutation (the dK / dV kernel): without `commit_smem` (the proxy fence), the TMA refill of
+  an lse2 / delta slot is not ordered after the grad warpgroup's generic loads of it (nor the
+  epilogue's stores before their TMA): race detection must report it."""
+  monkeypatch.setattr(Bw.plgpu, "commit_smem", lambda: None)
+  q, k, v = _util.random_qkv(5, 1, 2, 1, 256, 128, 64, dtype=jnp.bfloat16)
+  lse = jnp.zeros((1, 2, 256), jnp.float32)
+  _compat.reset_interpret_state()
+  try:
+    jax.block_until_ready(Bw.dkdv(_cfg(256, 128, 64), q, k, v, q, lse, q))
     races = _compat.interpret_races_found()
   except Exception as e:  # the detector may raise instead of recording
     races = "RACE DETECTED" in str(e)

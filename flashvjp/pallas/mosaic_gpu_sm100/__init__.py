@@ -5,8 +5,8 @@ Room: Pallas Mosaic-GPU backend for Blackwell (issue 46). **Not reachable throug
 family's interface: [B, H, S, D] layouts, GQA / MQA, causal and window masks from the shared
 mask model, any sequence lengths, head dims up to 128; everything else refused by name. It is
 checked in the GPU interpreter with race detection against float64 naive attention and compiled
-deviceless for sm_100a; so is the backward's dQ kernel (`backward.dq`). No dK / dV kernel, no
-tangent, no dispatch yet; Blackwell runs Pallas-Triton
+deviceless for sm_100a; so are the backward's dQ and dK / dV kernels (`backward.dq`,
+`backward.dkdv`). No tangent kernel and no dispatch yet; Blackwell runs Pallas-Triton
 (docs/blackwell.md says what jax 0.12 offers and what can be verified without a B200). Needs
 jax >= 0.12 (`tcgen05_mma`, TMEM).
 """

@@ -1,10 +1,11 @@
-"""Blackwell (sm_100a) backward: the dQ kernel (single CTA, tcgen05 MMAs, S / dP / dQ in TMEM).
+"""Blackwell (sm_100a) backward: dQ and dK / dV kernels (single CTA, tcgen05 MMAs, TMEM).
 
 Room: Pallas Mosaic-GPU backend for Blackwell (not dispatched yet; see the package docstring).
 `dq(cfg, q, k, v, out, lse, dout, dlse)` is dL/dq of the forward `forward.forward` computes
 (the same inputs and mask model: [B, H, S, D] layouts, GQA / MQA, causal and window masks, any
-sequence lengths, head dims up to 128); deterministic (each CTA owns its dQ rows, no atomics).
-The dK / dV kernel comes next (docs/blackwell.md).
+sequence lengths, head dims up to 128); `dkdv(...)` is (dL/dk, dL/dv), the GQA group's query
+heads summed in-kernel (K / V never repeated). Both deterministic: each CTA owns its output
+rows, no atomics.
 
 One CTA per (128-row q tile, head, batch), two warpgroups, the forward's protocol:
   WG0, warp 0: the tcgen05 MMAs: S = Q K^T and dP = dO V^T into TMEM (one commit for both),
@@ -26,6 +27,15 @@ Barriers (who arrives -> who waits):
   ds_ready: WG1, once dS_n is in TMEM -> the MMA warp before dQ += dS_n K_n.
   dq_done: tcgen05_commit after dQ's MMA -> WG1 before it overwrites dS (single-buffered), and
     before the epilogue.
+
+The dK / dV kernel (`dkdv`): one CTA per (128-row kv block, kv head, batch), the transposed
+products (tokamax's sm100 VJP's orientation): S^T = K Q^T and dP^T = V dO^T into TMEM
+[128 kv, 64 q] (TCGEN05 layout: lse2 and delta as column vectors), P^T and dS^T packed to TMEM
+as the A operands of dV += P^T dO and dK += dS^T Q; the steps walk the group's query heads and,
+per head, the q blocks the mask model gives the kv block (edge blocks masked elementwise). K and
+V are loaded once; Q, dO, lse2 and delta stream through a 2-slot ring: a Q slot is free once
+dK's MMA (the last to read it) is done, a dO slot once dV's is, an lse2 / delta slot once WG1
+has read it (`rows_free`, behind a proxy fence). TMEM: 64 + 32 + 64 + 32 + D + Dv <= 448 columns.
 """
 from __future__ import annotations
 
@@ -239,3 +249,235 @@ def dq(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=No
   g = kernel(C.pad_seq_head(q, Sqp, Dp), C.pad_seq_head(k, Skvp, Dp),
              C.pad_seq_head(v, Skvp, Dvp), C.pad_seq_head(dout.astype(dt), Sqp, Dvp), lse2, delta)
   return g[:, :, :Sq, :D]
+
+
+BQ_DKV = 64  # q rows per dK / dV step (the N of S^T = K Q^T)
+
+
+def dkdv(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=None):
+  """(dL/dk [B, Hkv, Skv, D], dL/dv [B, Hkv, Skv, Dv]) in k's dtype, the GQA group's query heads
+  summed; the arguments as `dq`'s."""
+  problem = F.forward_problem(cfg, q, k, v)
+  if problem is None and dout.shape != q.shape[:3] + v.shape[3:]:
+    problem = f"dout must be [B, H, Sq, Dv] = {q.shape[:3] + v.shape[3:]}, got {dout.shape}"
+  if problem is not None:
+    raise NotImplementedError(f"pallas_mosaic_gpu dkdv (sm_100a): {problem}")
+  if interpret is None:
+    interpret = cfg.interpret
+  B, H, Sq, D = q.shape
+  Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
+  G = H // Hkv
+  BQ, BKV, STAGES = BQ_DKV, F.BKV, F.STAGES
+  Dp, Dvp = F._round_up(D, F.HEAD_ALIGN), F._round_up(Dv, F.HEAD_ALIGN)
+  Sqp, Skvp = F._round_up(Sq, F.BQ), F._round_up(Skv, BKV)
+  nq, nk = Sqp // BQ, Skvp // BKV
+  dt = q.dtype
+  spec = C.mask_spec(cfg)
+  scale2 = float(cfg.scale) * LOG2E
+  TC = plgpu.Layout.TCGEN05
+  COL = TC.reduce(0)
+  L = plgpu.layout_cast
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
+  lse2, delta = C.log2_rows(out, lse, dout, dlse, Sqp)
+
+  def body(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g,
+           k_s, v_s, q_s, do_s, lse_s, delta_s, st_t, pt_t, dpt_t, dst_t, dk_t, dv_t,
+           kv_bar, qdo_loaded, rows_loaded, q_free, do_free, rows_free, s_ready, s_consumed,
+           p_ready, ds_ready, dv_done, dk_done):
+    j, hk, b = lax.axis_index("kv"), lax.axis_index("h"), lax.axis_index("b")
+    kv_rows = pl.ds(j * BKV, BKV)
+    qlo, qhi = (i32(x) for x in spec.q_block_range(j, BQ, BKV, nq))
+    per_head = jnp.maximum(qhi - qlo, 0)
+    steps = G * per_head
+    safe = jnp.maximum(per_head, 1)
+
+    def head_and_block(n):
+      return hk * G + lax.div(n, safe), qlo + lax.rem(n, safe)
+
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 0)
+    def _mma_tma_wg():
+      @plgpu.warp_map
+      def _(w):
+        @pl.when(w == 1)
+        def _tma():
+          @pl.when(steps > 0)
+          def _():
+            plgpu.copy_gmem_to_smem(k_g.at[b, hk, kv_rows], k_s, kv_bar)
+            plgpu.copy_gmem_to_smem(v_g.at[b, hk, kv_rows], v_s, kv_bar)
+
+          @pl.loop(0, steps)
+          def _(n):
+            s = n % STAGES
+            h, qb = head_and_block(n)
+            qs = pl.ds(qb * BQ, BQ)
+
+            @pl.when(n >= STAGES)
+            def _():
+              plgpu.barrier_wait(q_free.at[s])  # dK's MMA of step n - 2 read the slot
+            plgpu.copy_gmem_to_smem(q_g.at[b, h, qs], q_s.at[s], qdo_loaded.at[s])
+
+            @pl.when(n >= STAGES)
+            def _():
+              plgpu.barrier_wait(do_free.at[s])  # dV's MMA of step n - 2 read the slot
+            plgpu.copy_gmem_to_smem(do_g.at[b, h, qs], do_s.at[s], qdo_loaded.at[s])
+
+            @pl.when(n >= STAGES)
+            def _():
+              plgpu.barrier_wait(rows_free.at[s])  # WG1 has read step n - 2's lse2, delta
+            plgpu.copy_gmem_to_smem(lse_g.at[b, h, qs], lse_s.at[s], rows_loaded.at[s])
+            plgpu.copy_gmem_to_smem(delta_g.at[b, h, qs], delta_s.at[s], rows_loaded.at[s])
+
+        @pl.when(w == 0)
+        def _mma():
+          def scores(n):
+            s = n % STAGES
+            plgpu.barrier_wait(qdo_loaded.at[s])
+
+            @pl.when(n > 0)
+            def _():
+              plgpu.barrier_wait(s_consumed)   # WG1 has read S^T_{n-1} and dP^T_{n-1}
+            plgpu.tcgen05_mma(st_t, k_s, q_s.at[s].T, accumulate=False)
+            plgpu.tcgen05_mma(dpt_t, v_s, do_s.at[s].T, accumulate=False)
+            plgpu.tcgen05_commit_arrive(s_ready)
+
+          def grads(n):
+            s = n % STAGES
+            plgpu.barrier_wait(p_ready)        # P^T_n in TMEM
+            plgpu.tcgen05_mma(dv_t, pt_t, do_s.at[s], do_free.at[s], accumulate=n > 0)
+            plgpu.tcgen05_commit_arrive(dv_done)
+            plgpu.barrier_wait(ds_ready)       # dS^T_n in TMEM
+            plgpu.tcgen05_mma(dk_t, dst_t, q_s.at[s], q_free.at[s], accumulate=n > 0)
+            plgpu.tcgen05_commit_arrive(dk_done)
+
+          @pl.when(steps > 0)
+          def _():
+            plgpu.barrier_wait(kv_bar)
+            scores(0)
+
+          @pl.loop(0, steps)
+          def _(n):
+            @pl.when(n + 1 < steps)
+            def _():
+              scores(n + 1)
+            grads(n)
+
+    @pl.when(wg == 1)
+    def _grad_wg():
+      bc = lambda x: L(lax.broadcast_in_dim(x, (BKV, BQ), [1]), TC)
+
+      def step(n, qb, masked):
+        s = n % STAGES
+        plgpu.barrier_wait(s_ready)
+        st = plgpu.async_load_tmem(st_t, layout=TC)
+        dpt = plgpu.async_load_tmem(dpt_t, layout=TC)
+        plgpu.wait_load_tmem()
+
+        @pl.when(n + 1 < steps)
+        def _():
+          plgpu.barrier_arrive(s_consumed)
+        plgpu.barrier_wait(rows_loaded.at[s])
+        lse_c = plgpu.load(lse_s.at[s], layout=COL, optimized=False)
+        delta_c = plgpu.load(delta_s.at[s], layout=COL, optimized=False)
+
+        @pl.when(n + STAGES < steps)
+        def _():
+          plgpu.commit_smem()  # the generic loads before the TMA refill (a proxy fence)
+          plgpu.barrier_arrive(rows_free.at[s])
+        pt = L(jnp.exp2(st * scale2 - bc(lse_c)), TC)
+        if masked:  # an edge block: the mask model elementwise (causal, window, padding)
+          ki = j * BKV + plgpu.broadcasted_iota(jnp.int32, (BKV, BQ), 0, layout=TC)
+          qi = qb * BQ + plgpu.broadcasted_iota(jnp.int32, (BKV, BQ), 1, layout=TC)
+          pt = L(jnp.where(spec.allowed(qi, ki), pt, 0.0), TC)
+
+        @pl.when(n > 0)
+        def _():
+          plgpu.barrier_wait(dv_done)         # dV += P^T_{n-1} dO done: P^T free
+        plgpu.async_store_tmem(pt_t, L(pt.astype(dt), TC))
+        plgpu.commit_tmem()
+        plgpu.barrier_arrive(p_ready)
+        dst = L(pt * (dpt - bc(delta_c)), TC)  # 0 wherever P^T is (masked, empty rows)
+
+        @pl.when(n > 0)
+        def _():
+          plgpu.barrier_wait(dk_done)         # dK += dS^T_{n-1} Q done: dS^T free
+        plgpu.async_store_tmem(dst_t, L(dst.astype(dt), TC))
+        plgpu.commit_tmem()
+        plgpu.barrier_arrive(ds_ready)
+
+      f_lo, f_hi = (i32(x) for x in spec.full_q_block_range(j, BQ, BKV, nq))
+      f_lo = jnp.clip(f_lo, qlo, jnp.maximum(qhi, qlo))
+      f_hi = jnp.clip(f_hi, f_lo, jnp.maximum(qhi, qlo))
+
+      def head(g, carry):
+        base = g * per_head - qlo  # step n of q block qb: base + qb
+        for start, stop, masked in ((qlo, f_lo, True), (f_lo, f_hi, False), (f_hi, qhi, True)):
+          lax.fori_loop(start, stop, lambda qb, c, masked=masked: (step(base + qb, qb, masked),
+                                                                    c)[1], 0)
+        return carry
+      lax.fori_loop(0, G, head, 0)
+
+      @pl.when(steps > 0)
+      def _():
+        plgpu.barrier_wait(dv_done)           # the last dV and dK MMAs done
+        plgpu.barrier_wait(dk_done)
+
+      @pl.when(steps == 0)
+      def _():  # no q block attends this kv block: no MMA wrote dK / dV
+        for ref, width in ((dk_t, Dp), (dv_t, Dvp)):
+          for c in range(width // F.CORR_COLS):
+            plgpu.async_store_tmem(ref.at[:, pl.ds(c * F.CORR_COLS, F.CORR_COLS)],
+                                   L(jnp.zeros((BKV, F.CORR_COLS), jnp.float32), TC))
+        plgpu.commit_tmem()
+
+      dk = plgpu.async_load_tmem(dk_t, layout=TC)
+      dv = plgpu.async_load_tmem(dv_t, layout=TC)
+      plgpu.wait_load_tmem()
+      k_s[...] = (dk * float(cfg.scale)).astype(dt)  # K / V's tiles, read by no MMA now
+      v_s[...] = dv.astype(dt)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_s, dk_g.at[b, hk, kv_rows])
+      plgpu.copy_smem_to_gmem(v_s, dv_g.at[b, hk, kv_rows])
+      plgpu.wait_smem_to_gmem(0)
+
+  otc = dict(orders_tensor_core=True)
+  kw: dict = {}
+  if interpret:
+    kw["interpret"] = _compat.interpret_params(detect_races=True)
+  kernel = plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((B, Hkv, Skvp, Dp), dt),
+                jax.ShapeDtypeStruct((B, Hkv, Skvp, Dvp), dt)),
+      grid=(nk, Hkv, B), grid_names=("kv", "h", "b"),
+      num_threads=2, thread_name="wg",
+      scratch_types=(
+          F._tiled((BKV, Dp), dt), F._tiled((BKV, Dvp), dt),
+          F._tiled((STAGES, BQ, Dp), dt), F._tiled((STAGES, BQ, Dvp), dt),
+          plgpu.SMEM((STAGES, BQ), jnp.float32), plgpu.SMEM((STAGES, BQ), jnp.float32),
+          plgpu.TMEM((BKV, BQ), jnp.float32),               # S^T
+          plgpu.TMEM((BKV, BQ), dt, packed=True),           # P^T
+          plgpu.TMEM((BKV, BQ), jnp.float32),               # dP^T
+          plgpu.TMEM((BKV, BQ), dt, packed=True),           # dS^T
+          plgpu.TMEM((BKV, Dp), jnp.float32),               # dK
+          plgpu.TMEM((BKV, Dvp), jnp.float32),              # dV
+          plgpu.Barrier(num_arrivals=2),                     # kv_bar: K and V
+          plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # qdo_loaded: Q and dO
+          plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # rows_loaded: lse2, delta
+          plgpu.Barrier(num_barriers=STAGES, **otc),         # q_free
+          plgpu.Barrier(num_barriers=STAGES, **otc),         # do_free
+          plgpu.Barrier(num_barriers=STAGES),                # rows_free
+          plgpu.Barrier(**otc),                              # s_ready
+          plgpu.Barrier(**otc),                              # s_consumed
+          plgpu.Barrier(**otc),                              # p_ready
+          plgpu.Barrier(**otc),                              # ds_ready
+          plgpu.Barrier(**otc),                              # dv_done
+          plgpu.Barrier(**otc),                              # dk_done
+      ),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      **kw,
+  )
+  dk, dv = kernel(C.pad_seq_head(q, Sqp, Dp), C.pad_seq_head(k, Skvp, Dp),
+                  C.pad_seq_head(v, Skvp, Dvp), C.pad_seq_head(dout.astype(dt), Sqp, Dvp),
+                  lse2, delta)
+  return dk[:, :, :Skv, :D], dv[:, :, :Skv, :Dv]
