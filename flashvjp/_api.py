@@ -427,7 +427,10 @@ def _prepare(query, key, value, *, bias, mask, causal, window, segment_ids, scor
       # the hint only matters when a mesh can shard the sequence; on one device it would
       # only make the config (and the compile cache) depend on the mask_mod object
       mask_mod_hint=getattr(mask_mod, "kv_intervals", None) if program.partition else None,
-      partition=program.partition, max_logits=bool(max_logits))
+      partition=program.partition, max_logits=bool(max_logits),
+      gpu_arch=(_dispatch.mosaic_gpu_arch(program)
+                if decision.implementation == "pallas_mosaic_gpu" and not decision.interpret
+                else None))
   if cfg.out_f32:  # a traced scale with 16-bit inputs (`_fold_scale`): say where it went
     decision = dataclasses.replace(decision, reason=(
         f"{decision.reason}; the traced scale is the score_mod's first step (score_mod[0]),"
@@ -749,8 +752,10 @@ def flash_attention(
       -inf for a (batch, head) with no allowed position; with the sequence sharded, the
       max over the shards. No gradient flows through it (``stop_gradient``).
     implementation: None (choose), "pallas" (this platform's kernels), "pallas_triton",
-      "pallas_tpu", "pallas_mosaic_gpu" (Hopper; chosen by None / "pallas" only where a GPU
-      check recorded it valid and faster, `_config.MOSAIC_GPU_EARNED`), "blockwise" or
+      "pallas_tpu", "pallas_mosaic_gpu" (Hopper, and Blackwell with its sm_100a kernels, which
+      take no per-entry feature, head dims above 128 or forward mode yet; chosen by None /
+      "pallas" only where a GPU check recorded it valid and faster on Hopper,
+      `_config.MOSAIC_GPU_EARNED`, never yet on Blackwell), "blockwise" or
       "naive". The platform is the program's target (the inputs' shardings, else the abstract mesh in
       context, else the host). See `explain`.
     block_q, block_kv: block sizes (None: tuned defaults); any positive size works.

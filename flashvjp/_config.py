@@ -300,6 +300,10 @@ class AttentionConfig:
   # positions; -inf for a row with none): every backend's forward then returns
   # (out, lse, row_max [B, H, Sq] float32), from the same pass (QK-clip; no gradient).
   max_logits: bool = False
+  # The compiled Mosaic-GPU family's kernels for the program's target: None (Hopper, sm_90a:
+  # flashvjp.pallas.mosaic_gpu) or "sm_100a" (Blackwell: flashvjp.pallas.mosaic_gpu_sm100),
+  # from the target's device kind (`pallas.mosaic_gpu._limits.gpu_arch`), never the host's.
+  gpu_arch: str | None = None
 
   @property
   def dropout_active(self) -> bool:

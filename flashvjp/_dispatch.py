@@ -119,10 +119,23 @@ def decide(requested, *, interpret, query_shape, key_shape, value_shape, dtype,
                               mask_mod=mask_mod, mask_mod_consts=mask_mod_consts)
   if decision.implementation == "pallas_mosaic_gpu" and not decision.interpret:
     kind = None if target is None else target.device_kind
-    problem = _limits("pallas_mosaic_gpu").device_problem(kind)
+    mgpu = _limits("pallas_mosaic_gpu")
+    problem = mgpu.device_problem(kind)
+    if problem is None and mgpu.gpu_arch(kind) == "sm_100a":
+      problem = mgpu.blackwell_problem(query_shape=query_shape, value_shape=value_shape,
+                                       has_score_mod=has_score_mod, has_dropout=has_dropout,
+                                       mask_mod=mask_mod)
+      decision = dataclasses.replace(decision, reason=(
+          f"{decision.reason}; the target {kind!r} is Blackwell: the sm_100a kernels"
+          " (tcgen05 / TMEM: forward, dQ, dK/dV; no tangent kernel yet, never run on a B200)"))
     if problem is not None:
       raise ValueError(f"implementation='pallas_mosaic_gpu' cannot run on the target: {problem}")
   return dataclasses.replace(decision, target=target)
+
+
+def mosaic_gpu_arch(target) -> str | None:
+  """The compiled Mosaic-GPU kernels' arch for `target` (`AttentionConfig.gpu_arch`)."""
+  return _limits("pallas_mosaic_gpu").gpu_arch(None if target is None else target.device_kind)
 
 
 def _earned_mosaic(decision: Decision, target, causal: bool, **inputs) -> Decision:
@@ -132,6 +145,12 @@ def _earned_mosaic(decision: Decision, target, causal: bool, **inputs) -> Decisi
   mgpu = _limits("pallas_mosaic_gpu")
   if kind is None or mgpu.device_problem(kind) is not None:
     return decision
+  if mgpu.gpu_arch(kind) == "sm_100a":  # Hopper's evidence does not carry over to Blackwell
+    return dataclasses.replace(decision, reason=(
+        f"{decision.reason}; the target {kind!r} is Blackwell, where the Mosaic-GPU family's"
+        " sm_100a kernels have not run on a GPU yet: they become the default only once a GPU"
+        " check on a B200 records them valid and faster (implementation='pallas_mosaic_gpu'"
+        " runs them now)"))
   head_dim = max(inputs["query_shape"][-1], inputs["value_shape"][-1])
   evidence = _config.mosaic_gpu_earned(head_dim, causal)
   if evidence is None:

@@ -91,7 +91,16 @@ def test_named_target_errors_and_mosaic_gpu_on_blackwell():
   q = jax.ShapeDtypeStruct((1, 8, 2048, 128), jnp.bfloat16)
   d = flashvjp.explain(q, q, q, target="h100x8", implementation="pallas_mosaic_gpu")
   assert d.target.num_devices == 8 and not d.interpret
-  with pytest.raises(ValueError, match="Hopper.*pallas_triton"):
-    flashvjp.explain(q, q, q, target="b200", implementation="pallas_mosaic_gpu")
+  # Blackwell: the family's sm_100a kernels (head dims up to 128 there), never Hopper's
+  from flashvjp.pallas.mosaic_gpu import _compat
+  if _compat.blackwell_unavailable() is not None:
+    with pytest.raises(ValueError, match="jax >= 0.12"):
+      flashvjp.explain(q, q, q, target="b200", implementation="pallas_mosaic_gpu")
+  else:
+    d = flashvjp.explain(q, q, q, target="b200", implementation="pallas_mosaic_gpu")
+    assert d.implementation == "pallas_mosaic_gpu" and "sm_100a" in d.reason, str(d)
+    wide = jax.ShapeDtypeStruct((1, 8, 2048, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="Blackwell.*head_dim 256.*pallas_triton"):
+      flashvjp.explain(wide, wide, wide, target="b200", implementation="pallas_mosaic_gpu")
   with pytest.raises(ValueError, match="target must be one of .*h100"):
     flashvjp.explain(q, q, q, target="a100")

@@ -8,6 +8,10 @@ the public call.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,7 +151,7 @@ def test_score_mod_and_mask_mod_grads_against_float64():
 
 
 @_aot.needs_cuda
-def test_h100_compile_of_the_public_call_and_blackwell_refused():
+def test_h100_compile_of_the_public_call():
   mesh = _aot.gpu_mesh("h100")
   q = _aot.sds(mesh, (2, 8, 4096, 128), jnp.bfloat16)
   k = _aot.sds(mesh, (2, 2, 4096, 128), jnp.bfloat16)
@@ -158,9 +162,76 @@ def test_h100_compile_of_the_public_call_and_blackwell_refused():
   hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, k).compile().as_text()
   assert hlo.count('custom_call_target="mosaic_gpu') >= 3  # forward, dK/dV, dQ
   assert not _aot.interpret_loops(hlo)
-  b200 = _aot.sds(_aot.gpu_mesh("b200"), (2, 8, 4096, 128), jnp.bfloat16)
-  with pytest.raises(ValueError, match="Hopper.*pallas_triton"):
-    flashvjp.explain(b200, b200, b200, implementation=IMPL)
+  assert "flashvjp_sm100" not in hlo  # Hopper's kernels on a Hopper target
+
+
+def test_the_targets_device_kind_picks_the_kernels():
+  """Hopper kinds run the sm_90a kernels, Blackwell ones the sm_100a kernels, others (Ampere)
+  are refused naming Pallas-Triton; an unknown kind (a deviceless export) keeps Hopper's."""
+  from flashvjp.pallas.mosaic_gpu import _limits
+  assert _limits.gpu_arch("NVIDIA H100 80GB HBM3") is None
+  assert _limits.gpu_arch("NVIDIA B200") == _limits.gpu_arch("NVIDIA GB200") == "sm_100a"
+  assert _limits.gpu_arch(None) is None
+  for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA B200", None):
+    assert _limits.device_problem(kind) is None, kind
+  assert "pallas_triton" in _limits.device_problem("NVIDIA A100-SXM4-80GB")
+
+
+_B200_COMPILE = """
+import jax, jax.numpy as jnp
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+mgpu_utils._infer_arch = lambda: (10, 0)  # the target's arch (no GPU here: docs/blackwell.md)
+import flashvjp
+from tests import _aot
+mesh = _aot.gpu_mesh("b200")
+q = _aot.sds(mesh, (1, 4, 1024, 128), jnp.bfloat16)
+k = _aot.sds(mesh, (1, 2, 1024, 128), jnp.bfloat16)
+loss = lambda q, k, v: flashvjp.flash_attention(q, k, v, causal=True,
+                                                implementation="pallas_mosaic_gpu"
+                                                ).astype(jnp.float32).sum()
+print(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, k).compile().as_text())
+print("COMPILED")
+"""
+
+
+@_aot.needs_cuda
+def test_b200_compile_of_the_public_call_runs_the_sm100_kernels(monkeypatch):
+  """On a Blackwell target the family runs its sm_100a kernels (forward, dQ, dK/dV), read from
+  the target's device kind: jit(value_and_grad) compiles for a B200 with no GPU; what those
+  kernels lack is refused by name (at dispatch, or at their entry), forward mode included;
+  `"pallas"` keeps Pallas-Triton there and says why."""
+  if _compat.blackwell_unavailable() is not None:
+    pytest.skip(_compat.blackwell_unavailable())
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  # Mosaic infers the arch from a local GPU, 9.0 without one (docs/blackwell.md): a deviceless
+  # B200 compile sets the target's
+  monkeypatch.setattr(mgpu_utils, "_infer_arch", lambda: (10, 0))
+  mesh = _aot.gpu_mesh("b200")
+  q = _aot.sds(mesh, (1, 4, 1024, 128), jnp.bfloat16)
+  k = _aot.sds(mesh, (1, 2, 1024, 128), jnp.bfloat16)
+  d = flashvjp.explain(q, k, k, causal=True, implementation=IMPL)
+  assert not d.interpret and "Blackwell" in d.reason and "sm_100a" in d.reason
+  # the compile in a fresh process (ptxas keeps the first compile's SM version in a process)
+  proc = subprocess.run([sys.executable, "-c", _B200_COMPILE], capture_output=True, text=True,
+                        timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert "COMPILED" in proc.stdout, proc.stderr[-4000:]
+  hlo = proc.stdout
+  assert hlo.count('custom_call_target="mosaic_gpu') >= 3  # forward, dK/dV, dQ
+  for name in ("flashvjp_sm100_fwd", "flashvjp_sm100_bwd_dq", "flashvjp_sm100_bwd_dkdv"):
+    assert name in hlo, name
+  assert "flashvjp_bwd_dkdv" not in hlo  # not Hopper's
+  with pytest.raises(NotImplementedError, match="tangent.*sm_100a"):
+    jax.jit(lambda q, k, v: jax.jvp(lambda q: flashvjp.flash_attention(
+        q, k, v, implementation=IMPL), (q,), (q,))).lower(q, k, k)
+  with pytest.raises(NotImplementedError, match="sm_100a.*bias"):
+    jax.jit(lambda q, k, v, b: flashvjp.flash_attention(q, k, v, bias=b, implementation=IMPL)
+            ).lower(q, k, k, _aot.sds(mesh, (1, 1, 1024, 1024), jnp.float32))
+  wide = _aot.sds(mesh, (1, 4, 1024, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match="Blackwell.*head_dim 256"):
+    flashvjp.explain(wide, wide, wide, implementation=IMPL)
+  d = flashvjp.explain(q, k, k, causal=True)
+  assert d.implementation == "pallas_triton" and "Blackwell" in d.reason
 
 
 def _poisoned_blocks_case(form):

@@ -24,16 +24,13 @@ import pytest
 from flashvjp import reference
 from flashvjp._config import AttentionConfig
 from flashvjp._config import BlockSizes
+from flashvjp.pallas.mosaic_gpu import _compat
 from tests import _util
 
-plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-if not hasattr(plgpu, "tcgen05_mma") or not hasattr(plgpu.Layout, "TCGEN05_TMEM_NATIVE"):
-  pytest.skip(f"jax {jax.__version__} has no tcgen05 / TMEM API (the family needs jax >= 0.12)",
-              allow_module_level=True)
-
-from flashvjp.pallas.mosaic_gpu import _compat  # noqa: E402
-from flashvjp.pallas.mosaic_gpu_sm100 import backward as Bw  # noqa: E402
-from flashvjp.pallas.mosaic_gpu_sm100 import forward as F  # noqa: E402
+if _compat.blackwell_unavailable() is not None:
+  pytest.skip(_compat.blackwell_unavailable(), allow_module_level=True)
+from flashvjp.pallas.mosaic_gpu_sm100 import backward as Bw
+from flashvjp.pallas.mosaic_gpu_sm100 import forward as F
 
 
 def _cfg(Sq, Skv, D, causal=False, window=None, **kw):

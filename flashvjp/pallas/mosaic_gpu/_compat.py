@@ -36,6 +36,26 @@ def unavailable() -> str | None:
   return None
 
 
+BLACKWELL_MIN_JAX = (0, 12)
+
+
+def blackwell_unavailable() -> str | None:
+  """Why this jax cannot run the Blackwell (sm_100a) kernels (None when it can). They need
+  jax >= 0.12: its tcgen05 MMA / TMEM API and the interpreter they are verified in (jax
+  0.11.2's has the API, but its interpreter rejects a barrier whose last completion a warp
+  leaves unobserved at exit, which the hardware allows)."""
+  missing = unavailable()
+  if missing is not None:
+    return missing
+  mg = plgpu()
+  if (_version() < BLACKWELL_MIN_JAX or not hasattr(mg, "tcgen05_mma")
+          or not hasattr(mg.Layout, "TCGEN05_TMEM_NATIVE")):
+    need = ".".join(map(str, BLACKWELL_MIN_JAX))
+    return (f"the Blackwell (sm_100a) Mosaic-GPU kernels need jax >= {need} (tcgen05, TMEM;"
+            f" found jax {jax.__version__})")
+  return None
+
+
 def plgpu():
   """The `jax.experimental.pallas.mosaic_gpu` module (after `unavailable()` said None)."""
   from jax.experimental.pallas import mosaic_gpu

@@ -128,13 +128,46 @@ def forward_problem(cfg, q, k, v, *, bias=None, mask=None, q_seg=None, kv_seg=No
 
 # Hopper (sm_90a) parts by the device kind JAX reports ("NVIDIA H100 80GB HBM3", ...).
 HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+# Blackwell data-center parts (sm_100a: tcgen05, TMEM): the kernels of
+# flashvjp.pallas.mosaic_gpu_sm100 (the "B" of "GB200" too).
+BLACKWELL_KINDS = ("B200", "B100")
+# What those kernels take (flashvjp/pallas/mosaic_gpu_sm100/forward.py `forward_problem`):
+# no per-entry feature yet, head dims up to 128, no tangent kernel.
+BLACKWELL_MAX_HEAD_DIM = 128
+
+
+def gpu_arch(device_kind: str | None) -> str | None:
+  """"sm_100a" for a Blackwell device kind, else None (Hopper's kernels, or unknown: a
+  deviceless `jax.export(..., platforms=["cuda"])`)."""
+  if device_kind is not None and any(b in device_kind for b in BLACKWELL_KINDS):
+    return "sm_100a"
+  return None
 
 
 def device_problem(device_kind: str | None) -> str | None:
   """Why the compiled kernels cannot run on a GPU of `device_kind` (None: they can, or the
   kind is unknown, e.g. `jax.export(..., platforms=["cuda"])` with no device)."""
-  if device_kind is None or any(h in device_kind for h in HOPPER_KINDS):
+  if (device_kind is None or any(h in device_kind for h in HOPPER_KINDS)
+          or gpu_arch(device_kind) is not None):
     return None
-  return (f"the Mosaic-GPU kernels are written for Hopper (sm_90a: TMA, wgmma), the target is"
-          f" {device_kind!r}; use implementation='pallas_triton' (it runs on Ampere, Hopper and"
-          " Blackwell)")
+  return (f"the Mosaic-GPU kernels are written for Hopper (sm_90a: TMA, wgmma) and Blackwell"
+          f" (sm_100a: tcgen05, TMEM), the target is {device_kind!r}; use"
+          " implementation='pallas_triton' (it runs on Ampere, Hopper and Blackwell)")
+
+
+def blackwell_problem(*, query_shape, value_shape, has_score_mod=False, has_dropout=False,
+                      mask_mod=None) -> str | None:
+  """Why the Blackwell (sm_100a) kernels cannot run this call, from what dispatch sees (the
+  rest: bias, masks, segment ids, at the kernels' entry, by name), or None."""
+  old = _compat.blackwell_unavailable()
+  if old is not None:
+    return f"{old}; use implementation='pallas_triton' there"
+  D, Dv = query_shape[-1], value_shape[-1]
+  missing = [n for n, x in (("a score_mod", has_score_mod), ("dropout", has_dropout),
+                            ("a mask_mod", mask_mod is not None)) if x]
+  if max(D, Dv) > BLACKWELL_MAX_HEAD_DIM:
+    missing.append(f"head_dim {D} / head_dim_v {Dv} above {BLACKWELL_MAX_HEAD_DIM}")
+  if not missing:
+    return None
+  return (f"the Blackwell (sm_100a) Mosaic-GPU kernels do not take {', '.join(missing)} yet;"
+          " use implementation='pallas_triton' there")

@@ -174,6 +174,10 @@ def tangent(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, cons
   Returns (t_out [B, H, Sq, Dv] in out's dtype, t_lse [B, H, Sq] in lse's dtype); with
   out=None, (a, t_lse): t_out before its `- t_lse * out` term (`flashvjp._delta`).
   """
+  if cfg.gpu_arch == "sm_100a":
+    raise NotImplementedError(
+        "pallas_mosaic_gpu tangent (sm_100a): the Blackwell kernels have no tangent kernel yet"
+        " (jax.jvp, HVPs); use implementation='pallas_triton' for forward mode on Blackwell")
   Bw.check_supported(cfg, q, k, v, bias, mask, q_seg, seed, consts, mod, offsets,
                      role="tangent kernel")
   n_user = cfg.num_diff_consts

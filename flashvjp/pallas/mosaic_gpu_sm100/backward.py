@@ -1,6 +1,6 @@
 """Blackwell (sm_100a) backward: dQ and dK / dV kernels (single CTA, tcgen05 MMAs, TMEM).
 
-Room: Pallas Mosaic-GPU backend for Blackwell (not dispatched yet; see the package docstring).
+Room: Pallas Mosaic-GPU backend for Blackwell (see the package docstring).
 `dq(cfg, q, k, v, out, lse, dout, dlse)` is dL/dq of the forward `forward.forward` computes
 (the same inputs and mask model: [B, H, S, D] layouts, GQA / MQA, causal and window masks, any
 sequence lengths, head dims up to 128); `dkdv(...)` is (dL/dk, dL/dv), the GQA group's query
@@ -221,7 +221,7 @@ def dq(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=No
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((B, H, Sqp, Dp), dt),
-      grid=(nq, H, B), grid_names=("q", "h", "b"),
+      grid=(nq, H, B), grid_names=("q", "h", "b"), kernel_name="flashvjp_sm100_bwd_dq",
       num_threads=2, thread_name="wg",
       scratch_types=(
           F._tiled((BQ, Dp), dt), F._tiled((BQ, Dvp), dt),
@@ -449,7 +449,7 @@ def dkdv(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=
       body,
       out_type=(jax.ShapeDtypeStruct((B, Hkv, Skvp, Dp), dt),
                 jax.ShapeDtypeStruct((B, Hkv, Skvp, Dvp), dt)),
-      grid=(nk, Hkv, B), grid_names=("kv", "h", "b"),
+      grid=(nk, Hkv, B), grid_names=("kv", "h", "b"), kernel_name="flashvjp_sm100_bwd_dkdv",
       num_threads=2, thread_name="wg",
       scratch_types=(
           F._tiled((BKV, Dp), dt), F._tiled((BKV, Dvp), dt),
@@ -481,3 +481,16 @@ def dkdv(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=
                   C.pad_seq_head(v, Skvp, Dvp), C.pad_seq_head(dout.astype(dt), Sqp, Dvp),
                   lse2, delta)
   return dk[:, :, :Skv, :D], dv[:, :, :Skv, :Dv]
+
+
+def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, consts, out, lse,
+             dout, dlse, mod=None, offsets=None):
+  """(dq, dk, dv, None, ()): the Hopper family's `backward` interface (no dbias, no score_mod
+  consts' gradients: what the kernels lack is a NotImplementedError naming it, before any
+  kernel)."""
+  problem = F.forward_problem(cfg, q, k, v, bias=bias, mask=mask, q_seg=q_seg, kv_seg=kv_seg,
+                              seed=seed, consts=consts, mod=mod, offsets=offsets)
+  if problem is not None:
+    raise NotImplementedError(f"pallas_mosaic_gpu backward (sm_100a): {problem}")
+  dk, dv = dkdv(cfg, q, k, v, out, lse, dout, dlse)
+  return dq(cfg, q, k, v, out, lse, dout, dlse), dk, dv, None, ()

@@ -1,6 +1,6 @@
 """Blackwell (sm_100a) forward: single CTA, tcgen05 MMAs, S and O in TMEM.
 
-Room: Pallas Mosaic-GPU backend for Blackwell (not dispatched yet; see the package docstring).
+Room: Pallas Mosaic-GPU backend for Blackwell (see the package docstring).
 The interface of the Hopper family's `forward` (`flashvjp.pallas.mosaic_gpu.forward`): q [B, H,
 Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv], 16-bit, head dims up to 128 (zero-padded to a
 multiple of 64), any sequence lengths (padded to whole 128-blocks), GQA / MQA, causal and
@@ -281,7 +281,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias=None, mask=None, q_seg=None, kv_
       body,
       out_type=(jax.ShapeDtypeStruct((B, H, Sqp, Dvp), dt),
                 jax.ShapeDtypeStruct((B, H, Sqp), jnp.float32)),
-      grid=(nq, H, B), grid_names=("q", "h", "b"),
+      grid=(nq, H, B), grid_names=("q", "h", "b"), kernel_name="flashvjp_sm100_fwd",
       num_threads=2, thread_name="wg",
       scratch_types=(
           _tiled((BQ, Dp), dt), _tiled((STAGES, BKV, Dp), dt), _tiled((STAGES, BKV, Dvp), dt),
