@@ -176,21 +176,25 @@ def test_compiles_for_sm100a_without_spills(D, kind, tmp_path):
   assert regs <= 255
 
 
+def _reports_race(run) -> bool:
+  """Whether the interpreter's race detection reports `run()` (recorded or raised)."""
+  _compat.reset_interpret_state()
+  try:
+    jax.block_until_ready(run())
+    return _compat.interpret_races_found()
+  except Exception as e:  # the detector may raise instead of recording
+    return "RACE DETECTED" in str(e)
+  finally:
+    _compat.reset_interpret_state()
+
+
 def test_dq_kernel_a_removed_tmem_load_wait_is_caught(monkeypatch):
   """Mutation (the dQ kernel): without `wait_load_tmem`, S and dP are overwritten by the next
   step's MMAs while their loads may be in flight: race detection must report it."""
   monkeypatch.setattr(Bw.plgpu, "wait_load_tmem", lambda: None)
   q, k, v = _util.random_qkv(4, 1, 1, 1, 128, 256, 64, dtype=jnp.bfloat16)
   lse = jnp.zeros((1, 1, 128), jnp.float32)
-  _compat.reset_interpret_state()
-  try:
-    jax.block_until_ready(Bw.dq(_cfg(128, 256, 64), q, k, v, q, lse, q))
-    races = _compat.interpret_races_found()
-  except Exception as e:  # the detector may raise instead of recording
-    races = "RACE DETECTED" in str(e)
-  finally:
-    _compat.reset_interpret_state()
-  assert races
+  assert _reports_race(lambda: Bw.dq(_cfg(128, 256, 64), q, k, v, q, lse, q))
 
 
 def test_dkdv_kernel_a_removed_proxy_fence_is_caught(monkeypatch):
@@ -200,15 +204,7 @@ def test_dkdv_kernel_a_removed_proxy_fence_is_caught(monkeypatch):
   monkeypatch.setattr(Bw.plgpu, "commit_smem", lambda: None)
   q, k, v = _util.random_qkv(5, 1, 2, 1, 256, 128, 64, dtype=jnp.bfloat16)
   lse = jnp.zeros((1, 2, 256), jnp.float32)
-  _compat.reset_interpret_state()
-  try:
-    jax.block_until_ready(Bw.dkdv(_cfg(256, 128, 64), q, k, v, q, lse, q))
-    races = _compat.interpret_races_found()
-  except Exception as e:  # the detector may raise instead of recording
-    races = "RACE DETECTED" in str(e)
-  finally:
-    _compat.reset_interpret_state()
-  assert races
+  assert _reports_race(lambda: Bw.dkdv(_cfg(256, 128, 64), q, k, v, q, lse, q))
 
 
 def test_a_removed_tmem_load_wait_is_caught(monkeypatch):
@@ -217,12 +213,4 @@ def test_a_removed_tmem_load_wait_is_caught(monkeypatch):
   race detection must report it."""
   monkeypatch.setattr(F.plgpu, "wait_load_tmem", lambda: None)
   q, k, v = _util.random_qkv(3, 1, 1, 1, 128, 256, 64, dtype=jnp.bfloat16)
-  _compat.reset_interpret_state()
-  try:
-    jax.block_until_ready(F.forward(_cfg(128, 256, 64), q, k, v))
-    races = _compat.interpret_races_found()
-  except Exception as e:  # the detector may raise instead of recording
-    races = "RACE DETECTED" in str(e)
-  finally:
-    _compat.reset_interpret_state()
-  assert races
+  assert _reports_race(lambda: F.forward(_cfg(128, 256, 64), q, k, v))

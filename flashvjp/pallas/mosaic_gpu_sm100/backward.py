@@ -50,6 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas.mosaic_gpu import _compat
+from flashvjp.pallas.mosaic_gpu_sm100 import _pipeline as P
 from flashvjp.pallas.mosaic_gpu_sm100 import forward as F
 
 LOG2E = math.log2(math.e)
@@ -110,18 +111,8 @@ def dq(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=No
 
           @pl.loop(0, steps)
           def _(n):
-            s = n % STAGES
-            ks = pl.ds((lo + n) * BKV, BKV)
-
-            @pl.when(n >= STAGES)
-            def _():
-              plgpu.barrier_wait(k_free.at[s])
-            plgpu.copy_gmem_to_smem(k_g.at[b, kvh, ks], k_s.at[s], k_loaded.at[s])
-
-            @pl.when(n >= STAGES)
-            def _():
-              plgpu.barrier_wait(v_free.at[s])
-            plgpu.copy_gmem_to_smem(v_g.at[b, kvh, ks], v_s.at[s], v_loaded.at[s])
+            P.stream_kv(n, lo + n, BKV, k_g.at[b, kvh], v_g.at[b, kvh], k_s, v_s, k_loaded,
+                        v_loaded, k_free, v_free)
 
         @pl.when(w == 0)
         def _mma():
@@ -143,18 +134,11 @@ def dq(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=No
             plgpu.tcgen05_mma(dq_t, ds_t, k_s.at[s], k_free.at[s], accumulate=n > 0)
             plgpu.tcgen05_commit_arrive(dq_done)
 
-          @pl.when(steps > 0)
-          def _():
+          def start():
             plgpu.barrier_wait(q_bar)
             plgpu.barrier_wait(do_bar)
-            scores(0)
 
-          @pl.loop(0, steps)
-          def _(n):
-            @pl.when(n + 1 < steps)
-            def _():
-              scores(n + 1)
-            dq_step(n)
+          P.mma_pipeline(steps, start, scores, dq_step)
 
     @pl.when(wg == 1)
     def _grad_wg():
@@ -190,11 +174,8 @@ def dq(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=No
         plgpu.barrier_arrive(ds_ready)
         return carry
 
-      f_lo, f_hi = (i32(x) for x in spec.full_kv_block_range(i, BQ, BKV))
-      f_lo = jnp.clip(f_lo - lo, 0, steps)
-      f_hi = jnp.clip(f_hi - lo, f_lo, steps)
-      for start, stop, masked in ((0, f_lo, True), (f_lo, f_hi, False), (f_hi, steps, True)):
-        lax.fori_loop(start, stop, lambda n, c, masked=masked: step(n, c, masked), 0)
+      full = tuple(i32(x) - lo for x in spec.full_kv_block_range(i, BQ, BKV))
+      P.edge_runs(i32(0), steps, full, step, 0)
 
       @pl.when(steps > 0)
       def _():
@@ -202,10 +183,7 @@ def dq(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=No
 
       @pl.when(steps == 0)
       def _():  # no kv block: no MMA wrote dQ
-        for c in range(Dp // F.CORR_COLS):
-          plgpu.async_store_tmem(dq_t.at[:, pl.ds(c * F.CORR_COLS, F.CORR_COLS)],
-                                 L(jnp.zeros((BQ, F.CORR_COLS), jnp.float32), NATIVE))
-        plgpu.commit_tmem()
+        P.zero_tmem(dq_t, BQ, Dp, NATIVE)
 
       g = plgpu.async_load_tmem(dq_t, layout=TC)
       plgpu.wait_load_tmem()
@@ -351,17 +329,7 @@ def dkdv(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=
             plgpu.tcgen05_mma(dk_t, dst_t, q_s.at[s], q_free.at[s], accumulate=n > 0)
             plgpu.tcgen05_commit_arrive(dk_done)
 
-          @pl.when(steps > 0)
-          def _():
-            plgpu.barrier_wait(kv_bar)
-            scores(0)
-
-          @pl.loop(0, steps)
-          def _(n):
-            @pl.when(n + 1 < steps)
-            def _():
-              scores(n + 1)
-            grads(n)
+          P.mma_pipeline(steps, lambda: plgpu.barrier_wait(kv_bar), scores, grads)
 
     @pl.when(wg == 1)
     def _grad_wg():
@@ -406,16 +374,15 @@ def dkdv(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=
         plgpu.commit_tmem()
         plgpu.barrier_arrive(ds_ready)
 
-      f_lo, f_hi = (i32(x) for x in spec.full_q_block_range(j, BQ, BKV, nq))
-      f_lo = jnp.clip(f_lo, qlo, jnp.maximum(qhi, qlo))
-      f_hi = jnp.clip(f_hi, f_lo, jnp.maximum(qhi, qlo))
+      full = tuple(i32(x) for x in spec.full_q_block_range(j, BQ, BKV, nq))
 
       def head(g, carry):
         base = g * per_head - qlo  # step n of q block qb: base + qb
-        for start, stop, masked in ((qlo, f_lo, True), (f_lo, f_hi, False), (f_hi, qhi, True)):
-          lax.fori_loop(start, stop, lambda qb, c, masked=masked: (step(base + qb, qb, masked),
-                                                                    c)[1], 0)
-        return carry
+
+        def q_step(qb, c, masked):
+          step(base + qb, qb, masked)
+          return c
+        return P.edge_runs(qlo, qhi, full, q_step, carry)
       lax.fori_loop(0, G, head, 0)
 
       @pl.when(steps > 0)
@@ -425,11 +392,8 @@ def dkdv(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=
 
       @pl.when(steps == 0)
       def _():  # no q block attends this kv block: no MMA wrote dK / dV
-        for ref, width in ((dk_t, Dp), (dv_t, Dvp)):
-          for c in range(width // F.CORR_COLS):
-            plgpu.async_store_tmem(ref.at[:, pl.ds(c * F.CORR_COLS, F.CORR_COLS)],
-                                   L(jnp.zeros((BKV, F.CORR_COLS), jnp.float32), TC))
-        plgpu.commit_tmem()
+        P.zero_tmem(dk_t, BKV, Dp, TC)
+        P.zero_tmem(dv_t, BKV, Dvp, TC)
 
       dk = plgpu.async_load_tmem(dk_t, layout=TC)
       dv = plgpu.async_load_tmem(dv_t, layout=TC)

@@ -48,13 +48,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas.mosaic_gpu import _compat
+from flashvjp.pallas.mosaic_gpu_sm100 import _pipeline as P
 
 BQ = 128  # q rows per CTA: a tcgen05 M tile
 BKV = 128  # kv rows per step
-STAGES = 2  # K / V ring slots
+STAGES = P.STAGES  # K / V ring slots
 MAX_HEAD_DIM = 128  # S (128 columns) + P (64, packed) + O (<= 128) within TMEM's 512
 HEAD_ALIGN = 64  # head dims are zero-padded to a multiple of this (one swizzle row)
-CORR_COLS = 32  # O is rescaled this many TMEM columns at a time
+CORR_COLS = P.CORR_COLS  # O is rescaled this many TMEM columns at a time
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -152,18 +153,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias=None, mask=None, q_seg=None, kv_
 
           @pl.loop(0, steps)
           def _(n):
-            s = n % STAGES
-            ks = pl.ds((lo + n) * BKV, BKV)
-
-            @pl.when(n >= STAGES)
-            def _():
-              plgpu.barrier_wait(k_free.at[s])
-            plgpu.copy_gmem_to_smem(k_g.at[b, kvh, ks], k_s.at[s], k_loaded.at[s])
-
-            @pl.when(n >= STAGES)
-            def _():
-              plgpu.barrier_wait(v_free.at[s])
-            plgpu.copy_gmem_to_smem(v_g.at[b, kvh, ks], v_s.at[s], v_loaded.at[s])
+            P.stream_kv(n, lo + n, BKV, k_g.at[b, kvh], v_g.at[b, kvh], k_s, v_s, k_loaded,
+                        v_loaded, k_free, v_free)
 
         @pl.when(w == 0)
         def _mma():
@@ -184,17 +175,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias=None, mask=None, q_seg=None, kv_
             plgpu.tcgen05_mma(o_t, p_t, v_s.at[s], v_free.at[s], accumulate=n > 0)
             plgpu.tcgen05_commit_arrive(o_ready)
 
-          @pl.when(steps > 0)
-          def _():
-            plgpu.barrier_wait(q_bar)
-            qk(0)
-
-          @pl.loop(0, steps)
-          def _(n):
-            @pl.when(n + 1 < steps)
-            def _():
-              qk(n + 1)
-            pv(n)
+          P.mma_pipeline(steps, lambda: plgpu.barrier_wait(q_bar), qk, pv)
 
     @pl.when(wg == 1)
     def _softmax_wg():
@@ -238,15 +219,10 @@ def forward(cfg: AttentionConfig, q, k, v, bias=None, mask=None, q_seg=None, kv_
         return m_new, l
 
       # the CTA's steps: masked edge blocks, the fully visible ones between, masked again
-      f_lo, f_hi = (i32(x) for x in spec.full_kv_block_range(i, BQ, BKV))
-      f_lo = jnp.clip(f_lo - lo, 0, steps)
-      f_hi = jnp.clip(f_hi - lo, f_lo, steps)
-      carry = (L(jnp.full((BQ,), neg, jnp.float32), ROW),
-               L(jnp.zeros((BQ,), jnp.float32), ROW))
-      for start, stop, masked in ((0, f_lo, True), (f_lo, f_hi, False), (f_hi, steps, True)):
-        carry = lax.fori_loop(start, stop,
-                              lambda n, c, masked=masked: step(n, c, masked), carry)
-      m, l = carry
+      full = tuple(i32(x) - lo for x in spec.full_kv_block_range(i, BQ, BKV))
+      m, l = P.edge_runs(i32(0), steps, full, step,
+                         (L(jnp.full((BQ,), neg, jnp.float32), ROW),
+                          L(jnp.zeros((BQ,), jnp.float32), ROW)))
 
       @pl.when(steps > 0)
       def _():
@@ -254,10 +230,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias=None, mask=None, q_seg=None, kv_
 
       @pl.when(steps == 0)
       def _():  # no kv block: no MMA wrote O
-        for c in range(Dvp // CORR_COLS):
-          plgpu.async_store_tmem(o_t.at[:, pl.ds(c * CORR_COLS, CORR_COLS)],
-                                 L(jnp.zeros((BQ, CORR_COLS), jnp.float32), NATIVE))
-        plgpu.commit_tmem()
+        P.zero_tmem(o_t, BQ, Dvp, NATIVE)
 
       empty = l == 0.0
       # l (row per thread) into the TCGEN05 row layout through SMEM
