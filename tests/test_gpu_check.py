@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+import jax.numpy as jnp
 import pytest
 
 from flashvjp import _config
@@ -194,3 +195,22 @@ def test_triton_sass_figures_give_the_work_per_iteration_beside_the_count(tmp_pa
       "fwd 334 / 2.10 (1027 / 4.19), dq 350 / 2.62 (634 / 3.15), dkdv 308 / 1.57 (824 / 4.19)")
   assert G.triton_sass_figures(128, False, "fwd", str(path)) == ""
   assert G.triton_sass_figures(128, True, "fwd", str(tmp_path / "none.json")) == ""
+
+
+def test_mosaic_part_on_blackwell_lists_what_the_sm100_kernels_refuse(monkeypatch):
+  """On a Blackwell GPU part 0 checks the sm_100a kernels: the cases with what they refuse at
+  their entry (a bias, a dense mask, segment ids) are not planned, with the reason, and the
+  correctness rows compare no jvp (their forward mode is refused)."""
+  dims = dict(B=1, H=2, Hkv=1, Sq=64, Skv=64, D=64, Dv=64, dtype="bfloat16")
+  why = G.mosaic_refusal(dims, dict(bias=jnp.zeros((1, 2, 64, 64))), blackwell=True)
+  assert why is not None and "sm_100a" in why and "bias" in why
+  assert "segment_ids" in G.mosaic_refusal(
+      dims, dict(segment_ids=(jnp.zeros((1, 64), jnp.int32),) * 2), blackwell=True)
+  assert G.mosaic_refusal(dims, dict(causal=True)) is None  # Hopper's limits: taken
+  monkeypatch.setattr(G, "blackwell_host", lambda smoke: True)
+  plan = G.Plan()
+  G.plan_mosaic(plan, smoke=False, mem_bytes=80e9)
+  assert any("no tangent kernel" in n for n in plan.not_planned)
+  assert any("bias" in n and "sm_100a" in n for n in plan.not_planned)
+  rows = [r for r in plan.rows if r.part == "mosaic_correctness"]
+  assert rows and all(r.shape.endswith(" grad") for r in rows)
