@@ -56,17 +56,33 @@ from flashvjp.pallas.mosaic_gpu_sm100 import forward as F
 LOG2E = math.log2(math.e)
 
 
+def _operands(what, cfg, q, k, v, out, lse, dout, dlse):
+  """The backward kernels' operands, padded once for both: q, k, v and dO to whole blocks and
+  head dims, lse2 and delta (`C.log2_rows`); first the checks (a NotImplementedError naming
+  `what` and the missing piece: the forward's `forward_problem`)."""
+  problem = F.forward_problem(cfg, q, k, v)
+  if problem is None and dout.shape != q.shape[:3] + v.shape[3:]:
+    problem = f"dout must be [B, H, Sq, Dv] = {q.shape[:3] + v.shape[3:]}, got {dout.shape}"
+  if problem is not None:
+    raise NotImplementedError(f"pallas_mosaic_gpu {what} (sm_100a): {problem}")
+  Dp, Dvp = F._round_up(q.shape[3], F.HEAD_ALIGN), F._round_up(v.shape[3], F.HEAD_ALIGN)
+  Sqp, Skvp = F._round_up(q.shape[2], F.BQ), F._round_up(k.shape[2], F.BKV)
+  return (C.pad_seq_head(q, Sqp, Dp), C.pad_seq_head(k, Skvp, Dp), C.pad_seq_head(v, Skvp, Dvp),
+          C.pad_seq_head(dout.astype(q.dtype), Sqp, Dvp),
+          *C.log2_rows(out, lse, dout, dlse, Sqp))
+
+
 def dq(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=None):
   """dL/dq [B, H, Sq, D] in q's dtype, for the forward's out [B, H, Sq, Dv], lse [B, H, Sq]
   (-inf at empty rows), the cotangents dout [B, H, Sq, Dv] and dlse [B, H, Sq] (or None).
 
   `interpret`: None follows cfg.interpret (the GPU interpreter with race detection). What the
   kernel lacks is a NotImplementedError naming it (the forward's `forward_problem`)."""
-  problem = F.forward_problem(cfg, q, k, v)
-  if problem is None and dout.shape != q.shape[:3] + v.shape[3:]:
-    problem = f"dout must be [B, H, Sq, Dv] = {q.shape[:3] + v.shape[3:]}, got {dout.shape}"
-  if problem is not None:
-    raise NotImplementedError(f"pallas_mosaic_gpu dq (sm_100a): {problem}")
+  return _dq(cfg, q, k, v, _operands("dq", cfg, q, k, v, out, lse, dout, dlse), interpret)
+
+
+def _dq(cfg: AttentionConfig, q, k, v, operands, interpret):
+  """`dq` on `_operands`' padded arrays (q, k, v for their shapes and dtype)."""
   if interpret is None:
     interpret = cfg.interpret
   B, H, Sq, D = q.shape
@@ -84,7 +100,6 @@ def dq(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=No
   TC = plgpu.Layout.TCGEN05
   L = plgpu.layout_cast
   i32 = lambda x: jnp.asarray(x, jnp.int32)
-  lse2, delta = C.log2_rows(out, lse, dout, dlse, Sqp)
 
   def body(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g,
            q_s, do_s, k_s, v_s, lse_s, delta_s, s_t, dp_t, ds_t, dq_t,
@@ -224,8 +239,7 @@ def dq(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=No
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **kw,
   )
-  g = kernel(C.pad_seq_head(q, Sqp, Dp), C.pad_seq_head(k, Skvp, Dp),
-             C.pad_seq_head(v, Skvp, Dvp), C.pad_seq_head(dout.astype(dt), Sqp, Dvp), lse2, delta)
+  g = kernel(*operands)
   return g[:, :, :Sq, :D]
 
 
@@ -235,11 +249,11 @@ BQ_DKV = 64  # q rows per dK / dV step (the N of S^T = K Q^T)
 def dkdv(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=None):
   """(dL/dk [B, Hkv, Skv, D], dL/dv [B, Hkv, Skv, Dv]) in k's dtype, the GQA group's query heads
   summed; the arguments as `dq`'s."""
-  problem = F.forward_problem(cfg, q, k, v)
-  if problem is None and dout.shape != q.shape[:3] + v.shape[3:]:
-    problem = f"dout must be [B, H, Sq, Dv] = {q.shape[:3] + v.shape[3:]}, got {dout.shape}"
-  if problem is not None:
-    raise NotImplementedError(f"pallas_mosaic_gpu dkdv (sm_100a): {problem}")
+  return _dkdv(cfg, q, k, v, _operands("dkdv", cfg, q, k, v, out, lse, dout, dlse), interpret)
+
+
+def _dkdv(cfg: AttentionConfig, q, k, v, operands, interpret):
+  """`dkdv` on `_operands`' padded arrays (q, k, v for their shapes and dtype)."""
   if interpret is None:
     interpret = cfg.interpret
   B, H, Sq, D = q.shape
@@ -256,7 +270,6 @@ def dkdv(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=
   COL = TC.reduce(0)
   L = plgpu.layout_cast
   i32 = lambda x: jnp.asarray(x, jnp.int32)
-  lse2, delta = C.log2_rows(out, lse, dout, dlse, Sqp)
 
   def body(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g,
            k_s, v_s, q_s, do_s, lse_s, delta_s, st_t, pt_t, dpt_t, dst_t, dk_t, dv_t,
@@ -441,9 +454,7 @@ def dkdv(cfg: AttentionConfig, q, k, v, out, lse, dout, dlse=None, *, interpret=
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **kw,
   )
-  dk, dv = kernel(C.pad_seq_head(q, Sqp, Dp), C.pad_seq_head(k, Skvp, Dp),
-                  C.pad_seq_head(v, Skvp, Dvp), C.pad_seq_head(dout.astype(dt), Sqp, Dvp),
-                  lse2, delta)
+  dk, dv = kernel(*operands)
   return dk[:, :, :Skv, :D], dv[:, :, :Skv, :Dv]
 
 
@@ -456,5 +467,6 @@ def backward(cfg: AttentionConfig, q, k, v, bias, mask, q_seg, kv_seg, seed, con
                               seed=seed, consts=consts, mod=mod, offsets=offsets)
   if problem is not None:
     raise NotImplementedError(f"pallas_mosaic_gpu backward (sm_100a): {problem}")
-  dk, dv = dkdv(cfg, q, k, v, out, lse, dout, dlse)
-  return dq(cfg, q, k, v, out, lse, dout, dlse), dk, dv, None, ()
+  operands = _operands("backward", cfg, q, k, v, out, lse, dout, dlse)
+  dk, dv = _dkdv(cfg, q, k, v, operands, None)
+  return _dq(cfg, q, k, v, operands, None), dk, dv, None, ()

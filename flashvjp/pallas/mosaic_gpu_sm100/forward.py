@@ -48,12 +48,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from flashvjp._config import AttentionConfig
 from flashvjp.pallas import _common as C
 from flashvjp.pallas.mosaic_gpu import _compat
+from flashvjp.pallas.mosaic_gpu import _limits
 from flashvjp.pallas.mosaic_gpu_sm100 import _pipeline as P
 
 BQ = 128  # q rows per CTA: a tcgen05 M tile
 BKV = 128  # kv rows per step
 STAGES = P.STAGES  # K / V ring slots
-MAX_HEAD_DIM = 128  # S (128 columns) + P (64, packed) + O (<= 128) within TMEM's 512
+# S (128 columns) + P (64, packed) + O (<= 128) within TMEM's 512: dispatch's limit too
+MAX_HEAD_DIM = _limits.BLACKWELL_MAX_HEAD_DIM
 HEAD_ALIGN = 64  # head dims are zero-padded to a multiple of this (one swizzle row)
 CORR_COLS = P.CORR_COLS  # O is rescaled this many TMEM columns at a time
 LOG2E = math.log2(math.e)
